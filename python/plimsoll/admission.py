@@ -1,0 +1,243 @@
+"""Load-time admission: from live memory figures and a model's architecture to a worker's caps.
+
+This is DESIGN.md's arithmetic as one pure function. It does no I/O: callers pass the
+ceiling and total RAM (from a probe or overrides), the mode budget and the model facts.
+
+The two knobs and their two denominators:
+    allocation_limit = u × ceiling                     (``--gpu-memory-utilization u``)
+    trip             = min(u + trip_offset, 0.99) × total_ram   (the emergency clear)
+The invariant ``footprint < trip < ceiling`` gives the band
+    footprint / ceiling  <  u  <  ceiling / total_ram − trip_offset
+and ``u = band_high − margin``. The pool fills what the envelope leaves:
+    pool_blocks = floor((min((u − margin) × ceiling, budget) − resident − weights − reserve)
+                        / block_bytes)
+so the footprint stays ≤ ``(u − margin) × ceiling`` and ≤ the mode budget. Then
+``concurrency × blocks_per_seq ≤ pool_blocks`` is restored by clamping concurrency
+first, then context; a model that cannot hold one sequence of the minimum context is
+refused, never paged. Running out is a decision (``refuse``) with reasons that name
+what to change, not an exception.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .units import fmt_bytes
+
+Decision = Literal["admit", "clamp", "refuse"]
+TRIP_CAP = 0.99
+
+
+class AdmissionRequest(BaseModel):
+    """Every input of the arithmetic, already in bytes and tokens."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ceiling_bytes: int = Field(gt=0)
+    total_ram_bytes: int = Field(gt=0)
+    budget_bytes: int = Field(gt=0, description="The mode's maxLocalLlmGb in bytes.")
+    resident_bytes: int = Field(
+        default=0, ge=0, description="Footprints of co-resident workers sharing the envelope."
+    )
+    weights_bytes: int = Field(ge=0)
+    kv_bytes_per_token: int = Field(gt=0)
+    per_sequence_fixed_bytes: int = Field(default=0, ge=0)
+    native_max_context: int | None = None
+    transient_reserve: float = Field(ge=0, le=1, description="Fraction of the budget.")
+    trip_offset: float = Field(default=0.05, gt=0, lt=1)
+    u_margin: float = Field(default=0.02, gt=0, lt=1)
+    block_tokens: int = Field(gt=0)
+    concurrency: int = Field(gt=0)
+    context: int = Field(gt=0, description="Requested configured total context per sequence.")
+    max_tokens: int = Field(gt=0, description="Output reservation per sequence.")
+    min_context: int = Field(default=2048, gt=0)
+
+
+class AdmissionDecision(BaseModel):
+    """Every figure of the arithmetic, so a refusal or clamp can be explained line by line."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    decision: Decision
+    reasons: list[str]
+    kv_bytes_per_token: int
+    block_tokens: int
+    block_bytes: int
+    fixed_blocks_per_seq: int
+    blocks_per_seq: int
+    weights_bytes: int
+    budget_bytes: int
+    resident_bytes: int
+    transient_reserve_bytes: int
+    pool_blocks: int
+    pool_bytes: int
+    footprint_bytes: int
+    concurrency: int
+    requested_concurrency: int
+    context: int
+    requested_context: int
+    native_max_context: int | None
+    output_reservation: int
+    gpu_memory_utilization: float
+    band_low: float
+    band_high: float
+    allocation_limit_bytes: int
+    trip_bytes: int
+    ceiling_bytes: int
+    total_ram_bytes: int
+
+    @property
+    def admitted(self) -> bool:
+        return self.decision != "refuse"
+
+
+def fixed_blocks(per_sequence_fixed_bytes: int, block_bytes: int) -> int:
+    """Blocks a sequence holds whatever its length (windows, recurrent state), rounded up."""
+    return math.ceil(per_sequence_fixed_bytes / block_bytes)
+
+
+def blocks_for(tokens: int, block_tokens: int, fixed: int = 0) -> int:
+    """Blocks one sequence of ``tokens`` total context needs (DESIGN: ceil(context / block))."""
+    return math.ceil(tokens / block_tokens) + fixed
+
+
+def trip_fraction(u: float, trip_offset: float) -> float:
+    return min(u + trip_offset, TRIP_CAP)
+
+
+def admit(req: AdmissionRequest) -> AdmissionDecision:
+    """Decide a worker's caps. Pure: the same request always gives the same decision.
+
+    ``notes`` explain a binding limit without changing what was asked for; ``changes``
+    are clamps of what was asked for (decision ``clamp``); a refusal ends the search.
+    """
+    notes: list[str] = []
+    changes: list[str] = []
+    ceiling, total = req.ceiling_bytes, req.total_ram_bytes
+    if ceiling > total:
+        notes.append(
+            f"ceiling {fmt_bytes(ceiling)} is above total RAM {fmt_bytes(total)}: "
+            "clamped to total RAM"
+        )
+        ceiling = total
+    block_bytes = req.kv_bytes_per_token * req.block_tokens
+    fixed = fixed_blocks(req.per_sequence_fixed_bytes, block_bytes)
+    reserve = math.floor(req.transient_reserve * req.budget_bytes)
+
+    band_high = ceiling / total - req.trip_offset
+    u = max(band_high - req.u_margin, 0.0)
+    envelope_by_ceiling = math.floor(max(u - req.u_margin, 0.0) * ceiling)
+    envelope = min(envelope_by_ceiling, req.budget_bytes)
+    if req.budget_bytes < envelope_by_ceiling:
+        notes.append(
+            f"the {fmt_bytes(req.budget_bytes)} mode budget binds below "
+            f"(u − margin) × ceiling = {fmt_bytes(envelope_by_ceiling)}"
+        )
+    pool = max(0, (envelope - req.resident_bytes - req.weights_bytes - reserve) // block_bytes)
+
+    context, concurrency = req.context, req.concurrency
+    if req.native_max_context and context > req.native_max_context:
+        changes.append(
+            f"context {context} exceeds the model-native maximum {req.native_max_context}: "
+            f"clamped to {req.native_max_context}"
+        )
+        context = req.native_max_context
+    floor_context = max(min(req.min_context, context), req.max_tokens + 1)
+    floor_blocks = blocks_for(floor_context, req.block_tokens, fixed)
+
+    refused: list[str] = []
+    if context <= req.max_tokens:
+        refused.append(
+            f"context {context} leaves no room for a prompt beside the output reservation "
+            f"of {req.max_tokens} tokens: raise the context or lower max tokens"
+        )
+    elif floor_blocks > pool:
+        refused.extend(_refusal_remedies(req, ceiling, u, band_high, envelope, reserve, pool,
+                                         floor_blocks, floor_context))
+    else:
+        per_seq = blocks_for(context, req.block_tokens, fixed)
+        if concurrency * per_seq > pool:
+            fit = pool // per_seq
+            if fit >= 1:
+                changes.append(
+                    f"concurrency clamped from {concurrency} to {fit}: {concurrency} × "
+                    f"{per_seq} blocks/seq > pool of {pool} blocks"
+                )
+                concurrency = fit
+            else:
+                new_context = (pool - fixed) * req.block_tokens
+                changes.append(
+                    f"concurrency clamped from {concurrency} to 1 and context from {context} "
+                    f"to {new_context}: one sequence of {context} tokens needs {per_seq} "
+                    f"blocks > pool of {pool} blocks"
+                )
+                concurrency, context = 1, new_context
+
+    decision: Decision = "refuse" if refused else ("clamp" if changes else "admit")
+    pool_bytes = pool * block_bytes
+    footprint = req.weights_bytes + reserve + pool_bytes
+    return AdmissionDecision(
+        decision=decision,
+        reasons=notes + changes + refused,
+        kv_bytes_per_token=req.kv_bytes_per_token,
+        block_tokens=req.block_tokens,
+        block_bytes=block_bytes,
+        fixed_blocks_per_seq=fixed,
+        blocks_per_seq=blocks_for(context, req.block_tokens, fixed),
+        weights_bytes=req.weights_bytes,
+        budget_bytes=req.budget_bytes,
+        resident_bytes=req.resident_bytes,
+        transient_reserve_bytes=reserve,
+        pool_blocks=pool,
+        pool_bytes=pool_bytes,
+        footprint_bytes=footprint,
+        concurrency=concurrency,
+        requested_concurrency=req.concurrency,
+        context=context,
+        requested_context=req.context,
+        native_max_context=req.native_max_context,
+        output_reservation=req.max_tokens,
+        gpu_memory_utilization=u,
+        band_low=(footprint + req.resident_bytes) / ceiling,
+        band_high=band_high,
+        allocation_limit_bytes=math.floor(u * ceiling),
+        trip_bytes=math.floor(trip_fraction(u, req.trip_offset) * total),
+        ceiling_bytes=ceiling,
+        total_ram_bytes=total,
+    )
+
+
+def _refusal_remedies(
+    req: AdmissionRequest,
+    ceiling: int,
+    u: float,
+    band_high: float,
+    envelope: int,
+    reserve: int,
+    pool: int,
+    needed_blocks: int,
+    floor_context: int,
+) -> list[str]:
+    """Why one minimal sequence doesn't fit, and what to change. The u band is named when empty."""
+    if band_high - 2 * req.u_margin <= 0:
+        return [
+            f"empty u band: ceiling / total RAM − trip offset = {band_high:.3f} leaves no room "
+            f"for the {req.u_margin} margin on both sides: raise the ceiling "
+            f"(now {fmt_bytes(ceiling)} of {fmt_bytes(req.total_ram_bytes)} RAM)"
+        ]
+    need = req.resident_bytes + req.weights_bytes + reserve + needed_blocks * (
+        req.kv_bytes_per_token * req.block_tokens
+    )
+    return [
+        f"refused: one sequence of the minimum context ({floor_context} tokens = "
+        f"{needed_blocks} blocks) does not fit: weights {fmt_bytes(req.weights_bytes)} + "
+        f"reserve {fmt_bytes(reserve)} + co-resident {fmt_bytes(req.resident_bytes)} + KV "
+        f"needs {fmt_bytes(need)}, the envelope is {fmt_bytes(envelope)} "
+        f"(u = {u:.3f}, pool would be {pool} blocks)",
+        "to admit it: raise the ceiling or the mode budget, unload co-resident models, "
+        "lower the transient reserve, lower max tokens or the minimum context, "
+        "or use a smaller (or more quantized) model",
+    ]

@@ -1,0 +1,240 @@
+"""The host policy: the one file Nix generates and every runtime piece reads.
+
+Why pydantic models and a committed JSON Schema: the schema is the contract between
+the Nix modules (which write the file) and Python (which reads it). The schema is
+generated from these models (``plimsoll policy schema``) and a test fails when the
+committed copy drifts from them.
+
+Units: every ``…Gb`` field is GiB (``× 1024³``), as in DESIGN.md; fractions are
+fractions of the mode's budget. Field names in the file are camelCase (Nix style).
+
+Invariants checked here (each error names the field):
+- each mode's budget leaves the OS floor free: ``totalRamGb − maxLocalLlmGb ≥ osFloorGb``;
+- the clustered budget is at least the standalone one;
+- every model's output reservation fits its context.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import jsonschema
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from .units import gib_to_bytes
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("policy.schema.json")
+
+Mode = Literal["standalone", "clustered"]
+KvDtype = Literal["auto", "float16", "bfloat16", "float32"]
+WireChoice = Literal["footprint", "weights", "none"]
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+
+
+class _Strict(BaseModel):
+    """Frozen, unknown keys rejected, camelCase in the file, snake_case in Python."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        alias_generator=to_camel,
+        populate_by_name=True,
+    )
+
+
+class ModeBudget(_Strict):
+    max_local_llm_gb: float = Field(
+        gt=0, description="GiB this mode may give to local LLM workers (weights + KV + reserve)."
+    )
+
+
+class Modes(_Strict):
+    standalone: ModeBudget
+    clustered: ModeBudget
+
+    @model_validator(mode="after")
+    def _clustered_not_below_standalone(self) -> Modes:
+        s, c = self.standalone.max_local_llm_gb, self.clustered.max_local_llm_gb
+        if c < s:
+            raise ValueError(
+                f"modes.clustered.maxLocalLlmGb ({c:g} GiB) is below "
+                f"modes.standalone.maxLocalLlmGb ({s:g} GiB): raise the clustered budget "
+                "or lower the standalone one"
+            )
+        return self
+
+
+class ModelEntry(_Strict):
+    path: str = Field(
+        min_length=1, description="Local model directory (config.json + safetensors)."
+    )
+    context: int = Field(
+        ge=256, le=4_194_304, description="Configured total context (prompt + output) in tokens."
+    )
+    concurrency: int = Field(
+        default=1, ge=1, le=1024, description="Requested concurrent sequences."
+    )
+    default_max_tokens: int = Field(
+        default=512, ge=1, description="Output reservation when a request names none."
+    )
+    max_tokens: int = Field(default=4096, ge=1, description="Largest output reservation allowed.")
+    kv_dtype: KvDtype = Field(default="auto", description="KV cache dtype; auto = the model's.")
+    sharded: bool = Field(
+        default=False, description="Serve sharded across the cluster (clustered mode)."
+    )
+
+    @model_validator(mode="after")
+    def _reservations_fit(self) -> ModelEntry:
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(
+                f"defaultMaxTokens ({self.default_max_tokens}) exceeds maxTokens "
+                f"({self.max_tokens}): lower defaultMaxTokens"
+            )
+        if self.max_tokens >= self.context:
+            raise ValueError(
+                f"maxTokens ({self.max_tokens}) must be below context ({self.context}) so a "
+                "prompt fits beside the output reservation: lower maxTokens or raise context"
+            )
+        return self
+
+
+class Listen(_Strict):
+    host: str = Field(default="127.0.0.1", description="Proxy bind address (loopback by default).")
+    port: int = Field(default=8080, ge=1, le=65535)
+
+
+class Peer(_Strict):
+    host: Name
+    address: str = Field(min_length=1, description="Peer address on the cluster link.")
+
+
+class Cluster(_Strict):
+    interface: str = Field(default="bridge0", min_length=1, description="Cluster link interface.")
+    peers: tuple[Peer, ...] = ()
+    backend: Literal["ring", "jaccl"] = "ring"
+
+
+class Policy(_Strict):
+    schema_version: Literal[1] = Field(description="Policy file format version.")
+    host: Name
+    total_ram_gb: float = Field(gt=0, description="Declared physical RAM, GiB.")
+    modes: Modes
+    os_floor_gb: float = Field(ge=0, description="GiB that must always stay free for the OS.")
+    transient_reserve: float = Field(
+        default=0.05, ge=0, le=0.5,
+        description="Measured high-water transient allocations, as a fraction of the mode budget.",
+    )
+    trip_offset: float = Field(
+        default=0.05, gt=0, le=0.2, description="trip = min(u + tripOffset, 0.99) × total RAM."
+    )
+    u_margin: float = Field(
+        default=0.02, gt=0, le=0.2, description="Margin kept on both sides of the u band."
+    )
+    block_tokens: int = Field(default=16, ge=1, le=4096, description="Tokens per KV block.")
+    min_context: int = Field(
+        default=2048, ge=16,
+        description="Smallest context a model may be clamped to before refusal.",
+    )
+    wire: WireChoice = Field(
+        default="weights",
+        description="What a worker wires: its admitted footprint, only the weights, or nothing.",
+    )
+    listen: Listen = Listen()
+    cluster: Cluster = Cluster()
+    models: dict[Name, ModelEntry] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _budgets_leave_os_floor(self) -> Policy:
+        for mode in ("standalone", "clustered"):
+            budget = getattr(self.modes, mode).max_local_llm_gb
+            left = self.total_ram_gb - budget
+            if left < self.os_floor_gb:
+                raise ValueError(
+                    f"modes.{mode}.maxLocalLlmGb: host {self.host}: {mode} budget {budget:g} GiB "
+                    f"leaves {left:g} GiB of {self.total_ram_gb:g} GiB, below the OS floor of "
+                    f"{self.os_floor_gb:g} GiB: lower the budget or the floor"
+                )
+        return self
+
+    def budget_bytes(self, mode: Mode) -> int:
+        return gib_to_bytes(getattr(self.modes, mode).max_local_llm_gb)
+
+
+class PolicyError(ValueError):
+    """A policy that can't be used; the message names the field and what to change."""
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid policy ({err.error_count()} problem(s)):"]
+    for e in err.errors(include_url=False):
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (remove it, or check its spelling against `plimsoll policy schema`)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        lines.append(f"  - {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def _schema_errors(data: Mapping[str, Any], source: str) -> str | None:
+    """Shape errors against the committed schema (the file Nix validates against too)."""
+    validator = jsonschema.Draft202012Validator(committed_schema())
+    errors = sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
+    if not errors:
+        return None
+    lines = [f"{source}: invalid policy ({len(errors)} problem(s)):"]
+    for e in errors:
+        loc = ".".join(str(p) for p in e.absolute_path) or "(top level)"
+        lines.append(f"  - {loc}: {e.message}")
+    return "\n".join(lines)
+
+
+def parse_policy(data: Mapping[str, Any], source: str = "policy") -> Policy:
+    """Validate shape with the committed JSON Schema, then the cross-field invariants."""
+    shape = _schema_errors(data, source)
+    if shape:
+        raise PolicyError(shape)
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as err:
+        raise PolicyError(_format_validation_error(err, source)) from None
+
+
+def load_policy(path: str | Path) -> Policy:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as err:
+        raise PolicyError(f"{p}: cannot read policy file: {err.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PolicyError(f"{p}: not valid JSON: {err.msg} at line {err.lineno}") from None
+    if not isinstance(data, dict):
+        raise PolicyError(f"{p}: the policy must be a JSON object")
+    return parse_policy(data, str(p))
+
+
+def policy_json_schema() -> dict[str, Any]:
+    """The schema as generated from the models (what the committed file must equal)."""
+    schema = Policy.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "plimsoll-policy-v1"
+    return schema
+
+
+def committed_schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_PATH.read_text())
