@@ -87,13 +87,23 @@ class ModelEntry(_Strict):
         default=1, ge=1, le=1024, description="Requested concurrent sequences."
     )
     default_max_tokens: int = Field(
-        default=512, ge=1, description="Output reservation when a request names none."
+        default=512, ge=1,
+        description="Output reservation when a request names none (at most maxTokens).",
     )
     max_tokens: int = Field(default=4096, ge=1, description="Largest output reservation allowed.")
     kv_dtype: KvDtype = Field(default="auto", description="KV cache dtype; auto = the model's.")
     sharded: bool = Field(
         default=False, description="Serve sharded across the cluster (clustered mode)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_within_max(cls, data: Any) -> Any:
+        """An omitted defaultMaxTokens never exceeds an explicit, smaller maxTokens."""
+        max_tokens = data.get("maxTokens") if isinstance(data, dict) else None
+        if isinstance(max_tokens, int) and "defaultMaxTokens" not in data:
+            data = {**data, "defaultMaxTokens": min(512, max_tokens)}
+        return data
 
     @model_validator(mode="after")
     def _reservations_fit(self) -> ModelEntry:

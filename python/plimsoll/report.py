@@ -9,7 +9,7 @@ from __future__ import annotations
 from .admission import AdmissionDecision
 from .model_facts import ModelFacts
 from .policy import Policy
-from .units import GIB, bytes_to_mib_floor, fmt_bytes, gib_to_bytes
+from .units import bytes_to_mib_floor, fmt_bytes, gib_to_bytes
 
 
 def policy_summary(pol: Policy, source: str) -> str:
@@ -59,7 +59,7 @@ def admission_report(
         + (f"; {d.fixed_blocks_per_seq} fixed block(s)/seq for window/recurrent state"
            if d.fixed_blocks_per_seq else ""),
         f"  weights         {fmt_bytes(d.weights_bytes)} ({d.weights_bytes} B, safetensors)",
-        f"  budget          {fmt_bytes(d.budget_bytes)} ({d.budget_bytes / GIB:g} GiB, {mode})",
+        f"  budget          {fmt_bytes(d.budget_bytes)} ({d.budget_bytes} B, {mode} mode)",
         f"  reserve         {fmt_bytes(d.transient_reserve_bytes)} for transient allocations",
         f"  ceiling         {fmt_bytes(d.ceiling_bytes)} of {fmt_bytes(d.total_ram_bytes)} RAM",
         f"  u band          {d.band_low:.4f} < u < {d.band_high:.4f} "
