@@ -9,23 +9,15 @@ probes (total RAM minus an OS floor). Nothing here is used once a policy exists.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
+from .paths import cache_dir
 from .policy import SCHEMA_VERSION, Policy, parse_policy
 from .probes.snapshot import MemorySnapshot
 from .units import GIB
 
 DEFAULT_PRESET = "tiny"
 DEFAULT_MODEL_NAME = "demo-tiny"
-
-
-def cache_dir() -> Path:
-    """``$PLIMSOLL_CACHE``, else ``$XDG_CACHE_HOME/plimsoll``, else ``~/.cache/plimsoll``."""
-    if env := os.environ.get("PLIMSOLL_CACHE"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "plimsoll"
 
 
 def demo_model_dir(preset: str = DEFAULT_PRESET) -> Path:
