@@ -1,0 +1,178 @@
+# Test 4 (optional): modules/darwin.nix inside real nix-darwin (its eval-config.nix and
+# every base module), with nixpkgs' lib and a stub pkgs. Nothing is built.
+#
+#   nix-instantiate --eval --strict --json tests/darwin-eval.nix \
+#     --arg nixDarwinSrc "$NIX_DARWIN_SRC" --arg nixpkgsLib "$NIXPKGS_LIB" -A report
+#
+# tests/nix/run.sh does this when both variables name local snapshots, and skips
+# otherwise. NIX_DARWIN_SRC: a nix-darwin checkout (holds eval-config.nix). NIXPKGS_LIB:
+# a nixpkgs or nix-community/nixpkgs.lib checkout (holds lib/). Never commit them.
+# Like tests/policy-eval.nix it yields { passed; failed; report; } (and `data`: what
+# was inspected, for debugging).
+{ nixDarwinSrc, nixpkgsLib }:
+let
+  lib = import (nixpkgsLib + "/lib");
+  evalConfig = import (nixDarwinSrc + "/eval-config.nix");
+  policy = import ../modules/policy.nix;
+  hosts = import ../hosts;
+
+  # A derivation-shaped attrset: enough for mkPackageOption, lib.getExe' and toPlist.
+  fakeDrv = name:
+    let
+      self = {
+        type = "derivation";
+        inherit name;
+        pname = name;
+        version = "0";
+        outPath = "/nix/store/00000000000000000000000000000000-${name}";
+        drvPath = "/nix/store/00000000000000000000000000000000-${name}.drv";
+        meta.mainProgram = name;
+        outputs = [ "out" ];
+        outputName = "out";
+        out = self;
+      };
+    in
+    self;
+
+  stubPkgs = {
+    plimsoll = fakeDrv "plimsoll";
+    nix = fakeDrv "nix"; # nix-darwin's nix module reads pkgs.nix for its default
+    lib = lib;
+    stdenv = {
+      hostPlatform = lib.systems.elaborate "aarch64-darwin";
+      buildPlatform = lib.systems.elaborate "aarch64-darwin";
+      shell = "/bin/sh";
+      isDarwin = true;
+    };
+  };
+  bin = "${stubPkgs.plimsoll}/bin/plimsoll";
+
+  # A host declaration (plain data, as in hosts/) as nix-darwin configuration.
+  hostModule = decl: extra: { lib, ... }: {
+    imports = [ extra ];
+    services.plimsoll = decl // { enable = lib.mkDefault true; };
+    system.primaryUser = "alice";
+    system.stateVersion = 6;
+    nixpkgs.hostPlatform = "aarch64-darwin";
+    # As nix-darwin's own lib.darwinSystem does when given `pkgs`.
+    _module.args.pkgs = lib.mkForce stubPkgs;
+  };
+
+  evalFull = decl: extra: evalConfig {
+    inherit lib;
+    modules = [ ../modules/darwin.nix (hostModule decl extra) ];
+  };
+  evalWith = decl: extra: (evalFull decl extra).config;
+  evalHost = decl: evalWith decl { };
+
+  # What one module file defines for an option (the other modules' values stay unforced).
+  definedBy = file: opt:
+    builtins.concatLists (map (d: d.value)
+      (builtins.filter (d: d.file == toString file) opt.definitionsWithLocations));
+
+  # As nix-darwin does: a message is read only when its assertion fails.
+  failedAssertions = config: map (a: a.message) (builtins.filter (a: !a.assertion) config.assertions);
+
+  shWrapped = args: [ "/bin/sh" "-c" "/bin/wait4path /nix/store && exec ${lib.concatStringsSep " " args}" ];
+
+  hostCases = name: decl:
+    let
+      config = evalHost decl;
+      agent = config.launchd.user.agents.plimsoll-serve.serviceConfig;
+      daemon = config.launchd.daemons.plimsoll-watch-link.serviceConfig;
+      text = config.environment.etc."plimsoll/policy.json".text;
+      hash = builtins.hashString "sha256" text;
+      agentPlist = config.environment.userLaunchAgents."org.nixos.plimsoll-serve.plist".text;
+      daemonPlist = config.environment.launchDaemons."org.nixos.plimsoll-watch-link.plist".text;
+    in
+    [
+      (eq "${name}: no failed assertions" (failedAssertions config) [ ])
+      (eq "${name}: /etc/plimsoll/policy.json is the pure policy's JSON" text (policy.policyJSON decl))
+      (eq "${name}: /etc/plimsoll/policy.json matches tests/expected/${name}.json"
+        (builtins.fromJSON text) (builtins.fromJSON (builtins.readFile (./expected + "/${name}.json"))))
+      (eq "${name}: agent runs plimsoll serve on the /etc policy, after /nix/store is mounted"
+        agent.ProgramArguments (shWrapped [ bin "serve" "--policy" "/etc/plimsoll/policy.json" ]))
+      (eq "${name}: agent serviceConfig"
+        { inherit (agent) Label KeepAlive RunAtLoad ProcessType StandardOutPath StandardErrorPath; }
+        {
+          Label = "org.nixos.plimsoll-serve"; KeepAlive = true; RunAtLoad = true; ProcessType = "Interactive";
+          StandardOutPath = "/Users/alice/Library/Logs/plimsoll-serve.log";
+          StandardErrorPath = "/Users/alice/Library/Logs/plimsoll-serve.log";
+        })
+      (eq "${name}: daemon runs plimsoll watch-link on the /etc policy"
+        daemon.ProgramArguments (shWrapped [ bin "watch-link" "--policy" "/etc/plimsoll/policy.json" ]))
+      (eq "${name}: daemon serviceConfig (root: no UserName)"
+        { inherit (daemon) Label KeepAlive RunAtLoad ProcessType StandardOutPath StandardErrorPath; UserName = daemon.UserName or null; }
+        {
+          Label = "org.nixos.plimsoll-watch-link"; KeepAlive = true; RunAtLoad = true; ProcessType = "Interactive";
+          StandardOutPath = "/var/log/plimsoll-watch-link.log";
+          StandardErrorPath = "/var/log/plimsoll-watch-link.log";
+          UserName = null;
+        })
+      (eq "${name}: both services carry the policy hash (a policy change reloads them)"
+        [ agent.EnvironmentVariables daemon.EnvironmentVariables ]
+        [ { PLIMSOLL_POLICY_SHA256 = hash; } { PLIMSOLL_POLICY_SHA256 = hash; } ])
+      (ok "${name}: the plists are rendered (agent in the user's LaunchAgents, daemon in LaunchDaemons)"
+        (lib.hasInfix "<string>org.nixos.plimsoll-serve</string>" agentPlist
+          && lib.hasInfix "<string>org.nixos.plimsoll-watch-link</string>" daemonPlist
+          && lib.hasInfix "watch-link --policy /etc/plimsoll/policy.json" daemonPlist))
+      (eq "${name}: the user agent is declared as needing system.primaryUser"
+        (builtins.elem "services.plimsoll.proxy.enable" config.system.requiresPrimaryUser) true)
+      (eq "${name}: the CLI is on the system PATH"
+        (map (p: p.name) (definedBy ../modules/darwin.nix (evalFull decl { }).options.environment.systemPackages))
+        [ "plimsoll" ])
+    ];
+
+  brokenDecl = import ./hosts/broken-mini.nix;
+  brokenConfig = evalHost brokenDecl;
+
+  disabled = evalWith hosts.studio { services.plimsoll.enable = false; };
+  noProxy = evalWith hosts.studio { services.plimsoll.proxy.enable = false; };
+  hostFromNetworking = evalWith (removeAttrs hosts.macbook [ "host" ]) { networking.hostName = "mbp"; };
+
+  eq = name: actual: expected: {
+    inherit name;
+    ok = actual == expected;
+    detail = "got ${builtins.toJSON actual}, expected ${builtins.toJSON expected}";
+  };
+  ok = name: cond: { inherit name; ok = cond; detail = "false"; };
+
+  cases =
+    builtins.concatLists (lib.mapAttrsToList hostCases hosts)
+    ++ [
+      (ok "broken host: a failed assertion names host, mode, budget, what it leaves and the floor"
+        (builtins.elem
+          "services.plimsoll: host mini: standalone budget 60 GiB leaves 4 GiB, below the OS floor of 8 GiB: lower maxLocalLlmGb.standalone or osFloorGb"
+          (failedAssertions brokenConfig)))
+      (eq "broken host: only plimsoll's assertions fail"
+        (builtins.all (lib.hasPrefix "services.plimsoll: ") (failedAssertions brokenConfig)) true)
+      (eq "broken host: reading only the policy text throws"
+        (builtins.tryEval brokenConfig.environment.etc."plimsoll/policy.json".text).success false)
+      (eq "disabled: no policy file, no agent, no daemon, no assertions of ours"
+        {
+          etc = disabled.environment.etc ? "plimsoll/policy.json";
+          agent = disabled.launchd.user.agents ? plimsoll-serve;
+          daemon = disabled.launchd.daemons ? plimsoll-watch-link;
+          failed = failedAssertions disabled;
+        }
+        { etc = false; agent = false; daemon = false; failed = [ ]; })
+      (eq "proxy.enable = false: the daemon stays, the agent goes"
+        { agent = noProxy.launchd.user.agents ? plimsoll-serve; daemon = noProxy.launchd.daemons ? plimsoll-watch-link; }
+        { agent = false; daemon = true; })
+      (eq "host defaults to networking.hostName"
+        (builtins.fromJSON hostFromNetworking.environment.etc."plimsoll/policy.json".text).host "mbp")
+      (eq "clustered budget defaults to the standalone one (macbook)"
+        (builtins.fromJSON (evalHost hosts.macbook).environment.etc."plimsoll/policy.json".text).modes.clustered
+        { maxLocalLlmGb = 24; })
+    ];
+
+  results = map (c: { inherit (c) name ok; detail = if c.ok then "" else c.detail; }) cases;
+  passed = builtins.length (builtins.filter (r: r.ok) results);
+  failed = builtins.length (builtins.filter (r: !r.ok) results);
+  report = lib.concatStringsSep "\n"
+    (map (r: if r.ok then "ok   ${r.name}" else "FAIL ${r.name}: ${r.detail}") results
+      ++ [ "${toString passed} passed, ${toString failed} failed" ]) + "\n";
+in
+{
+  inherit passed failed report results;
+}

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# The Nix tests, offline (Debian's nix-bin, Nix ≥ 2.8; no nixpkgs, no network):
+#
+#   1. pure policy    nix-instantiate over tests/policy-eval.nix (example hosts → expected
+#                     JSON; every broken declaration throws with its named message), plus
+#                     the thrown text itself checked on stderr.
+#   2. flake checks   `nix flake check` on tests/flake.nix (no inputs) in a scratch git
+#                     copy; then the broken host is added to the hosts and the check must
+#                     fail naming it. The top-level flake's offline outputs (lib, the
+#                     policy checks) are evaluated and built too: its inputs stay unfetched.
+#   3. Python agrees  python/tests/test_nix_policy.py, when a Python with plimsoll and
+#                     pytest is found ($PYTHON, else python3); otherwise SKIP (say so).
+#   4. nix-darwin     (optional) tests/darwin-eval.nix in real nix-darwin with nixpkgs'
+#                     lib and a stub pkgs, and tests/pkg-eval.nix, when NIX_DARWIN_SRC and
+#                     NIXPKGS_LIB name local snapshots; otherwise SKIP.
+#
+# Usage: tests/nix/run.sh            (from anywhere; exit status 0 only if nothing failed)
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$REPO"
+
+# Single-user, offline Nix: what a CI container with Debian's nix-bin needs.
+export NIX_CONFIG="${NIX_CONFIG:-}"$'\nexperimental-features = nix-command flakes\nsubstituters =\nbuild-users-group =\nsandbox = false\nwarn-dirty = false'
+
+if ! command -v nix-instantiate >/dev/null 2>&1; then
+  echo "tests/nix/run.sh: nix-instantiate not found (install Nix: apt-get install -y nix-bin)" >&2
+  exit 1
+fi
+
+failures=0
+section() { printf '\n== %s\n' "$1"; }
+pass() { printf 'ok   %s\n' "$1"; }
+fail() { printf 'FAIL %s\n' "$1"; failures=$((failures + 1)); }
+
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/plimsoll-nix.XXXXXX")
+trap 'rm -rf "$scratch"' EXIT
+
+system=$(nix-instantiate --eval --expr builtins.currentSystem | tr -d '"')
+echo "$(nix --version); system $system"
+
+# ---- 1. the pure policy ---------------------------------------------------------------------
+section "1. pure policy (tests/policy-eval.nix)"
+nix eval --raw --file tests/policy-eval.nix report
+failed=$(nix-instantiate --eval --strict --json tests/policy-eval.nix -A failed)
+[ "$failed" = 0 ] || failures=$((failures + failed))
+
+# builtins.tryEval cannot see a thrown message: check it on stderr, as a user would see it.
+expect_throw() { # name expression expected-text
+  local out
+  if out=$(nix-instantiate --eval --strict --json --expr "$2" 2>&1); then
+    fail "$1: evaluated, expected a throw"
+  elif grep -qF -- "$3" <<<"$out"; then
+    pass "$1"
+  else
+    fail "$1: the error does not say: $3"; printf '%s\n' "$out" | sed 's/^/     /'
+  fi
+}
+expect_throw "broken host: reading its policy JSON throws the named message" \
+  '(import ./modules/policy.nix).policyJSON (import ./tests/hosts/broken-mini.nix)' \
+  "host mini: standalone budget 60 GiB leaves 4 GiB, below the OS floor of 8 GiB"
+expect_throw "clustered below standalone throws the named message" \
+  '(import ./modules/policy.nix).policyJSON ((import ./hosts).studio // { maxLocalLlmGb = { standalone = 72; clustered = 64; }; })' \
+  "host studio: clustered budget 64 GiB is below the standalone budget of 72 GiB"
+for host in studio macbook; do
+  if nix-instantiate --eval --strict --json \
+       --expr "(import ./modules/policy.nix).checkedPolicy (import ./hosts).$host" >"$scratch/$host.json" &&
+     nix-instantiate --eval --strict --json --expr \
+       "builtins.fromJSON (builtins.readFile $scratch/$host.json) == builtins.fromJSON (builtins.readFile ./tests/expected/$host.json)" |
+       grep -qx true; then
+    pass "hosts/$host.nix → tests/expected/$host.json (nix-instantiate --eval --strict --json)"
+  else
+    fail "hosts/$host.nix does not yield tests/expected/$host.json"
+  fi
+done
+
+# ---- 2. the flakes --------------------------------------------------------------------------
+section "2. nix flake check (tests/flake.nix, no inputs)"
+# Flakes see only what git tracks: work on a scratch copy, whatever the checkout's state.
+copy_repo() { # dest
+  mkdir -p "$1/python"
+  cp -R flake.nix flake.lock modules hosts pkgs tests "$1/"
+  cp python/pyproject.toml "$1/python/"
+  git -C "$1" init -q
+  git -C "$1" add -A
+}
+copy_repo "$scratch/ok"
+if out=$(nix flake check "$scratch/ok/tests" 2>&1); then
+  pass "nix flake check ./tests builds every host's policy check"
+else
+  fail "nix flake check ./tests"; printf '%s\n' "$out" | sed 's/^/     /'
+fi
+if nix build --no-link "$scratch/ok/tests#checks.$system.policy-studio" >/dev/null 2>&1 &&
+   nix eval --raw "$scratch/ok/tests#checks.$system.policy-studio.policyJson" >"$scratch/studio-check.json" 2>/dev/null &&
+   nix-instantiate --eval --expr "builtins.fromJSON (builtins.readFile $scratch/studio-check.json)
+       == builtins.fromJSON (builtins.readFile $REPO/tests/expected/studio.json)" | grep -qx true; then
+  pass "the studio check carries the studio policy JSON"
+else
+  fail "the studio check does not carry the expected policy JSON"
+fi
+
+# The meta-test: a check that never forced a host would let a bad host pass. Add the
+# broken host to the hosts of a second copy: the flake check must fail, naming it.
+copy_repo "$scratch/bad"
+mv "$scratch/bad/hosts/default.nix" "$scratch/bad/hosts/examples.nix"
+echo '(import ./examples.nix) // { mini = import ../tests/hosts/broken-mini.nix; }' >"$scratch/bad/hosts/default.nix"
+git -C "$scratch/bad" add -A
+msg="host mini: standalone budget 60 GiB leaves 4 GiB, below the OS floor of 8 GiB"
+if out=$(nix flake check "$scratch/bad/tests" 2>&1); then
+  fail "nix flake check passed with the broken host among the hosts"
+elif grep -qF "$msg" <<<"$out"; then
+  pass "with the broken host added, nix flake check fails: $msg"
+else
+  fail "nix flake check failed without naming the broken host"; printf '%s\n' "$out" | sed 's/^/     /'
+fi
+if out=$(nix build --no-link "$scratch/bad/tests#checks.$system.policy-mini" 2>&1); then
+  fail "the broken host's own check built"
+elif grep -qF "$msg" <<<"$out"; then
+  pass "the broken host's own check (policy-mini) fails evaluation with the named message"
+else
+  fail "policy-mini failed without the named message"; printf '%s\n' "$out" | sed 's/^/     /'
+fi
+
+section "2b. top-level flake, offline outputs (inputs must stay unfetched)"
+if out=$(nix eval --json "$scratch/ok#lib.policies" 2>&1) && grep -q '"studio"' <<<"$out"; then
+  pass "nix eval .#lib.policies (no nixpkgs, no nix-darwin fetched)"
+else
+  fail "nix eval .#lib.policies"; printf '%s\n' "$out" | sed 's/^/     /'
+fi
+if out=$(nix build --no-link "$scratch/ok#checks.$system.policy-studio" "$scratch/ok#checks.$system.policy-macbook" \
+           "$scratch/ok#checks.$system.policy-eval" "$scratch/ok#checks.$system.policy-broken-host-rejected" 2>&1); then
+  pass "nix build .#checks.$system.policy-{studio,macbook,eval,broken-host-rejected}"
+else
+  fail "the top-level policy checks"; printf '%s\n' "$out" | sed 's/^/     /'
+fi
+echo "(not here: packages, apps, darwinConfigurations and \`nix flake check\` on the top-level flake need nixpkgs)"
+
+# ---- 3. Python agrees -----------------------------------------------------------------------
+section "3. Python agrees (python/tests/test_nix_policy.py)"
+py=${PYTHON:-python3}
+if "$py" -c 'import plimsoll, pytest, jsonschema' >/dev/null 2>&1; then
+  if "$py" -m pytest python/tests/test_nix_policy.py -q -p no:cacheprovider; then
+    pass "python/tests/test_nix_policy.py"
+  else
+    fail "python/tests/test_nix_policy.py"
+  fi
+else
+  echo "SKIP: no Python with plimsoll + pytest at '$py' (set PYTHON=/path/to/venv/bin/python)"
+fi
+
+# ---- 4. nix-darwin (optional) ---------------------------------------------------------------
+section "4. the module in real nix-darwin (optional)"
+if [ -n "${NIX_DARWIN_SRC:-}" ] && [ -n "${NIXPKGS_LIB:-}" ] &&
+   [ -f "$NIX_DARWIN_SRC/eval-config.nix" ] && [ -f "$NIXPKGS_LIB/lib/default.nix" ]; then
+  args=(--arg nixDarwinSrc "$NIX_DARWIN_SRC" --arg nixpkgsLib "$NIXPKGS_LIB")
+  nix eval --raw --file tests/darwin-eval.nix "${args[@]}" report
+  failed=$(nix-instantiate --eval --strict --json tests/darwin-eval.nix "${args[@]}" -A failed)
+  [ "$failed" = 0 ] || failures=$((failures + failed))
+  section "4b. pkgs/default.nix with nixpkgs' lib and a stub python3Packages"
+  nix eval --raw --file tests/pkg-eval.nix --arg nixpkgsLib "$NIXPKGS_LIB" report
+  failed=$(nix-instantiate --eval --strict --json tests/pkg-eval.nix --arg nixpkgsLib "$NIXPKGS_LIB" -A failed)
+  [ "$failed" = 0 ] || failures=$((failures + failed))
+else
+  echo "SKIP: set NIX_DARWIN_SRC (a nix-darwin checkout) and NIXPKGS_LIB (a nixpkgs or nixpkgs.lib checkout)"
+fi
+
+section "summary"
+if [ "$failures" -eq 0 ]; then
+  echo "all Nix tests passed"
+else
+  echo "$failures failure(s)"
+  exit 1
+fi
