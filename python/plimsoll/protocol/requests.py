@@ -1,0 +1,327 @@
+"""The OpenAI request bodies the worker accepts, as strict pydantic models.
+
+Strict by design (as simonw/llm's option models): unknown fields are refused by name
+(``extra="forbid"``) and types are not coerced (``"5"`` is not an integer, ``true`` is
+not a number), so a client bug is a 400 that names the field instead of a surprise.
+A few fields clients send out of habit are accepted and ignored when harmless (``user``,
+``parallel_tool_calls``, ``n: 1``, zero penalties, ``response_format: text``,
+``logprobs: false``); their other values are refused with what is supported. JSON
+``null`` means "absent" everywhere.
+
+Normalisation happens here, once: message ``content`` is always a list of text parts,
+``stop`` a list of strings, ``tool_choice`` a :class:`ToolChoice`, a completion
+``prompt`` a string or a list of token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+MAX_TOKENS_LIMIT = 1 << 20
+"""Sanity cap on ``max_tokens`` (the configured context is the real bound, checked later)."""
+MAX_STOP = 4
+_INT64 = 1 << 63
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+def _must_be(value: Any, allowed: Any, hint: str) -> Any:
+    if value != allowed:
+        raise ValueError(f"{json.dumps(value)} is not supported; {hint}")
+    return value
+
+
+# --- chat messages ------------------------------------------------------------------------
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="A JSON object, as a string (as the API returns it).")
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    """One message of any role; ``developer`` is treated as ``system``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = Field(
+        default=None, description="Passed to chat templates that render past reasoning.")
+    # Echoed back by clients that append a response message unchanged; ignored.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [{"type": "text", "text": value}]
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part type {kind!r} is not supported; send a "
+                                     'string or a list of {"type": "text", "text": ...} parts')
+            return value
+        raise ValueError("content must be a string or a list of text parts")
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may carry tool_calls")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    @property
+    def text(self) -> str:
+        """The content parts joined into one string ('' for none)."""
+        return "".join(part.text for part in self.content or [])
+
+
+# --- tools --------------------------------------------------------------------------------
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoice(_Strict):
+    """``tool_choice`` normalised: a mode, and the function's name for a named choice."""
+
+    mode: Literal["auto", "none", "required", "function"]
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, ignored (we add no padding)
+
+
+class ResponseFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore")  # the type decides; say so
+
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value: str) -> str:
+        return _must_be(value, "text", 'only {"type": "text"} is supported; remove '
+                        "response_format (no constrained decoding here)")
+
+
+# --- the requests -------------------------------------------------------------------------
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: str | None = Field(default=None, description="Checked against the served model by "
+                              "the app; omitted means the served model.")
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise ValueError(f"stop must be a string or a list of up to {MAX_STOP} strings")
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        return _must_be(value, 1, "this worker returns one choice per request; send n=1 or "
+                        "omit n, and send several requests for several samples")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float) -> float:
+        return _must_be(value, 0, "penalties are not implemented; send 0 or omit the field")
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a streamed response must end with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``.
+
+    ``tool_choice: "required"`` and a named function are passed to the template (a named
+    choice renders only that tool), but not enforced by constrained decoding.
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; several calls are always parsed
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        if value in ("auto", "none", "required"):
+            return {"mode": value}
+        function = value.get("function") if isinstance(value, dict) else None
+        if (isinstance(value, dict) and value.get("type") == "function" and set(value) <=
+                {"type", "function"} and isinstance(function, dict) and set(function) == {"name"}
+                and isinstance(function["name"], str)):
+            return {"mode": "function", "name": function["name"]}
+        raise ValueError('tool_choice must be "auto", "none", "required" or '
+                         '{"type": "function", "function": {"name": ...}}')
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool) -> bool:
+        return _must_be(value, False, "log probabilities are not returned; send false or omit")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int) -> int:
+        return _must_be(value, 0, "log probabilities are not returned; omit top_logprobs")
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_limit(cls, value: int, info: ValidationInfo) -> int:
+        other = info.data.get("max_tokens")
+        if other is not None and other != value:
+            raise ValueError(f"max_tokens ({other}) and max_completion_tokens ({value}) differ; "
+                             "send only one")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_in_tools(cls, choice: ToolChoice, info: ValidationInfo) -> ToolChoice:
+        names = {t.function.name for t in info.data.get("tools") or []}
+        if choice.mode in ("required", "function") and not names:
+            raise ValueError(f'"{choice.name or choice.mode}" needs tools; send tools or drop '
+                             "tool_choice")
+        if choice.mode == "function" and choice.name not in names:
+            raise ValueError(f"function {choice.name!r} is not in tools; name one of "
+                             f"{sorted(names)}")
+        return choice
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """``max_completion_tokens`` or ``max_tokens``; None means the worker's default."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def active_tools(self) -> list[dict[str, Any]] | None:
+        """Tools to render and parse, as plain dicts (None with ``tool_choice: "none"``)."""
+        if not self.tools or (self.tool_choice and self.tool_choice.mode == "none"):
+            return None
+        tools = self.tools
+        if self.tool_choice and self.tool_choice.mode == "function":
+            tools = [t for t in tools if t.function.name == self.tool_choice.name]
+        return [t.model_dump(exclude_none=True) for t in tools]
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: one prompt (a string or token ids)."""
+
+    prompt: str | list[int]
+    echo: bool = False
+    logprobs: int = 0
+    best_of: int = 1
+    suffix: str = ""
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+            value = value[0]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            return value
+        if isinstance(value, list) and len(value) > 1 and all(
+                isinstance(p, str | list) for p in value):
+            raise ValueError(f"{len(value)} prompts were sent; this worker takes one prompt per "
+                             "request: send them as separate requests")
+        raise ValueError("prompt must be a string or a non-empty list of token ids (ints ≥ 0)")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        return _must_be(value, False, "echo is not supported; send false or omit it")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int) -> int:
+        return _must_be(value, 0, "log probabilities are not returned; omit logprobs")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_one(cls, value: int) -> int:
+        return _must_be(value, 1, "send best_of=1 or omit it")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str) -> str:
+        return _must_be(value, "", "suffix (insertion) is not supported; omit it")
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """``max_tokens``; None means the worker's default."""
+        return self.max_tokens
+
+
+Request = ChatCompletionRequest | CompletionRequest
