@@ -126,9 +126,11 @@ class KVPool:
         """Which prefix to reuse and which to evict so ``prompt + max_tokens`` fits; or why not."""
         need = self.blocks_for(len(prompt) + max_tokens)
         best, best_tokens = None, 0
-        for handle in self._prefixes:
+        for handle, p in self._prefixes.items():
             n = self.reusable_tokens(handle, prompt)
-            if n > best_tokens:
+            # Reuse moves the whole prefix into this request: worth it only when the prompt
+            # covers most of it, or a shared template header would destroy a conversation.
+            if n > best_tokens and n >= self.block_tokens and 2 * n >= len(p.tokens):
                 best, best_tokens = handle, n
         # The reused prefix is consumed into the new reservation, so its blocks count as free.
         have = self.free + (self._prefixes[best].blocks if best is not None else 0)

@@ -134,3 +134,15 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_a_shared_template_header_does_not_consume_another_conversation():
+    p = pool(total=100, cap=100)
+    conversation = list(range(1, 200))
+    p.admit("a", p.plan(conversation, 8))
+    p.retain("a", handle=1, tokens=conversation)
+    header_only = conversation[:5] + [999] * 50  # same chat-template header, new text
+    plan = p.plan(header_only, 8)
+    assert plan.prefix is None and plan.reused_tokens == 0
+    most = conversation[:150] + [999] * 10  # covers most of it: reuse
+    assert p.plan(most, 8).reused_tokens == 150

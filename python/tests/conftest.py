@@ -1,0 +1,87 @@
+"""Shared fixtures: demo models built once per session, real worker processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+
+def worker_env() -> dict[str, str]:
+    """float32 matmul through OpenBLAS is ~70x faster than MLX's own CPU kernels here."""
+    env = dict(os.environ)
+    if os.path.exists(OPENBLAS) and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = OPENBLAS
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from plimsoll.demo_model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny")
+
+
+class Worker:
+    """A real ``plimsoll worker`` process; stopped (and waited for) on exit."""
+
+    def __init__(self, model: Path, *, extra_env: dict[str, str] | None = None, **flags):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        defaults = {"max-cache-blocks": 2048, "gpu-memory-utilization": 0.9,
+                    "cache-memory-mb": 64, "max-num-seqs": 8, "context": 4096,
+                    "max-tokens": 512, "ceiling-bytes": 8 << 30, "total-ram-bytes": 16 << 30}
+        defaults.update({k.replace("_", "-"): v for k, v in flags.items()})
+        argv = [sys.executable, "-m", "plimsoll.cli", "worker", "--model", str(model),
+                "--model-name", "tiny", "--port", str(self.port)]
+        for k, v in defaults.items():
+            argv += [f"--{k}", str(v)]
+        env = worker_env() | (extra_env or {})
+        self.proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.url + "/v1/plimsoll/status", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("worker not ready in time")
+
+    def status(self) -> dict:
+        return httpx.get(self.url + "/v1/plimsoll/status", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_model) -> Iterator[Worker]:
+    w = Worker(tiny_model)
+    yield w
+    w.stop()
