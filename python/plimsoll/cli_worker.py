@@ -4,7 +4,9 @@ then the worker with the derived caps, verified)."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -139,7 +141,11 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     click.echo(json.dumps({"event": "ready", "pid": proc.pid, "url": f"http://{host}:{cfg.port}",
                            "limits": status["limits"]}), err=False)
     sys.stdout.flush()
-    try:
-        raise SystemExit(proc.wait())
-    except KeyboardInterrupt:
-        raise SystemExit(stop_worker(proc)) from None
+    # The worker runs in its own session, so signals to us don't reach it: forward them.
+    # The handler only records the signal; stopping happens here, outside Popen.wait's lock.
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    while proc.poll() is None and not stop:
+        time.sleep(0.2)
+    raise SystemExit(stop_worker(proc) if stop else proc.returncode)

@@ -1,0 +1,74 @@
+"""``plimsoll launch``: admission with live figures, then a verified worker — real processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+from conftest import free_port, worker_env
+
+
+def launch(model, *args, env_extra=None, timeout=180):
+    argv = [sys.executable, "-m", "plimsoll.cli", "launch", str(model), *args]
+    return subprocess.Popen(argv, env=worker_env() | (env_extra or {}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def policy_file(tmp_path, budget_gib: float, model) -> str:
+    p = tmp_path / "policy.json"
+    p.write_text(json.dumps({
+        "schemaVersion": 1, "host": "box", "totalRamGb": 64, "osFloorGb": 4,
+        "modes": {"standalone": {"maxLocalLlmGb": budget_gib},
+                  "clustered": {"maxLocalLlmGb": budget_gib}},
+        "models": {"tiny": {"path": str(model), "context": 4096, "maxTokens": 256}},
+    }))
+    return str(p)
+
+
+def test_launch_starts_a_verified_worker_and_stops_it(tiny_model, tmp_path):
+    port = free_port()
+    proc = launch("tiny", "--policy", policy_file(tmp_path, 1, tiny_model), "--port", str(port),
+                  "--concurrency", "2")
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["event"] == "ready"
+        status = httpx.get(f"http://127.0.0.1:{port}/v1/plimsoll/status", timeout=10).json()
+        # the worker's pool is what admission derived from a 1 GiB budget, and applied
+        assert status["limits"]["memory_limit_applied_bytes"] == \
+            status["limits"]["allocation_limit_bytes"]
+        assert status["kv_bytes_bound"] <= 1 << 30
+        assert status["max_num_seqs"] == 2 and status["context"]["configured"] == 4096
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                       json={"model": "tiny", "max_tokens": 4,
+                             "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    # the worker went with it
+    time.sleep(0.5)
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        raise AssertionError("the worker outlived its launcher")
+    except httpx.ConnectError:
+        pass
+
+
+def test_launch_refuses_a_model_that_cannot_hold_one_sequence(tiny_model, tmp_path):
+    proc = launch("tiny", "--policy", policy_file(tmp_path, 0.01, tiny_model))
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3
+    assert "REFUSE" in err and "does not fit" in err
+    assert "weights" in err and "envelope" in err  # the figures are named
+
+
+def test_launch_detects_a_worker_that_did_not_apply_its_limit(tiny_model, tmp_path):
+    proc = launch("tiny", "--policy", policy_file(tmp_path, 1, tiny_model), "--port",
+                  str(free_port()), env_extra={"PLIMSOLL_FAULT_SKIP_MEMORY_LIMIT": "1"})
+    _out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 1
+    assert "did not apply the derived limits" in err and "memory limit: derived" in err
