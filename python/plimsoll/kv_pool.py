@@ -28,6 +28,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
+def reusable_tokens(prefix: Sequence[int], prompt: Sequence[int], whole_only: bool) -> int:
+    """Leading tokens of ``prompt`` a prefix covers, leaving at least one to prefill (its
+    logits give the first token). ``whole_only``: a recurrent state cannot be cut, so
+    anything short of the whole prefix is 0."""
+    n = 0
+    for a, b in zip(prefix, prompt[:-1], strict=False):
+        if a != b:
+            break
+        n += 1
+    return 0 if whole_only and n != len(prefix) else n
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why a request can't be admitted now: the figures for a 503."""
@@ -111,16 +123,7 @@ class KVPool:
 
     # --- questions ------------------------------------------------------------------------
     def reusable_tokens(self, handle: int, prompt: Sequence[int]) -> int:
-        """Leading prompt tokens a prefix covers; at least one prompt token is left to prefill."""
-        p = self._prefixes[handle].tokens
-        n = 0
-        for a, b in zip(p, prompt[:-1], strict=False):
-            if a != b:
-                break
-            n += 1
-        if self.whole_prefix_only and n != len(p):
-            return 0
-        return n
+        return reusable_tokens(self._prefixes[handle].tokens, prompt, self.whole_prefix_only)
 
     def plan(self, prompt: Sequence[int], max_tokens: int) -> Plan | Refusal:
         """Which prefix to reuse and which to evict so ``prompt + max_tokens`` fits; or why not."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from plimsoll.kv_pool import reusable_tokens  # noqa: F401  (one definition, shared with the pool)
+
 
 class CapacityError(RuntimeError):
     """A write would pass a sequence's reserved capacity (a caller bug: stop at max_tokens)."""
@@ -50,15 +52,3 @@ def move_headroom_blocks(prefix_tokens: int, kv_layers: int, block_tokens: int) 
         return 0
     tokens = math.ceil(prefix_tokens / block_tokens) * block_tokens
     return math.ceil(tokens / (2 * kv_layers * block_tokens))
-
-
-def reusable_tokens(prefix_tokens: tuple[int, ...], prompt: list[int], whole_only: bool) -> int:
-    """Leading tokens of ``prompt`` a prefix covers, leaving at least one to prefill (its
-    logits give the first token). ``whole_only``: a recurrent state cannot be cut, so
-    anything short of the whole prefix is 0."""
-    n = 0
-    for a, b in zip(prefix_tokens, prompt[:-1], strict=False):
-        if a != b:
-            break
-        n += 1
-    return 0 if whole_only and n != len(prefix_tokens) else n
