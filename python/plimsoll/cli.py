@@ -16,6 +16,7 @@ import click
 from .cli_admit import admit_command
 from .cli_common import UsageFailure
 from .cli_demo import demo_model_command
+from .cli_doctor import doctor_command
 from .cli_worker import launch_command, worker_command
 from .policy import PolicyError, load_policy, policy_json_schema
 
@@ -58,6 +59,7 @@ main.add_command(admit_command)
 main.add_command(demo_model_command)
 main.add_command(worker_command)
 main.add_command(launch_command)
+main.add_command(doctor_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from . import anthropic_routes
 from . import protocol as P
 from .kv_pool import KVPool
 from .scheduler import (
@@ -68,8 +69,36 @@ async def read_body(request: Request) -> bytes | P.ProtocolError:
     return b"".join(chunks)
 
 
-# --- the request path -------------------------------------------------------------------
-async def _next_event(queue: asyncio.Queue, request: Request, gen: GenRequest):
+# --- the request path (shared by the OpenAI and Anthropic routes) ---------------------------
+def check_reservation(state: Any, prompt_tokens: int, max_tokens: int,
+                      prompt_param: str) -> P.ProtocolError | None:
+    """400 when the output reservation or prompt + reservation is over what was admitted."""
+    cfg: WorkerConfig = state.cfg
+    if max_tokens > cfg.max_tokens:
+        return P.ProtocolError(400, f"max_tokens {max_tokens} exceeds this worker's output "
+                               f"reservation limit of {cfg.max_tokens}: lower max_tokens",
+                               param="max_tokens", code="max_tokens_too_large")
+    return P.context_overflow(state.native_max_context, cfg.context, prompt_tokens, max_tokens,
+                              prompt_param=prompt_param)
+
+
+async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
+                 top_p: float, seed: int | None = None
+                 ) -> tuple[Started | Refused | None, asyncio.Queue, GenRequest]:
+    """Hand a request to the scheduler; wait for admission (Started) or a Refused.
+
+    ``None`` means the client left while waiting (the request is then cancelled).
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    gen = GenRequest(prompt=prompt, max_tokens=max_tokens,
+                     sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+                     temperature=temperature, top_p=top_p, seed=seed)
+    request.app.state.scheduler.submit(gen)
+    return await next_event(queue, request, gen), queue, gen
+
+
+async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest):
     """Wait for the scheduler's next event; a client that left cancels its request."""
     while True:
         try:
@@ -98,30 +127,18 @@ async def generate(request: Request, kind: P.Kind) -> Response:
     except P.ProtocolError as err:
         return protocol_error(err)
     max_tokens = req.max_output_tokens or cfg.default_max_tokens
-    if max_tokens > cfg.max_tokens:
-        return error(400, f"max_tokens {max_tokens} exceeds this worker's output reservation "
-                     f"limit of {cfg.max_tokens}: lower max_tokens", param="max_tokens",
-                     code="max_tokens_too_large")
-    if err := P.context_overflow(state.native_max_context, cfg.context, len(prompt),
-                                 max_tokens, prompt_param="messages" if kind == "chat"
-                                 else "prompt"):
+    if err := check_reservation(state, len(prompt), max_tokens,
+                                "messages" if kind == "chat" else "prompt"):
         return protocol_error(err)
-
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    gen = GenRequest(prompt=prompt, max_tokens=max_tokens,
-                     sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
-                     temperature=req.temperature, top_p=req.top_p, seed=req.seed)
-    state.scheduler.submit(gen)
-    first = await _next_event(queue, request, gen)
+    first, queue, gen = await submit(request, prompt, max_tokens, temperature=req.temperature,
+                                     top_p=req.top_p, seed=req.seed)
     if first is None:
         return Response(status_code=499)
     if isinstance(first, Refused):
         return error(first.status, first.message, code=first.code, retry_after=first.retry_after)
-    assert isinstance(first, Started)
     assembler = P.TextAssembler.for_request(state.tokenizer, req, max_tokens)
     meta = P.ResponseMeta.new(kind, cfg.model_name)
-    stream = _events(queue, request, gen, assembler)
+    stream = events(queue, request, gen, assembler)
     if req.stream:
         return StreamingResponse(_sse(meta, req, first, stream, assembler),
                                  media_type="text/event-stream",
@@ -141,12 +158,12 @@ def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
     return P.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
 
 
-async def _events(queue: asyncio.Queue, request: Request, gen: GenRequest,
+async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
                   assembler: P.TextAssembler) -> AsyncIterator[list[P.Delta] | Refused]:
     """Deltas until the assembler is done (then the sequence is cancelled), or a Refused."""
     try:
         while not assembler.done:
-            ev = await _next_event(queue, request, gen)
+            ev = await next_event(queue, request, gen)
             if ev is None:
                 return
             if isinstance(ev, Token):
@@ -306,6 +323,7 @@ def make_app(cfg: WorkerConfig) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/v1/plimsoll/status", status, methods=["GET"]),
+            *anthropic_routes.ROUTES,  # POST /v1/messages, /v1/messages/count_tokens
         ],
         lifespan=lifespan,
     )

@@ -478,3 +478,11 @@ def test_protocol_does_not_import_mlx():
     code = ("import sys, plimsoll.protocol; "
             "sys.exit(any(m.split('.')[0] in ('mlx', 'mlx_lm') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_stop_string_inside_an_unclosed_tool_call_still_stops(tok):
+    # found by hypothesis: parts=['<tool_call>', 'END'] with stop END and tools on
+    a = TextAssembler(tok, stop=["END"], tools=[WEATHER])
+    deltas = run(a, ids(tok, "<tool_call>END"))
+    out = a.result()
+    assert "END" not in out.text and streamed_text(deltas) == out.text

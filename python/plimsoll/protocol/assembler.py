@@ -167,8 +167,14 @@ class TextAssembler:
         if not self._stopped:
             self._detok.finalize()
             out += self._absorb(self._detok.last_segment, final=True)
-        if self._in_tool:  # never closed: parse what there is (or keep it as text)
-            out += self._tool_call(self._tool_buf, closed=False)
+        if self._in_tool:  # never closed: a stop string in it ends the text there, else
+            markup = self._start + self._tool_buf  # parse what there is (or keep it as text)
+            stops = [i for s in self._stop if (i := markup.find(s)) >= 0]
+            if stops:
+                out += self._text(self._ws_before + markup[:min(stops)])
+                self._stopped = True
+            else:
+                out += self._tool_call(self._tool_buf, closed=False)
             self._in_tool, self._tool_buf = False, ""
         if not self._stopped:
             rest = self._pending.rstrip() if self._calls else self._pending
