@@ -17,6 +17,8 @@ from .cli_admit import admit_command
 from .cli_common import UsageFailure
 from .cli_demo import demo_model_command
 from .cli_doctor import doctor_command
+from .cli_serve import serve_command
+from .cli_watch import watch_link_command
 from .cli_worker import launch_command, worker_command
 from .policy import PolicyError, load_policy, policy_json_schema
 
@@ -60,6 +62,8 @@ main.add_command(demo_model_command)
 main.add_command(worker_command)
 main.add_command(launch_command)
 main.add_command(doctor_command)
+main.add_command(serve_command)
+main.add_command(watch_link_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,269 @@
+"""The proxy's HTTP edge: one OpenAI-compatible endpoint in front of every model.
+
+``make_app(policy, …)`` is an app factory; its lifespan creates the
+:class:`~.supervisor.Supervisor`, one pooled ``httpx.AsyncClient`` and the idle reaper,
+and on exit stops every worker. Requests are routed by their ``model``; bodies are
+relayed as bytes (the worker parses them) and streams pass through chunk by chunk as
+they arrive — nothing is buffered but a non-streamed answer. A worker that dies under a
+request is reported to its client in the OpenAI error shape with the reason (an SSE
+``error`` event mid-stream, a 502 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .. import protocol as P
+from ..policy import Mode, Policy
+from . import admin
+from .state import Lease, State, describe_exit
+from .supervisor import ProxyError, Settings, Supervisor
+
+EXIT_WAIT_S = 0.5
+STATUS_TIMEOUT_S = 2.0
+
+
+def error(status: int, message: str, code: str, *, param: str | None = None,
+          retry_after: int | None = None, extra: dict[str, Any] | None = None) -> JSONResponse:
+    body = P.error_body(status, message, param=param, code=code)
+    body["error"].update(extra or {})
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(body, status, headers=headers)
+
+
+def proxy_error(err: ProxyError) -> JSONResponse:
+    return error(err.status, err.message, err.code, retry_after=err.retry_after,
+                 extra=err.extra)
+
+
+class PassThrough(StreamingResponse):
+    """A stream whose iterator is always closed, even when the client leaves mid-way."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def api_key_ok(request: Request) -> bool:
+    key = request.app.state.api_key
+    return key is None or admin.bearer_ok(request, key)
+
+
+async def read_body(request: Request) -> bytes | P.ProtocolError:
+    too_big = P.check_body_size(request.headers.get("content-length"))
+    if too_big:
+        return too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > P.MAX_BODY_BYTES:
+            return P.check_body_size(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def lost_reason(lease: Lease, err: Exception) -> str:
+    """Why the worker under this request went away, once its exit is visible."""
+    inc, name = lease.inc, lease.worker.name
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while inc.proc.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    rc = inc.proc.poll()
+    if rc is None:
+        return (f"the connection to the worker for model {name!r} (pid {inc.pid}) was lost: "
+                f"{type(err).__name__}: {err}")
+    why = f" ({inc.stop_reason})" if inc.stop_reason else ""
+    return (f"the worker for model {name!r} (pid {inc.pid}) exited with {describe_exit(rc)} "
+            f"during this request{why}; retry: the next request starts it again")
+
+
+async def relay(upstream: httpx.Response, lease: Lease) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as err:
+        yield P.sse(P.error_body(502, await lost_reason(lease, err), code="worker_lost"))
+        yield P.SSE_DONE
+    finally:
+        await upstream.aclose()
+        lease.release()
+
+
+async def generate(request: Request) -> Response:
+    if not api_key_ok(request):
+        return admin.unauthorized("API key")
+    sup: Supervisor = request.app.state.supervisor
+    raw = await read_body(request)
+    if isinstance(raw, P.ProtocolError):
+        return JSONResponse(raw.body(), raw.status)
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return error(400, f"the body is not valid JSON: {err}", "invalid_json")
+    model = data.get("model") if isinstance(data, dict) else None
+    known = sorted(sup.workers)
+    if model is None and len(known) == 1:
+        model = known[0]
+    if not isinstance(model, str) or model not in sup.workers:
+        return error(404, f"the model {model!r} is not served here; known models: "
+                     f"{', '.join(known) or '(none)'}", "model_not_found", param="model")
+    try:
+        lease = await sup.acquire(model)
+    except ProxyError as err:
+        return proxy_error(err)
+    client: httpx.AsyncClient = request.app.state.client
+    upstream_req = client.build_request("POST", lease.inc.url + request.url.path, content=raw,
+                                        headers={"content-type": "application/json"})
+    try:
+        upstream = await client.send(upstream_req, stream=True)
+    except httpx.HTTPError as err:
+        lease.release()
+        return error(502, await lost_reason(lease, err), "worker_lost")
+    ctype = upstream.headers.get("content-type", "application/json")
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
+    if ctype.startswith("text/event-stream"):
+        return PassThrough(relay(upstream, lease), upstream.status_code, media_type=ctype,
+                           headers={"Cache-Control": "no-cache", **headers})
+    try:
+        content = await upstream.aread()
+    except httpx.HTTPError as err:
+        return error(502, await lost_reason(lease, err), "worker_lost")
+    finally:
+        await upstream.aclose()
+        lease.release()
+    return Response(content, upstream.status_code, media_type=ctype, headers=headers)
+
+
+async def models(request: Request) -> Response:
+    """Every model of the policy, loaded or not, with the context admission grants it."""
+    if not api_key_ok(request):
+        return admin.unauthorized("API key")
+    sup: Supervisor = request.app.state.supervisor
+    figures = sup.figures()
+    created = int(request.app.state.started)
+    data = []
+    for name, w in sorted(sup.workers.items()):
+        card = P.model_card(name, created)
+        if (inc := w.current) is not None:
+            dec = inc.decision
+        else:
+            try:
+                _facts, dec = sup.admit(w, figures)
+            except ProxyError as err:
+                card.update(state=str(w.state), loaded=False, admission="refuse",
+                            reasons=[err.message])
+                data.append(card)
+                continue
+        card.update(state=str(w.state), loaded=w.state is State.READY, admission=dec.decision,
+                    context=dec.context if dec.admitted else None,
+                    configured_context=w.entry.context, max_tokens=dec.output_reservation,
+                    concurrency=dec.concurrency)
+        if not dec.admitted:
+            card["reasons"] = dec.reasons
+        data.append(card)
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(request: Request) -> Response:
+    sup: Supervisor = request.app.state.supervisor
+    ready = [n for n, w in sup.workers.items() if w.state is State.READY]
+    return JSONResponse({"status": "ok", "mode": sup.mode, "ready": ready})
+
+
+async def worker_status(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    try:
+        r = await client.get(url + "/v1/plimsoll/status", timeout=STATUS_TIMEOUT_S)
+        return r.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def running(request: Request) -> Response:
+    if not api_key_ok(request):
+        return admin.unauthorized("API key")
+    sup: Supervisor = request.app.state.supervisor
+    client: httpx.AsyncClient = request.app.state.client
+    figures = sup.figures()
+    workers = [w.snapshot() for w in sup.workers.values()]
+    live = [(snap, w.current) for snap, w in zip(workers, sup.workers.values(), strict=True)
+            if w.current is not None]
+    statuses = await asyncio.gather(*(worker_status(client, inc.url) for _s, inc in live))
+    for (snap, inc), st in zip(live, statuses, strict=True):
+        snap["observed_bytes"] = sup.observed_bytes(inc.pid)
+        if st is not None:
+            snap["memory"] = {"rss_bytes": st.get("rss_bytes"), "mlx": st.get("mlx"),
+                              "pool": st.get("pool"), "kv_bytes_held": st.get("kv_bytes_held")}
+    for snap in workers:
+        snap["waiting"] = sup.waiting[snap["model"]]
+    pending = []
+    if sup.pending:
+        now = await asyncio.to_thread(sup.unaccounted)
+        pending = [{"model": c.model, **c.figures(now)} for c in sup.pending]
+    return JSONResponse({
+        "mode": sup.mode, "envelope_bytes": sup.envelope(figures),
+        "budget_bytes": figures.budget_bytes, "host_in_use_bytes": sup.in_use(),
+        "workers": workers, "pending_releases": pending,
+        "events": sup.events.as_json(),
+    })
+
+
+async def unload(request: Request) -> Response:
+    if not api_key_ok(request):
+        return admin.unauthorized("API key")
+    sup: Supervisor = request.app.state.supervisor
+    name = request.path_params.get("model")
+    if name is not None and name not in sup.workers:
+        return error(404, f"the model {name!r} is not served here; known models: "
+                     f"{', '.join(sorted(sup.workers))}", "model_not_found")
+    return JSONResponse(await sup.unload([name] if name else list(sup.workers)))
+
+
+def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | None = None,
+             api_key: str | None = None, admin_token: str, read_snapshot=None) -> Starlette:
+    """The proxy app for ``policy``. Workers are spawned only when a request needs them."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        sup = Supervisor(policy, mode, settings, read_snapshot)
+        app.state.supervisor = sup
+        app.state.api_key = api_key
+        app.state.admin_token = admin_token
+        app.state.started = time.time()
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                     limits=limits) as client:
+            app.state.client = client
+            sup.start_background()
+            try:
+                yield
+            finally:
+                await sup.shutdown()
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", generate, methods=["POST"]),
+            Route("/v1/completions", generate, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/running", running, methods=["GET"]),
+            Route("/unload", unload, methods=["POST"]),
+            Route("/unload/{model}", unload, methods=["POST"]),
+            Route("/admin/mode", admin.post_mode, methods=["POST"]),
+            Route("/admin/mode", admin.get_mode, methods=["GET"]),
+            Route("/admin/events", admin.get_events, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )

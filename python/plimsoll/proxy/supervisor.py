@@ -1,0 +1,383 @@
+"""The supervisor: every worker of the policy, one transition at a time.
+
+It owns the :class:`~.state.Worker` objects, the transition lock, the bounded waiting
+queues and the releases still to verify. A request for a model that is not ready joins
+that model's queue (over ``max_waiting``: 429 with ``Retry-After``) and awaits one shared
+*bring-up* task, which, under the transition lock:
+
+1. waits for every earlier release to be verified (refusing with 503 if one is not);
+2. admits the model alone with live inputs (503 with admission's reasons if refused),
+   right-sizes its pool (:func:`.sizing.right_size`);
+3. asks the pure :func:`.evict.choose_evictions` which running workers must stop;
+   each victim keeps its slot for ``swap_hold_s`` after its load while it is in use
+   (so two clients alternating two models swap at most once per hold, not per request),
+   then is drained, stopped, and its memory verified released;
+4. admits again with the survivors as ``resident_bytes`` and spawns the worker
+   through the launch wrapper, which verifies the limits the worker applied.
+
+The bring-up runs as its own task: a waiter that gives up (timeout, client gone) never
+cancels a spawn half-way. An admin mode change takes the transition lock ahead of
+queued bring-ups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..admission import AdmissionDecision
+from ..launch import LaunchError, free_port, worker_config
+from ..live_admission import MemoryFigures, MemoryOverrides, Wanted, memory_figures, plan
+from ..model_facts import ModelFacts, ModelInspectionError
+from ..policy import Mode, Policy
+from ..probes.snapshot import MemorySnapshot
+from ..units import fmt_bytes
+from .events import EventLog, log
+from .evict import Resident, choose_evictions
+from .held import anon_bytes_except, held_bytes
+from .sizing import ReleaseCheck, envelope_bytes, right_size
+from .state import Lease, State, Worker
+
+RELEASE_POLL_S = 0.05
+REAP_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
+class Settings:
+    max_waiting: int = 16  # requests per model waiting for it to load; beyond: 429
+    wait_timeout_s: float = 600.0  # a waiting request gives up after this: 503
+    retry_after_s: int = 5
+    swap_hold_s: float = 2.0  # a model in use keeps its slot this long after its load
+    idle_grace_s: float = 0.5  # ...unless it has had no request for this long
+    drain_s: float = 30.0  # in-flight requests may finish for this long before the stop
+    release_timeout_s: float = 10.0  # memory must come back within this, else 503
+    spawn_timeout_s: float = 300.0
+    admin_deadline_s: float = 60.0  # a downshift makes room within this, else 409
+    default_idle_ttl_s: float = 300.0  # models with no TTL of their own
+    idle_ttl_s: tuple[tuple[str, float], ...] = ()  # (model, seconds) from the command line
+
+
+class ProxyError(Exception):
+    """A refusal the HTTP edge turns into an OpenAI-shaped error."""
+
+    def __init__(self, status: int, message: str, code: str, *, retry_after: int | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+        self.retry_after, self.extra = retry_after, extra or {}
+
+
+class Supervisor:
+    def __init__(self, policy: Policy, mode: Mode, settings: Settings | None = None,
+                 read_snapshot: Callable[..., MemorySnapshot] | None = None,
+                 events: EventLog | None = None) -> None:
+        if read_snapshot is None:
+            from ..probes import read_snapshot
+        self.policy, self.mode = policy, mode
+        self.settings = settings or Settings()
+        self.events = events or EventLog()
+        self._snapshot = read_snapshot
+        self.workers = {name: Worker(name, entry, self.events, self.measure, self._crashed)
+                        for name, entry in policy.models.items()}
+        self.waiting: Counter[str] = Counter()
+        self.pending: list[ReleaseCheck] = []
+        self._lock = asyncio.Lock()
+        self._bringups: dict[str, asyncio.Task] = {}
+        self._verifying: set[asyncio.Task] = set()
+        self._admin_pending = 0
+        self._admin_idle = asyncio.Event()
+        self._admin_idle.set()
+        self._reaper: asyncio.Task | None = None
+
+    # --- probes ---------------------------------------------------------------------------
+    def in_use(self) -> int:
+        return self._snapshot().in_use_bytes
+
+    def unaccounted(self, pid: int = 0) -> int:
+        """The in-use figure the release check compares (blocking: ~10 ms on Linux).
+
+        Where in-use is host-wide (Linux with no binding cgroup: ``MemTotal −
+        MemAvailable``), every other process's anonymous memory is subtracted, so other
+        tenants growing or shrinking do not move it, while memory a dead worker left
+        behind (shared memory, a driver's allocations) still does. A binding cgroup's
+        usage, or macOS's wired figure, is taken as it is.
+        """
+        snap = self._snapshot()
+        if snap.platform == "linux" and snap.ceiling_source.startswith("MemTotal"):
+            return snap.in_use_bytes - anon_bytes_except(pid)
+        return snap.in_use_bytes
+
+    def measure(self, pid: int) -> tuple[int, int]:
+        return self.unaccounted(pid), held_bytes(pid)
+
+    def observed_bytes(self, pid: int) -> int:
+        try:
+            return self._snapshot(pid).process_footprint_bytes
+        except (ProcessLookupError, OSError):
+            return 0
+
+    def figures(self, mode: Mode | None = None) -> MemoryFigures:
+        return memory_figures(self.policy, mode or self.mode, MemoryOverrides(), self._snapshot)
+
+    def envelope(self, figures: MemoryFigures) -> int:
+        p = self.policy
+        return envelope_bytes(figures.ceiling_bytes, figures.total_ram_bytes,
+                              figures.budget_bytes, p.trip_offset, p.u_margin)
+
+    def residents(self, workers: list[Worker]) -> list[Resident]:
+        out = []
+        for w in workers:
+            inc = w.current
+            if w.state is State.READY and inc is not None:
+                out.append(Resident(w.name, inc.decision.footprint_bytes,
+                                    self.observed_bytes(inc.pid), inc.last_used,
+                                    inc.inflight > 0))
+        return out
+
+    def admit(self, w: Worker, figures: MemoryFigures,
+              resident: int = 0) -> tuple[ModelFacts, AdmissionDecision]:
+        try:
+            facts, _req, dec = plan(Path(w.entry.path), w.entry, self.policy, figures,
+                                    Wanted(), resident_bytes=resident)
+        except ModelInspectionError as err:
+            raise ProxyError(503, f"model {w.name!r} cannot be inspected: {err}",
+                             "model_unreadable") from None
+        return facts, right_size(dec, facts.kv_layers)
+
+    def idle_ttl(self, w: Worker) -> float:
+        """The command line's per-model TTL, else the policy entry's (when the policy format
+        has one and the entry sets it), else the default. 0 means never."""
+        for name, ttl in self.settings.idle_ttl_s:
+            if name == w.name:
+                return ttl
+        if "idle_ttl_s" in w.entry.model_fields_set:
+            return w.entry.idle_ttl_s  # type: ignore[attr-defined]
+        return self.settings.default_idle_ttl_s
+
+    # --- the request path -------------------------------------------------------------------
+    async def acquire(self, name: str) -> Lease:
+        """A lease on a ready worker for ``name``, loading it if needed (bounded wait)."""
+        w = self.workers[name]
+        if lease := w.try_lease():
+            return lease
+        s = self.settings
+        if self.waiting[name] >= s.max_waiting:
+            raise ProxyError(429, f"{self.waiting[name]} requests are already waiting for model "
+                             f"{name!r} to load (the limit is {s.max_waiting}); retry after "
+                             f"{s.retry_after_s} s", "queue_full", retry_after=s.retry_after_s)
+        self.waiting[name] += 1
+        try:
+            async with asyncio.timeout(s.wait_timeout_s):
+                while not (lease := w.try_lease()):
+                    await asyncio.shield(self._bring_up_task(w))
+            return lease
+        except TimeoutError:
+            raise ProxyError(503, f"model {name!r} was not ready after waiting "
+                             f"{s.wait_timeout_s:g} s", "load_timeout",
+                             retry_after=s.retry_after_s) from None
+        finally:
+            self.waiting[name] -= 1
+
+    def _bring_up_task(self, w: Worker) -> asyncio.Task:
+        task = self._bringups.get(w.name)
+        if task is None or task.done():
+            task = asyncio.create_task(self._bring_up(w), name=f"bring-up-{w.name}")
+            # a waiter that gave up must not leave "exception never retrieved" behind
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._bringups[w.name] = task
+        return task
+
+    @contextlib.asynccontextmanager
+    async def transition(self, admin: bool = False,
+                         timeout_s: float | None = None) -> AsyncIterator[None]:
+        """The transition lock; an admin holder goes ahead of queued bring-ups.
+
+        ``timeout_s`` bounds only the wait for the lock (TimeoutError), never the body.
+        """
+        if admin:
+            self._admin_pending += 1
+            self._admin_idle.clear()
+        try:
+            while True:
+                async with asyncio.timeout(timeout_s):
+                    await self._lock.acquire()
+                if admin or not self._admin_pending:
+                    break
+                self._lock.release()
+                await self._admin_idle.wait()
+            try:
+                yield
+            finally:
+                self._lock.release()
+        finally:
+            if admin:
+                self._admin_pending -= 1
+                if not self._admin_pending:
+                    self._admin_idle.set()
+
+    async def _bring_up(self, w: Worker) -> None:
+        async with self.transition():
+            if w.state is State.READY:
+                return
+            await self.settle_releases()
+            figures = self.figures()
+            _facts, alone = self.admit(w, figures)
+            if not alone.admitted:
+                self._refuse(w, alone, figures)
+            env = self.envelope(figures)
+            others = [x for x in self.workers.values() if x is not w]
+            choice = choose_evictions(alone.footprint_bytes, self.residents(others), env)
+            if not choice.fits:
+                raise ProxyError(503, f"model {w.name!r} needs {fmt_bytes(alone.footprint_bytes)}"
+                                 f", more than the {fmt_bytes(env)} envelope of {self.mode} mode",
+                                 "envelope_too_small", extra={"envelope_bytes": env})
+            for name in choice.stop:
+                victim = self.workers[name]
+                await self._hold(victim)
+                self.events.record("evict", name, for_model=w.name, envelope_bytes=env,
+                                   needed_bytes=alone.footprint_bytes)
+                await self.stop_verified(victim, f"evicted to load {w.name!r}")
+            survivors = self.residents(others)
+            figures = self.figures()
+            facts, dec = self.admit(w, figures, sum(r.bytes for r in survivors))
+            if not dec.admitted:
+                self._refuse(w, dec, figures)
+            cfg = worker_config(Path(w.entry.path), w.name, facts, dec, w.entry, self.policy,
+                                port=free_port())
+            try:
+                await w.start(cfg, dec, self.settings.spawn_timeout_s)
+            except LaunchError as err:
+                raise ProxyError(503, f"model {w.name!r} failed to start: {err}",
+                                 "worker_start_failed") from None
+
+    def _refuse(self, w: Worker, dec: AdmissionDecision, figures: MemoryFigures) -> None:
+        self.events.record("refused", w.name, reasons=dec.reasons)
+        raise ProxyError(
+            503, f"model {w.name!r} cannot be loaded within the {self.mode} budget: "
+            + " ".join(dec.reasons), "admission_refused",
+            extra={"admission": {"reasons": dec.reasons, "mode": self.mode,
+                                 "budget_bytes": figures.budget_bytes,
+                                 "ceiling_bytes": figures.ceiling_bytes,
+                                 "resident_bytes": dec.resident_bytes,
+                                 "weights_bytes": dec.weights_bytes,
+                                 "source": figures.source}})
+
+    async def _hold(self, victim: Worker) -> None:
+        """Let a victim in use keep its slot until ``swap_hold_s`` after its load."""
+        s = self.settings
+        while (inc := victim.current) is not None and victim.state is State.READY:
+            now = time.monotonic()
+            idle = inc.inflight == 0 and now - inc.last_used >= s.idle_grace_s
+            if idle or now >= inc.ready_at + s.swap_hold_s:
+                return
+            await asyncio.sleep(0.05)
+
+    # --- stopping and verified release ------------------------------------------------------
+    async def stop_verified(self, w: Worker, reason: str, drain_s: float | None = None,
+                            deadline_s: float | None = None) -> None:
+        """Stop ``w`` and verify its memory came back; 503 with the figures if it does not."""
+        check = await w.stop(reason, self.settings.drain_s if drain_s is None else drain_s)
+        if check is not None and not await self.verify(check, deadline_s):
+            now = await asyncio.to_thread(self.unaccounted)
+            raise ProxyError(503, check.describe(now) + ": refusing to load over it",
+                             "release_unverified", retry_after=self.settings.retry_after_s,
+                             extra={"release": check.figures(now)})
+
+    async def verify(self, check: ReleaseCheck, timeout_s: float | None = None) -> bool:
+        """Poll the in-use figure until the check holds; an unverified check stays pending."""
+        start = time.monotonic()
+        deadline = start + (self.settings.release_timeout_s if timeout_s is None else timeout_s)
+        while True:
+            now = await asyncio.to_thread(self.unaccounted)
+            if check.released(now):
+                self.events.record("release-verified", check.model,
+                                   waited_s=round(time.monotonic() - start, 3),
+                                   **check.figures(now))
+                return True
+            if time.monotonic() >= deadline:
+                self.events.record("release-unverified", check.model, **check.figures(now))
+                if check not in self.pending:
+                    self.pending.append(check)
+                return False
+            await asyncio.sleep(RELEASE_POLL_S)
+
+    async def settle_releases(self) -> None:
+        """Before any spawn: crash releases finish verifying; pending ones are re-checked."""
+        if self._verifying:
+            await asyncio.gather(*self._verifying, return_exceptions=True)
+        for check in list(self.pending):
+            self.pending.remove(check)
+            if not await self.verify(check):
+                now = await asyncio.to_thread(self.unaccounted)
+                raise ProxyError(503, check.describe(now) + ": refusing to load over it",
+                                 "release_unverified", retry_after=self.settings.retry_after_s,
+                                 extra={"release": check.figures(now)})
+
+    async def _crashed(self, w: Worker, check: ReleaseCheck) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._verifying.add(task)
+        try:
+            await self.verify(check)
+        finally:
+            if task is not None:
+                self._verifying.discard(task)
+
+    # --- unload, idle TTL, shutdown ---------------------------------------------------------
+    async def unload(self, names: list[str]) -> dict[str, Any]:
+        """Stop the named workers (drained, verified). Pending checks are re-verified."""
+        out: dict[str, Any] = {"unloaded": [], "unverified": []}
+        async with self.transition():
+            for name in names:
+                w = self.workers[name]
+                if w.state is not State.READY:
+                    continue
+                self.events.record("unload", name)
+                try:
+                    await self.stop_verified(w, "unloaded on request")
+                except ProxyError as err:
+                    out["unverified"].append(err.extra.get("release"))
+                out["unloaded"].append(name)
+        return out
+
+    async def reap_idle(self) -> None:
+        """Unload workers idle past their model's TTL (0 = never); never dies of one error."""
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            try:
+                await self._reap_once()
+            except Exception:
+                log.exception("idle unload failed; retrying")
+
+    async def _reap_once(self) -> None:
+        for w in self.workers.values():
+            inc, ttl = w.current, self.idle_ttl(w)
+            if (ttl <= 0 or w.state is not State.READY or inc is None or inc.inflight
+                    or time.monotonic() - inc.last_used < ttl or self._lock.locked()
+                    or self._admin_pending):
+                continue
+            async with self.transition():
+                inc = w.current
+                idle = time.monotonic() - inc.last_used if inc is not None else 0.0
+                if w.state is not State.READY or inc is None or inc.inflight or idle < ttl:
+                    continue
+                self.events.record("idle-unload", w.name, idle_s=round(idle, 3), ttl_s=ttl)
+                with contextlib.suppress(ProxyError):  # unverified: recorded, stays pending
+                    await self.stop_verified(w, f"idle for more than {ttl:g} s", drain_s=0)
+
+    def start_background(self) -> None:
+        self._reaper = asyncio.create_task(self.reap_idle(), name="reap-idle")
+
+    async def shutdown(self) -> None:
+        tasks = [t for t in (self._reaper, *self._bringups.values()) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(w.stop("the proxy is shutting down", 5.0)
+                               for w in self.workers.values()), return_exceptions=True)
