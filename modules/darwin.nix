@@ -76,6 +76,11 @@ let
         default = sharded;
         description = "Serve this model sharded across the cluster (clustered mode).";
       };
+      idleTtlS = lib.mkOption {
+        type = lib.types.ints.unsigned;
+        default = idleTtlS;
+        description = "Unload this model's worker after it has been idle this many seconds (0: never).";
+      };
     };
   };
 in

@@ -56,12 +56,13 @@ let
     maxTokens = 4096;
     kvDtype = "auto";
     sharded = false;
+    idleTtlS = 300;
   };
 
   declKeys = [ "host" "totalRamGb" "osFloorGb" "maxLocalLlmGb" "transientReserve" "models" "settings" ];
   modeNames = [ "standalone" "clustered" ];
   settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "cluster" ];
-  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" ];
+  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" ];
   listenKeys = [ "host" "port" ];
   clusterKeys = [ "interface" "peers" "backend" ];
   peerKeys = [ "host" "address" ];
@@ -250,6 +251,7 @@ let
         ++ numberChecks { field = "concurrency"; where = "${where}: concurrency"; value = e.concurrency; integer = true; ok = v: v >= 1 && v <= 1024; range = "between 1 and 1024"; }
         ++ numberChecks { field = "defaultMaxTokens"; where = "${where}: defaultMaxTokens"; value = e.defaultMaxTokens; integer = true; ok = v: v >= 1; range = "at least 1"; }
         ++ numberChecks { field = "maxTokens"; where = "${where}: maxTokens"; value = e.maxTokens; integer = true; ok = v: v >= 1; range = "at least 1"; }
+        ++ numberChecks { field = "idleTtlS"; where = "${where}: idleTtlS"; value = e.idleTtlS; integer = false; ok = v: v >= 0; range = "at least 0 seconds (0: never unload)"; }
         ++ [
           (check (!(ints "defaultMaxTokens" && ints "maxTokens") || e.defaultMaxTokens <= e.maxTokens)
             "${who}: ${where}: defaultMaxTokens (${fmt e.defaultMaxTokens}) exceeds maxTokens (${fmt e.maxTokens}): lower defaultMaxTokens")

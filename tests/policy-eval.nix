@@ -96,7 +96,7 @@ let
       })
     (equal "a model entry gets the pydantic defaults"
       (policy.checkedPolicy (withModel minimal "m" { path = "/m"; context = 8192; })).models.m
-      { path = "/m"; context = 8192; concurrency = 1; defaultMaxTokens = 512; maxTokens = 4096; kvDtype = "auto"; sharded = false; })
+      { path = "/m"; context = 8192; concurrency = 1; defaultMaxTokens = 512; maxTokens = 4096; kvDtype = "auto"; sharded = false; idleTtlS = 300; })
     (equal "a partial listen keeps the default host"
       (policy.checkedPolicy (withSettings minimal { listen.port = 9000; })).listen { host = "127.0.0.1"; port = 9000; })
     (equal "GiB to bytes: 72 GiB" (policy.gibToBytes 72) 77309411328)

@@ -95,6 +95,9 @@ class ModelEntry(_Strict):
     sharded: bool = Field(
         default=False, description="Serve sharded across the cluster (clustered mode)."
     )
+    idle_ttl_s: float = Field(
+        default=300, ge=0, description="Unload the idle worker after this many seconds (0: never)."
+    )
 
     @model_validator(mode="before")
     @classmethod

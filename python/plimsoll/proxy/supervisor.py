@@ -151,13 +151,13 @@ class Supervisor:
         return facts, right_size(dec, facts.kv_layers)
 
     def idle_ttl(self, w: Worker) -> float:
-        """The command line's per-model TTL, else the policy entry's (when the policy format
-        has one and the entry sets it), else the default. 0 means never."""
+        """The command line's per-model TTL, else the policy entry's ``idleTtlS`` when the
+        entry sets it, else the command line's default. 0 means never."""
         for name, ttl in self.settings.idle_ttl_s:
             if name == w.name:
                 return ttl
         if "idle_ttl_s" in w.entry.model_fields_set:
-            return w.entry.idle_ttl_s  # type: ignore[attr-defined]
+            return w.entry.idle_ttl_s
         return self.settings.default_idle_ttl_s
 
     # --- the request path -------------------------------------------------------------------
