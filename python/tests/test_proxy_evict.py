@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from plimsoll.admission import AdmissionRequest, admit
 from plimsoll.cli_common import UsageFailure
 from plimsoll.cli_serve import parse_idle_ttls
+from plimsoll.probes.held import parse_rss_anon
 from plimsoll.proxy.evict import Resident, choose_evictions, eviction_order
-from plimsoll.proxy.held import parse_rss_anon
 from plimsoll.proxy.sizing import (
     RELEASE_TOLERANCE_FLOOR,
     ReleaseCheck,

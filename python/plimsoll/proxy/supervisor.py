@@ -36,11 +36,11 @@ from ..launch import LaunchError, free_port, worker_config
 from ..live_admission import MemoryFigures, MemoryOverrides, Wanted, memory_figures, plan
 from ..model_facts import ModelFacts, ModelInspectionError
 from ..policy import Mode, Policy
+from ..probes.held import anon_bytes_except, held_bytes
 from ..probes.snapshot import MemorySnapshot
 from ..units import fmt_bytes
 from .events import EventLog, log
 from .evict import Resident, choose_evictions
-from .held import anon_bytes_except, held_bytes
 from .sizing import ReleaseCheck, envelope_bytes, right_size
 from .state import Lease, State, Worker
 

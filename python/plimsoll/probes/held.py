@@ -1,4 +1,4 @@
-"""What a worker process holds that its exit gives back to the host (an edge: reads /proc).
+"""What a process holds that its exit gives back to the host (a probe: reads /proc).
 
 On Linux that is its anonymous resident memory (``RssAnon``): file-backed pages (the
 interpreter, shared libraries, the mmapped safetensors) stay in the page cache after
@@ -35,7 +35,7 @@ def held_bytes(pid: int) -> int:
         anon = parse_rss_anon(text)
         if anon is not None:
             return anon
-    from ..probes import read_snapshot
+    from . import read_snapshot
 
     try:
         return read_snapshot(pid).process_footprint_bytes
