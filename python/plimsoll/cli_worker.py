@@ -112,6 +112,8 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     from .policy import PolicyError, load_policy
     from .probes import read_snapshot
     from .report import admission_report
+    from .progress import progress
+    from .units import fmt_bytes
 
     try:
         pol = load_policy(policy_file) if policy_file else None
@@ -134,7 +136,12 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
                         port=port or free_port(host), host=host,
                         cache_memory_mb=cache_memory_mb)
     try:
-        proc, status = start_worker(cfg)
+        with progress(f"loading {name}") as report:
+            report(f"starting the worker on {host}:{cfg.port} "
+                   f"(weights {fmt_bytes(decision.weights_bytes)}, "
+                   f"pool {decision.pool_blocks} blocks)")
+            proc, status = start_worker(cfg)
+            report(f"ready, pid {proc.pid}: limits verified")
     except LaunchError as err:
         click.echo(f"plimsoll launch: {err}", err=True)
         raise SystemExit(1) from None

@@ -339,3 +339,18 @@ def test_serve_with_no_policy_answers_a_chat_on_a_fresh_cache(tmp_path):
     finally:
         left = p.stop()
     assert not left
+
+
+def test_the_anthropic_client_works_through_the_proxy(proxy):
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=proxy.url, api_key="none", max_retries=0, timeout=180)
+    greedy = {"temperature": 0}
+    msg = client.messages.create(model="c", max_tokens=4, extra_body=greedy,
+                                 messages=[{"role": "user", "content": "hello"}])
+    assert msg.role == "assistant" and msg.usage.output_tokens <= 4
+    with client.messages.stream(model="c", max_tokens=4, extra_body=greedy,
+                                messages=[{"role": "user", "content": "hello"}]) as stream:
+        text = "".join(stream.text_stream)
+    assert text == "".join(b.text for b in msg.content if b.type == "text")  # greedy, same
+    n = client.messages.count_tokens(model="c", messages=[{"role": "user", "content": "hi"}])
+    assert n.input_tokens > 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -27,6 +28,8 @@ from starlette.routing import Route
 from .. import protocol as P
 from ..policy import Mode, Policy
 from . import admin
+from . import dashboard as dash  # GET /, GET /dashboard.json
+from . import metrics as M  # GET /metrics and the request/event observer
 from .state import Lease, State, describe_exit
 from .supervisor import ProxyError, Settings, Supervisor
 
@@ -58,8 +61,12 @@ class PassThrough(StreamingResponse):
 
 
 def api_key_ok(request: Request) -> bool:
+    """``Authorization: Bearer KEY`` (OpenAI clients) or ``x-api-key: KEY`` (Anthropic's)."""
     key = request.app.state.api_key
-    return key is None or admin.bearer_ok(request, key)
+    if key is None or admin.bearer_ok(request, key):
+        return True
+    given = request.headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode(), key.encode())
 
 
 async def read_body(request: Request) -> bytes | P.ProtocolError:
@@ -120,6 +127,7 @@ async def generate(request: Request) -> Response:
     if not isinstance(model, str) or model not in sup.workers:
         return error(404, f"the model {model!r} is not served here; known models: "
                      f"{', '.join(known) or '(none)'}", "model_not_found", param="model")
+    request.state.model = model  # metrics: the label of this request
     try:
         lease = await sup.acquire(model)
     except ProxyError as err:
@@ -237,8 +245,10 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        sup = Supervisor(policy, mode, settings, read_snapshot)
+        obs = M.Observer(policy)  # metrics + dashboard: sees every event and request
+        sup = Supervisor(policy, mode, settings, read_snapshot, events=obs.events)
         app.state.supervisor = sup
+        app.state.observer = obs
         app.state.api_key = api_key
         app.state.admin_token = admin_token
         app.state.started = time.time()
@@ -247,15 +257,19 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
                                      limits=limits) as client:
             app.state.client = client
             sup.start_background()
+            obs.start(sup, client)
             try:
                 yield
             finally:
+                await obs.stop()
                 await sup.shutdown()
 
     return Starlette(
         routes=[
-            Route("/v1/chat/completions", generate, methods=["POST"]),
-            Route("/v1/completions", generate, methods=["POST"]),
+            Route("/v1/chat/completions", M.observed(generate), methods=["POST"]),
+            Route("/v1/completions", M.observed(generate), methods=["POST"]),
+            Route("/v1/messages", M.observed(generate), methods=["POST"]),  # Anthropic
+            Route("/v1/messages/count_tokens", generate, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/running", running, methods=["GET"]),
@@ -264,6 +278,9 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
             Route("/admin/mode", admin.post_mode, methods=["POST"]),
             Route("/admin/mode", admin.get_mode, methods=["GET"]),
             Route("/admin/events", admin.get_events, methods=["GET"]),
+            Route("/metrics", M.get_metrics, methods=["GET"]),
+            Route("/", dash.page, methods=["GET"]),
+            Route("/dashboard.json", dash.data, methods=["GET"]),
         ],
         lifespan=lifespan,
     )

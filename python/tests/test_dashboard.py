@@ -1,0 +1,150 @@
+"""The dashboard in a real headless Chromium (Debian's chromium + chromium-driver, selenium).
+
+The page must load with no console errors, show the figures of a running demo model, update
+after a request, and leave a screenshot behind (in the test's tmp dir, or in
+``$PLIMSOLL_SCREENSHOT_DIR`` when set). Skipped when chromium, chromedriver or selenium
+is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from test_proxy import MSG, Proxy, chat
+
+MIB = 1024 * 1024
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+pytestmark = pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
+                                reason="chromium and chromium-driver are not installed")
+
+
+@pytest.fixture(scope="module")
+def proxy(tiny_model, tmp_path_factory) -> Iterator[Proxy]:
+    tmp = tmp_path_factory.mktemp("dashboard")
+    huge = tmp / "huge"
+    shutil.copytree(tiny_model, huge)
+    cfg = json.loads((huge / "config.json").read_text())
+    (huge / "config.json").write_text(json.dumps({**cfg, "head_dim": 65536}))
+    (tmp / "policy.json").write_text(json.dumps({
+        "schemaVersion": 1, "host": "box", "totalRamGb": 64, "osFloorGb": 4,
+        "modes": {"standalone": {"maxLocalLlmGb": 0.5}, "clustered": {"maxLocalLlmGb": 1}},
+        "models": {"tiny": {"path": str(tiny_model), "context": 4096, "maxTokens": 256},
+                   "huge": {"path": str(huge), "context": 4096, "maxTokens": 256}},
+    }))
+    (tmp / "token").write_text("admin-secret\n")
+    p = Proxy(["--policy", str(tmp / "policy.json"), "--admin-token-file", str(tmp / "token")],
+              tmp / "serve.log", {"PLIMSOLL_CACHE": str(tmp / "cache")})
+    yield p
+    assert not p.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory) -> Iterator:
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    opts = Options()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,1500",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        opts.add_argument(flag)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def wait(driver, pred, what: str, timeout: float = 60):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda d: pred(d))
+    except Exception as err:
+        raise AssertionError(f"timed out waiting for {what}") from err
+
+
+def value(driver, element_id: str) -> int:
+    from selenium.webdriver.common.by import By
+
+    return int(driver.find_element(By.ID, element_id).get_attribute("data-value") or -1)
+
+
+def card(driver, model: str):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.CSS_SELECTOR, f'.worker[data-model="{model}"]')
+
+
+def polls(driver) -> int:
+    return int(driver.execute_script("return document.body.dataset.polls || 0"))
+
+
+def test_dashboard_shows_live_figures_and_updates(proxy, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    d = browser
+    d.get(proxy.url + "/")
+    assert d.title == "plimsoll"
+    wait(d, lambda d: polls(d) >= 1, "the first poll")
+    assert d.find_element(By.ID, "mode").text == "standalone"
+    assert value(d, "budget") == 512 * MIB
+    assert value(d, "os-floor") == 4 * 1024 * MIB
+    host = httpx.get(proxy.url + "/dashboard.json", timeout=30).json()["host"]
+    assert value(d, "ceiling") == host["ceiling_bytes"]
+    assert value(d, "total-ram") == host["total_ram_bytes"]
+    assert value(d, "envelope") == host["envelope_bytes"]
+    assert card(d, "tiny").get_attribute("data-state") == "stopped"
+    assert value(d, "used-weights") == 0
+
+    # a refusal, then a request that loads the model
+    r = httpx.post(proxy.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "huge", "messages": MSG, "max_tokens": 4})
+    assert r.status_code == 503
+    assert chat(proxy.client(), "tiny", max_tokens=8).model == "tiny"
+    wait(d, lambda d: card(d, "tiny").get_attribute("data-state") == "ready", "tiny ready")
+    worker = next(w for w in proxy.running()["workers"] if w["model"] == "tiny")
+    pool = worker["memory"]["pool"]
+    pool_el = wait(d, lambda d: card(d, "tiny").find_element(By.CSS_SELECTOR, "td.pool"),
+                   "the pool row")
+    assert int(pool_el.get_attribute("data-total")) == pool["total"]
+    wait(d, lambda d: card(d, "tiny").find_element(By.CSS_SELECTOR, "td.requests")
+         .get_attribute("data-ok") == "1", "one request counted")
+    assert value(d, "used-weights") == worker["admitted"]["weights_bytes"]
+    assert value(d, "admitted") == worker["admitted"]["footprint_bytes"]
+    wait(d, lambda d: value(d, "used-cache") > 0, "the retained prefix in the cache")
+    reasons = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#refusals tr.refusal td.reason")]
+    assert "admission_refused" in reasons
+    assert "huge" in d.find_element(By.ID, "refusals").text
+
+    # the timeline grows live
+    before = int(d.find_element(By.ID, "timeline").get_attribute("data-points"))
+    wait(d, lambda d: int(d.find_element(By.ID, "timeline").get_attribute("data-points"))
+         >= max(before + 2, 3), "the timeline to grow")
+    assert d.find_elements(By.CSS_SELECTOR, "#timeline path")
+
+    shots = Path(os.environ.get("PLIMSOLL_SCREENSHOT_DIR") or tmp_path)
+    shots.mkdir(parents=True, exist_ok=True)
+    assert d.save_screenshot(str(shots / "dashboard.png"))
+    print(f"dashboard screenshot: {shots / 'dashboard.png'}")
+
+    severe = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
+    assert not severe, f"console errors: {severe}"
+
+
+def test_page_is_self_contained(proxy):
+    html = httpx.get(proxy.url + "/", timeout=10).text
+    assert "<script>" in html and "dashboard.json" in html
+    for outside in ("http://", "https://", "//cdn"):
+        assert outside not in html.replace("http://www.w3.org/2000/svg", "")
