@@ -111,8 +111,8 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     from .model_facts import ModelInspectionError
     from .policy import PolicyError, load_policy
     from .probes import read_snapshot
-    from .report import admission_report
     from .progress import progress
+    from .report import admission_report
     from .units import fmt_bytes
 
     try:
