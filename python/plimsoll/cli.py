@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from .cli_admit import admit_command
+from .cli_cluster import cluster_group
 from .cli_common import UsageFailure
 from .cli_demo import demo_model_command
 from .cli_doctor import doctor_command
@@ -64,6 +65,7 @@ main.add_command(launch_command)
 main.add_command(doctor_command)
 main.add_command(serve_command)
 main.add_command(watch_link_command)
+main.add_command(cluster_group)
 
 
 if __name__ == "__main__":  # pragma: no cover

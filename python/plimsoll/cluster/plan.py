@@ -1,0 +1,303 @@
+"""Clustered admission, pure: per-rank shares of a model and the two-phase commit decision.
+
+Nothing here does I/O or imports mlx. Callers pass every rank's probe figures (its own
+ceiling, total RAM and clustered budget, measured where it runs), the model's config,
+its :class:`~plimsoll.model_facts.ModelFacts` and the per-tensor byte counts read from the
+safetensors headers (:mod:`plimsoll.cluster.weights`).
+
+The shape of the protocol (DESIGN.md invariant 5):
+
+1. **Plan.** The layers are split into contiguous ranges, one per rank, in proportion to
+   each rank's capacity ``min(budget, ceiling)`` (largest remainder, at least one layer each).
+   Rank 0 runs the first layers and holds the embeddings; the last rank runs the last layers
+   and holds the final norm and the output head (and, with tied embeddings, a second copy
+   of the embedding matrix that it uses as the head). Each rank's weights share is the sum
+   of *its* tensors' bytes from the headers — never ``weights ÷ ranks``. Each rank's KV per
+   token counts only the full-attention layers it runs; its per-sequence fixed bytes only
+   its sliding/linear layers. Ranks that talk to a peer also hold communication buffers.
+2. **Preflight and reserve.** Each rank runs the single-host :func:`~plimsoll.admission.admit`
+   on its own figures and its own share (:func:`preflight`) and, if admitted, reserves
+   (the rank process sets its allocation limit); it answers admit/refuse with its figures.
+3. **Commit all or roll back all** (:func:`decide`): every rank admitted and reserved →
+   commit with the common concurrency and context (the minimum over ranks, which every
+   rank's pool holds because admission is monotone in both); otherwise roll back every
+   rank, with every rank's reasons. A missing answer is a refusal.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from plimsoll.admission import AdmissionDecision, AdmissionRequest, admit
+from plimsoll.model_facts import DTYPE_BYTES, ModelFacts, _layer_kinds, _lookup
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EMBED_KEYS = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
+_HEAD_KEYS = ("lm_head", "output.weight")
+_NORM_RE = re.compile(r"^(?:model\.|language_model\.model\.)?(norm|final_layernorm|ln_f)\.")
+
+Part = Literal["layer", "embed", "head", "norm", "other"]
+
+
+class ClusterPlanError(ValueError):
+    """The cluster cannot be planned at all (e.g. more ranks than layers); the message says why."""
+
+
+class RankProbe(BaseModel):
+    """One rank's own memory figures, measured on its own host (or given on its command line)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=0)
+    host: str = ""
+    ceiling_bytes: int = Field(gt=0)
+    total_ram_bytes: int = Field(gt=0)
+    budget_bytes: int = Field(gt=0, description="This host's clustered maxLocalLlmGb in bytes.")
+    measured_extra_bytes: int = Field(
+        default=0, ge=0,
+        description="Calibrated peak above the formula footprint (counted as resident).")
+    source: str = ""
+
+    @property
+    def capacity_bytes(self) -> int:
+        return min(self.budget_bytes, self.ceiling_bytes)
+
+
+class ClusterRequest(BaseModel):
+    """What is asked of the whole cluster (the same on every rank)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    concurrency: int = Field(default=1, gt=0)
+    context: int = Field(default=4096, gt=0)
+    max_tokens: int = Field(default=512, gt=0)
+    block_tokens: int = Field(default=16, gt=0)
+    transient_reserve: float = Field(default=0.05, ge=0, le=1)
+    min_context: int = Field(default=1024, gt=0)
+    prefill_chunk: int = Field(default=512, gt=0, description="Tokens per pipeline message.")
+
+
+class RankPlan(BaseModel):
+    """One rank's share of the model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int
+    layer_start: int
+    layer_end: int
+    holds_embeddings: bool
+    holds_head: bool
+    weights_bytes: int
+    comm_bytes: int
+    kv_bytes_per_token: int
+    per_sequence_fixed_bytes: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+class Preflight(BaseModel):
+    """One rank's phase-one answer: admit or refuse, with its figures and reasons."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int
+    admitted: bool
+    reserved: bool = False
+    reasons: list[str] = Field(default_factory=list)
+    plan: RankPlan | None = None
+    decision: AdmissionDecision | None = None
+    error: str | None = None
+
+
+class ClusterDecision(BaseModel):
+    """Phase two: commit every rank or roll back every rank."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    action: Literal["commit", "rollback"]
+    concurrency: int = 0
+    context: int = 0
+    reasons: dict[int, list[str]]
+    refusing_ranks: list[int]
+
+    def explain(self) -> str:
+        lines = [f"cluster {self.action}"
+                 + (f": refused by rank(s) {self.refusing_ranks}" if self.refusing_ranks else "")]
+        for rank in sorted(self.reasons):
+            for reason in self.reasons[rank] or ["admitted"]:
+                lines.append(f"  rank {rank}: {reason}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the split
+
+
+def split_layers(num_layers: int, capacities: list[int]) -> list[int]:
+    """Layers per rank, proportional to ``capacities``, each ≥ 1, summing to ``num_layers``.
+
+    Largest remainder after giving every rank its one layer; ties go to the lower rank.
+    """
+    n = len(capacities)
+    if n == 0:
+        raise ClusterPlanError("a cluster needs at least one rank")
+    if num_layers < n:
+        raise ClusterPlanError(f"{n} ranks but only {num_layers} layers: use fewer ranks")
+    if any(c < 0 for c in capacities):
+        raise ClusterPlanError("capacities must be non-negative")
+    total = sum(capacities)
+    spare = num_layers - n
+    weights = [c / total for c in capacities] if total else [1 / n] * n
+    exact = [w * spare for w in weights]
+    counts = [1 + math.floor(x) for x in exact]
+    left = num_layers - sum(counts)
+    order = sorted(range(n), key=lambda r: (-(exact[r] - math.floor(exact[r])), r))
+    for r in order[:left]:
+        counts[r] += 1
+    return counts
+
+
+def ranges(split: list[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for count in split:
+        out.append((start, start + count))
+        start += count
+    return out
+
+
+def classify(name: str) -> tuple[Part, int | None]:
+    """Which part of the model a tensor belongs to: a numbered layer, embeddings, head, norm."""
+    m = _LAYER_RE.search(name)
+    if m:
+        return "layer", int(m.group(1))
+    if any(k in name for k in _EMBED_KEYS):
+        return "embed", None
+    if any(name.startswith(k) or f".{k}" in name for k in _HEAD_KEYS):
+        return "head", None
+    if _NORM_RE.match(name):
+        return "norm", None
+    return "other", None
+
+
+def weight_shares(tensor_bytes: dict[str, int], split: list[int], tied: bool) -> list[int]:
+    """Each rank's weight bytes: its layers, embeddings on rank 0, norm and head on the last.
+
+    With tied embeddings the last rank holds the embedding matrix as its head too. Tensors
+    of no known part are charged to every rank (over-reserving beats paging).
+    """
+    spans = ranges(split)
+    last = len(split) - 1
+    shares = [0] * len(split)
+    for name, nbytes in tensor_bytes.items():
+        part, idx = classify(name)
+        if part == "layer":
+            owner = next((r for r, (a, b) in enumerate(spans) if a <= idx < b), None)
+            if owner is None:
+                raise ClusterPlanError(f"tensor {name!r} names layer {idx}, past the model's "
+                                       f"{sum(split)} layers")
+            shares[owner] += nbytes
+        elif part == "embed":
+            shares[0] += nbytes
+            if tied and last != 0:
+                shares[last] += nbytes
+        elif part in ("head", "norm"):
+            shares[last] += nbytes
+        else:
+            shares = [s + nbytes for s in shares]
+    return shares
+
+
+def plan_cluster(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
+                 probes: list[RankProbe], request: ClusterRequest) -> list[RankPlan]:
+    """Every rank's share. ``probes`` must be ranks 0..n-1 in order."""
+    if [p.rank for p in probes] != list(range(len(probes))):
+        raise ClusterPlanError(f"probes must be ranks 0..{len(probes) - 1} in order")
+    n_layers = facts.num_layers
+    split = split_layers(n_layers, [p.capacity_bytes for p in probes])
+    tied = bool(_lookup(config, "tie_word_embeddings", False))
+    shares = weight_shares(tensor_bytes, split, tied)
+    kinds = _layer_kinds(config, n_layers, [])
+    per_full = 2 * facts.num_key_value_heads * facts.head_dim * facts.kv_dtype_bytes
+    per_sliding = per_full * (facts.sliding_window or 0)
+    linear_total = facts.per_sequence_fixed_bytes - facts.sliding_layers * per_sliding
+    n_linear = kinds.count("linear")
+    per_linear = math.ceil(linear_total / n_linear) if n_linear else 0
+    hidden = int(_lookup(config, "hidden_size", 0) or 0)
+    act = DTYPE_BYTES.get(facts.kv_dtype, 4)
+    # One activation message in and one out per peer link, at the prefill chunk size.
+    message = hidden * request.prefill_chunk * act
+    last = len(probes) - 1
+    plans = []
+    for r, (a, b) in enumerate(ranges(split)):
+        mine = kinds[a:b]
+        links = (r > 0) + (r < last)
+        plans.append(RankPlan(
+            rank=r, layer_start=a, layer_end=b, holds_embeddings=r == 0, holds_head=r == last,
+            weights_bytes=shares[r], comm_bytes=links * message if last else 0,
+            kv_bytes_per_token=mine.count("full") * per_full,
+            per_sequence_fixed_bytes=mine.count("sliding") * per_sliding
+            + mine.count("linear") * per_linear))
+    return plans
+
+
+# ---------------------------------------------------------------- the two phases
+
+
+def preflight(plan: RankPlan, probe: RankProbe, facts: ModelFacts,
+              request: ClusterRequest) -> Preflight:
+    """Phase one on one rank: single-host admission of this rank's own share and figures.
+
+    Communication buffers count as weights (resident for the life of the load); a calibrated
+    peak above the formula counts as co-resident memory. A rank with no full-attention layer
+    still needs a positive KV figure for the arithmetic: one byte per token stands in.
+    """
+    if plan.rank != probe.rank:
+        raise ClusterPlanError(f"plan for rank {plan.rank} given probe of rank {probe.rank}")
+    req = AdmissionRequest(
+        ceiling_bytes=probe.ceiling_bytes, total_ram_bytes=probe.total_ram_bytes,
+        budget_bytes=probe.budget_bytes, resident_bytes=probe.measured_extra_bytes,
+        weights_bytes=plan.weights_bytes + plan.comm_bytes,
+        kv_bytes_per_token=max(plan.kv_bytes_per_token, 1),
+        per_sequence_fixed_bytes=plan.per_sequence_fixed_bytes,
+        native_max_context=facts.native_max_context,
+        transient_reserve=request.transient_reserve, block_tokens=request.block_tokens,
+        concurrency=request.concurrency, context=request.context,
+        max_tokens=request.max_tokens, min_context=request.min_context)
+    decision = admit(req)
+    head = (f"layers {plan.layer_start}..{plan.layer_end - 1}, weights share "
+            f"{plan.weights_bytes} B + comm {plan.comm_bytes} B, ceiling "
+            f"{probe.ceiling_bytes} B" + (f" ({probe.source})" if probe.source else ""))
+    return Preflight(rank=plan.rank, admitted=decision.admitted, reasons=[head, *decision.reasons],
+                     plan=plan, decision=decision)
+
+
+def decide(answers: list[Preflight], world_size: int) -> ClusterDecision:
+    """Phase two: commit all only if every rank answered, admitted and reserved."""
+    by_rank = {a.rank: a for a in answers}
+    reasons: dict[int, list[str]] = {}
+    refusing: list[int] = []
+    for r in range(world_size):
+        a = by_rank.get(r)
+        if a is None:
+            reasons[r] = ["no preflight answer (rank unreachable or dead)"]
+            refusing.append(r)
+            continue
+        reasons[r] = list(a.reasons) + ([f"error: {a.error}"] if a.error else [])
+        if not a.admitted or not a.reserved or a.error or a.decision is None:
+            if a.admitted and not a.reserved and not a.error:
+                reasons[r].append("admitted but could not reserve")
+            refusing.append(r)
+    extra = sorted(set(by_rank) - set(range(world_size)))
+    if extra:
+        raise ClusterPlanError(f"answers from ranks {extra} outside a world of {world_size}")
+    if refusing:
+        return ClusterDecision(action="rollback", reasons=reasons, refusing_ranks=refusing)
+    decisions = [by_rank[r].decision for r in range(world_size)]
+    return ClusterDecision(action="commit", reasons=reasons, refusing_ranks=[],
+                           concurrency=min(d.concurrency for d in decisions),
+                           context=min(d.context for d in decisions))

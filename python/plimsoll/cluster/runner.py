@@ -1,0 +1,317 @@
+"""The supervisor of a clustered load: starts the rank processes, speaks the protocol, tears down.
+
+It does what ``mlx.launch --backend ring`` does for one host (writes the ring hostfile
+JSON, starts one process per rank with ``MLX_RANK`` and ``MLX_HOSTFILE``) and what it does
+not: ``mlx.launch`` exits 0 even when ranks fail, so this class watches every rank itself.
+
+- :meth:`Cluster.start` waits (bounded) for every rank's preflight answer and the common
+  decision. A rollback raises :class:`ClusterRefused` with every rank's reasons, after
+  every rank process has exited (or been killed) — nothing is left holding memory.
+- :meth:`Cluster.generate` sends one request to rank 0 and waits for its tokens; if any
+  rank exits or the wait runs out, every other rank is killed (by pid) and
+  :class:`ClusterRankFailed` names which rank died, how, and what its peers said.
+- :meth:`Cluster.close` shuts the ring down cleanly, then kills what is left.
+
+Every wait is bounded; all traffic is on the addresses given (127.0.0.1 by default).
+This module does not import mlx. Ranks on other hosts (ssh) are out of scope here: for
+real hosts, use ``mlx.launch --hostfile`` with ``python -m plimsoll.cluster.rank``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from plimsoll.cluster.plan import ClusterDecision, ClusterRequest
+
+_EXIT_PEER = 4
+_EXIT_NAMES = {0: "shut down", 2: "could not join the ring", 3: "rolled back",
+               4: "lost a peer", 5: "failed", 6: "ran out of its admitted memory"}
+
+
+class ClusterError(RuntimeError):
+    """A clustered load or request failed; ``reasons`` has every rank's explanation."""
+
+    def __init__(self, message: str, reasons: dict[int, list[str]]):
+        self.reasons = reasons
+        detail = "\n".join(f"  rank {r}: {line}" for r in sorted(reasons) for line in reasons[r])
+        super().__init__(message + ("\n" + detail if detail else ""))
+
+
+class ClusterRefused(ClusterError):
+    """Two-phase admission rolled back: no rank loaded anything."""
+
+    def __init__(self, decision: ClusterDecision):
+        self.decision = decision
+        super().__init__(f"clustered load refused by rank(s) {decision.refusing_ranks}; "
+                         "every rank rolled back", decision.reasons)
+
+
+class ClusterRankFailed(ClusterError):
+    """A rank died, lost its peer or stopped answering; every rank has been torn down."""
+
+
+@dataclass
+class RankSpec:
+    """One rank's own figures (None: the rank reads its own probe) and environment."""
+
+    ceiling_bytes: int | None = None
+    total_ram_bytes: int | None = None
+    budget_bytes: int | None = None
+    ip: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    seconds: float
+    tokens_per_s: float | None
+
+
+def free_port(ip: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def ring_hostfile(ips_ports: list[tuple[str, int]]) -> str:
+    """The ring backend's hostfile JSON: one list of ``ip:port`` per rank (as mlx.launch)."""
+    return json.dumps([[f"{ip}:{port}"] for ip, port in ips_ports])
+
+
+class Cluster:
+    """One clustered load of ``model_dir`` over ``ranks`` (rank 0 first)."""
+
+    def __init__(self, model_dir: str | Path, ranks: list[RankSpec],
+                 request: ClusterRequest | None = None, *, python: str = sys.executable,
+                 env: dict[str, str] | None = None, workdir: str | Path | None = None):
+        if not ranks:
+            raise ValueError("a cluster needs at least one rank")
+        self.model_dir = Path(model_dir)
+        self.ranks = ranks
+        self.request = request or ClusterRequest()
+        self.python = python
+        self.env = dict(os.environ if env is None else env)
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="plimsoll-cluster-")
+        self.workdir = Path(workdir or self._tmp.name)
+        self.procs: list[subprocess.Popen] = []
+        self.events: queue.Queue[tuple[int, dict | None]] = queue.Queue()
+        self.said: dict[int, list[str]] = {}
+        self.ready: dict[int, dict] = {}
+        self.decision: ClusterDecision | None = None
+
+    # ------------------------------------------------------------ processes
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _argv(self, spec: RankSpec) -> list[str]:
+        argv = [self.python, "-m", "plimsoll.cluster.rank", "--model", str(self.model_dir),
+                "--host", spec.ip, "--request", self.request.model_dump_json()]
+        for flag, value in (("--ceiling-bytes", spec.ceiling_bytes),
+                            ("--total-ram-bytes", spec.total_ram_bytes),
+                            ("--budget-bytes", spec.budget_bytes)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv
+
+    def _reader(self, rank: int, stream) -> None:
+        for line in stream:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict):
+                self.events.put((rank, event))
+        self.events.put((rank, None))
+
+    def _spawn(self) -> None:
+        hostfile = self.workdir / "hostfile.json"
+        if len(self.ranks) > 1:
+            hostfile.write_text(ring_hostfile([(s.ip, free_port(s.ip)) for s in self.ranks]))
+        for rank, spec in enumerate(self.ranks):
+            env = self.env | spec.env | {"MLX_RANK": str(rank)}
+            if len(self.ranks) > 1:
+                env["MLX_HOSTFILE"] = str(hostfile)
+            else:
+                env.pop("MLX_HOSTFILE", None)
+            log = (self.workdir / f"rank{rank}.log").open("wb")
+            proc = subprocess.Popen(
+                self._argv(spec), env=env, stdin=subprocess.PIPE if rank == 0 else
+                subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
+                start_new_session=True)
+            log.close()
+            self.procs.append(proc)
+            threading.Thread(target=self._reader, args=(rank, proc.stdout), daemon=True,
+                             name=f"rank{rank}-events").start()
+
+    def _note(self, rank: int, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "error":
+            self.said.setdefault(rank, []).append(f"{event.get('phase')}: {event.get('reason')}")
+        elif kind == "preflight":
+            self.said.setdefault(rank, []).extend(event["answer"].get("reasons", []))
+        elif kind == "ready":
+            self.ready[rank] = event
+        elif kind == "decision" and rank == 0:
+            self.decision = ClusterDecision.model_validate(event["decision"])
+
+    def _next(self, deadline: float) -> tuple[int, dict | None] | None:
+        """The next event, or None at the deadline; raises if a rank died meanwhile."""
+        while time.monotonic() < deadline:
+            try:
+                rank, event = self.events.get(timeout=min(0.2, max(deadline - time.monotonic(),
+                                                                    0.001)))
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if event is not None:
+                self._note(rank, event)
+            return rank, event
+        return None
+
+    def _check_alive(self) -> None:
+        dead = [(r, p.returncode) for r, p in enumerate(self.procs) if p.poll() is not None]
+        if dead:
+            self._fail(dead, "mid-request" if self.ready else "during load")
+
+    def _fail(self, dead: list[tuple[int, int]], when: str) -> None:
+        self._drain(1.0)
+        first = {r for r, _ in dead}
+        dead += [(r, p.returncode) for r, p in enumerate(self.procs)
+                 if r not in first and p.poll() is not None]
+        self.kill()
+        reasons = {r: list(lines) for r, lines in self.said.items()}
+        for rank, code in dead:
+            how = (f"killed by signal {-code}" if code < 0 else
+                   f"exited {code} ({_EXIT_NAMES.get(code, 'unknown')})")
+            reasons.setdefault(rank, []).insert(0, f"rank process {how} {when}")
+        # A rank that only lost its peer (exit 4) is a consequence, not the cause.
+        cause = sorted(r for r, code in dead if code != _EXIT_PEER) or sorted(first)
+        raise ClusterRankFailed(
+            f"rank(s) {cause} stopped {when}; every rank was torn down", reasons)
+
+    def _drain(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                rank, event = self.events.get(timeout=0.05)
+            except queue.Empty:
+                if all(p.poll() is not None for p in self.procs):
+                    return
+                continue
+            if event is not None:
+                self._note(rank, event)
+
+    def kill(self, grace: float = 2.0) -> None:
+        """Stop every rank this object started, by pid: SIGTERM, then SIGKILL after ``grace``."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+    # ------------------------------------------------------------ protocol
+
+    def start(self, timeout: float = 120.0) -> ClusterDecision:
+        """Preflight, decide, and (on commit) wait for every rank to be loaded."""
+        self._spawn()
+        deadline = time.monotonic() + timeout
+        while self.decision is None or (self.decision.action == "commit"
+                                        and len(self.ready) < len(self.ranks)):
+            if self.decision is not None and self.decision.action == "rollback":
+                break
+            try:
+                got = self._next(deadline)
+            except ClusterRankFailed:
+                if self.decision is not None and self.decision.action == "rollback":
+                    break
+                raise
+            if got is None:
+                self.kill()
+                raise ClusterRankFailed(f"the cluster did not come up within {timeout:.0f} s; "
+                                        "every rank was torn down", dict(self.said))
+        if self.decision.action == "rollback":
+            self._wait_exit(10.0)
+            raise ClusterRefused(self.decision)
+        return self.decision
+
+    def _wait_exit(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(deadline - time.monotonic(), 0.01))
+        self.kill()
+
+    def generate(self, prompt: list[int], max_tokens: int, *, timeout: float = 60.0,
+                 on_token: Callable[[int], None] | None = None) -> Generation:
+        """Greedy tokens for ``prompt`` from the whole cluster (one request at a time)."""
+        if self.decision is None or self.decision.action != "commit":
+            raise RuntimeError("start() the cluster first")
+        self._check_alive()
+        stdin = self.procs[0].stdin
+        try:
+            stdin.write(json.dumps({"op": "generate", "prompt": prompt,
+                                    "max_tokens": max_tokens}) + "\n")
+            stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._check_alive()
+            raise
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self._next(deadline)
+            if got is None:
+                self.kill()
+                raise ClusterRankFailed(f"no answer within {timeout:.0f} s; every rank was "
+                                        "torn down", dict(self.said))
+            _, event = got
+            if event is None:
+                self._check_alive()
+                continue
+            kind = event.get("event")
+            if kind == "token" and on_token is not None:
+                on_token(int(event["id"]))
+            elif kind == "done":
+                return Generation(event["tokens"], event["seconds"], event["tokens_per_s"])
+            elif kind == "refused":
+                raise ClusterError("request refused", {0: [event["reason"]]})
+            elif kind == "error":
+                self._drain(1.0)
+                self._check_alive()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Shut the ring down (rank 0 broadcasts shutdown), then kill whatever is left."""
+        if self.procs and self.procs[0].poll() is None and self.procs[0].stdin:
+            try:
+                self.procs[0].stdin.write(json.dumps({"op": "shutdown"}) + "\n")
+                self.procs[0].stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+        self._wait_exit(timeout)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
