@@ -18,6 +18,7 @@ from .cli_cluster import cluster_group
 from .cli_common import UsageFailure
 from .cli_demo import demo_model_command
 from .cli_doctor import doctor_command
+from .cli_reliability import calibrate_command, verify_command
 from .cli_serve import serve_command
 from .cli_watch import watch_link_command
 from .cli_worker import launch_command, worker_command
@@ -66,6 +67,8 @@ main.add_command(doctor_command)
 main.add_command(serve_command)
 main.add_command(watch_link_command)
 main.add_command(cluster_group)
+main.add_command(calibrate_command)
+main.add_command(verify_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

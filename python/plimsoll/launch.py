@@ -8,6 +8,7 @@ Spawning uses an argument list, never a shell.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from . import guard as G
 from .admission import AdmissionDecision
 from .model_facts import ModelFacts
 from .policy import ModelEntry, Policy
@@ -25,6 +27,7 @@ from .units import MIB
 from .worker_config import WorkerConfig
 
 READY_TIMEOUT_S = 300.0
+log = logging.getLogger("plimsoll.launch")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -85,10 +88,16 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
     ]
 
 
+#: Allocations at or above this go straight to mmap and back to the OS on free, instead of
+#: sitting in a glibc heap (setting it also stops glibc's dynamic threshold from growing).
+MALLOC_MMAP_THRESHOLD = 1 << 20
+
+
 def worker_env() -> dict[str, str]:
     """The worker's environment: glibc arenas capped so RSS tracks MLX's own figure."""
     env = dict(os.environ)
     env.setdefault("MALLOC_ARENA_MAX", "2")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD))
     return env
 
 
@@ -111,11 +120,42 @@ class LaunchError(RuntimeError):
     """The worker did not come up with the derived limits; the message has the figures."""
 
 
+def start_guard(cfg: WorkerConfig, footprint_bytes: int | None = None,
+                cgroup_parent: Path | None = None,
+                limit_bytes: int | None = None) -> G.WorkerGuard | None:
+    """The worker's own memory cgroup (admitted footprint + margin), or None with the reason
+    logged. Without a footprint the allocation limit stands in (it bounds the footprint);
+    ``limit_bytes`` sets the hard line outright (tests, ``plimsoll verify``)."""
+    if limit_bytes is None:
+        limit_bytes = G.guard_limit(cfg.allocation_limit_bytes if footprint_bytes is None
+                                    else footprint_bytes)
+    guard, why = G.WorkerGuard.create(f"worker-{cfg.port}", limit_bytes, cgroup_parent)
+    (log.info if guard else log.warning)("memory guard for %s: %s", cfg.model_name,
+                                         why if guard else f"skipped ({why})")
+    return guard
+
+
 def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
-                 stdout=None) -> tuple[subprocess.Popen, dict]:
-    """Spawn the worker, wait until it reports its status, verify its limits, or stop it."""
-    proc = subprocess.Popen(worker_argv(cfg), env=worker_env(), stdout=stdout,
-                            start_new_session=True)
+                 stdout=None, *, footprint_bytes: int | None = None,
+                 cgroup_parent: Path | None = None, cgroup_limit_bytes: int | None = None,
+                 guard: bool = True, env: dict[str, str] | None = None
+                 ) -> tuple[subprocess.Popen, dict]:
+    """Spawn the worker, wait until it reports its status, verify its limits, or stop it.
+
+    With ``guard`` (and root and a writable memory controller) the worker runs in its own
+    cgroup, created under ``cgroup_parent``; ``proc.plimsoll_guard`` holds it and
+    :func:`stop_worker` removes it.
+    """
+    wg = start_guard(cfg, footprint_bytes, cgroup_parent, cgroup_limit_bytes) if guard else None
+    argv = wg.wrap(worker_argv(cfg)) if wg else worker_argv(cfg)
+    try:
+        proc = subprocess.Popen(argv, env=worker_env() | (env or {}), stdout=stdout,
+                                start_new_session=True)
+    except BaseException:
+        if wg:
+            wg.close()
+        raise
+    proc.plimsoll_guard = wg
     url = f"http://{cfg.host}:{cfg.port}/v1/plimsoll/status"
     deadline = time.monotonic() + timeout_s
     try:
@@ -150,4 +190,13 @@ def stop_worker(proc: subprocess.Popen, grace_s: float = 10.0) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    release_guard(proc)
     return proc.returncode
+
+
+def release_guard(proc: subprocess.Popen) -> None:
+    """Remove the exited worker's cgroup (once; a no-op for unguarded workers)."""
+    wg = getattr(proc, "plimsoll_guard", None)
+    if wg is not None and proc.poll() is not None:
+        wg.close()
+        proc.plimsoll_guard = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .admission import AdmissionDecision, AdmissionRequest, admit
+from .calibrate import lookup, reserve_fraction
 from .model_facts import ModelFacts, inspect_model
 from .policy import Mode, ModelEntry, Policy
 from .probes.snapshot import MemorySnapshot
@@ -109,8 +110,16 @@ def plan(
     figures: MemoryFigures,
     wanted: Wanted,
     resident_bytes: int = 0,
+    *,
+    calibrated: bool = True,
+    calibration_root: Path | None = None,
 ) -> tuple[ModelFacts, AdmissionRequest, AdmissionDecision]:
-    """Inspect the model, assemble the request from wanted → entry → policy → defaults, admit."""
+    """Inspect the model, assemble the request from wanted → entry → policy → defaults, admit.
+
+    With ``calibrated`` (the default), a ``plimsoll calibrate`` record for this model, engine
+    and KV dtype raises the transient reserve to the measured unknown (never lowers it),
+    so the admitted footprint is at least the measured peak.
+    """
     kv_dtype = wanted.kv_dtype or (entry.kv_dtype if entry else None)
     facts = inspect_model(model_dir, kv_dtype=None if kv_dtype in (None, "auto") else kv_dtype)
     context = wanted.context or (entry.context if entry else None)
@@ -123,6 +132,12 @@ def plan(
     def knob(name: str):
         return getattr(policy, name) if policy else Policy.model_fields[name].default
 
+    concurrency = wanted.concurrency or (entry.concurrency if entry else 1)
+    reserve = knob("transient_reserve")
+    if calibrated:
+        measured = lookup(model_dir, facts.kv_dtype, concurrency, context, calibration_root)
+        reserve = reserve_fraction(reserve, measured, figures.budget_bytes)
+
     req = AdmissionRequest(
         ceiling_bytes=figures.ceiling_bytes,
         total_ram_bytes=figures.total_ram_bytes,
@@ -132,11 +147,11 @@ def plan(
         kv_bytes_per_token=facts.kv_bytes_per_token,
         per_sequence_fixed_bytes=facts.per_sequence_fixed_bytes,
         native_max_context=facts.native_max_context,
-        transient_reserve=knob("transient_reserve"),
+        transient_reserve=reserve,
         trip_offset=knob("trip_offset"),
         u_margin=knob("u_margin"),
         block_tokens=wanted.block_tokens or knob("block_tokens"),
-        concurrency=wanted.concurrency or (entry.concurrency if entry else 1),
+        concurrency=concurrency,
         context=context,
         max_tokens=max_tokens,
         min_context=knob("min_context"),

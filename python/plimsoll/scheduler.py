@@ -106,7 +106,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.tripped = False
+        self.tripped = ""  # why the worker is over a memory line; "" when it is not
         self.counters: collections.Counter[str] = collections.Counter()
         self.stats: dict[str, Any] = {}
 
@@ -175,8 +175,8 @@ class Scheduler:
             self._inbox.clear()
         for req in new:
             if self.tripped:
-                self._refuse(req, 503, "memory trip: the worker is over its trip point and "
-                             "refuses new work until memory comes back", "memory_trip")
+                self._refuse(req, 503, f"memory trip: {self.tripped}; the worker refuses new "
+                             "work until memory comes back", "memory_trip")
             elif len(self._waiting) >= self.limits.max_queue:
                 self._refuse(req, 503, f"the waiting queue is full ({self.limits.max_queue} "
                              "requests): retry later", "queue_full")
@@ -205,21 +205,47 @@ class Scheduler:
                 self.engine.drop_prefix(handle)
             self.engine.clear_cache()
             self.counters["trips"] += 1
-            log.warning("trip: %s over %d B; dropped cached prefixes", over, self.limits.trip_bytes)
+            log.warning("trip: %s; dropped cached prefixes", over)
             over = self._over_trip()
         if over and not self.tripped:
-            log.error("trip: still over after the emergency clear; refusing new work")
-        self.tripped = bool(over)
+            log.error("trip: %s after the emergency clear; refusing new work", over)
+        self.tripped = over
+        if over:
+            self._shed(over)
+
+    def _shed(self, why: str) -> None:
+        """Still over after the clear: refuse everyone waiting and abort the newest running
+        request (one per iteration, so the oldest work finishes if that is enough)."""
+        message = f"memory trip: {why}; request aborted to keep the worker under its line"
+        while self._waiting:
+            self._refuse(self._waiting.popleft(), 503, message, "memory_trip")
+        if self._running:
+            req = self._running.pop(max(self._running))
+            self.engine.finish(req.id, retain=False)
+            self.pool.release(req.id)
+            self.engine.clear_cache()
+            self._refuse(req, 503, message, "memory_trip")
 
     def _over_trip(self) -> str:
+        """Why memory is over a line ("" when it is not): the trip, or the guard's soft line.
+
+        ``cgroup_usage``/``cgroup_soft`` come from the per-process guard when the worker runs
+        in a limited cgroup (:mod:`plimsoll.guard`): its whole footprint, not only MLX's.
+        """
         mem = self.memory_probe()
         for name in ("mlx_active", "rss"):
             if mem.get(name, 0) > self.limits.trip_bytes:
-                return f"{name}={mem[name]}"
+                return f"{name}={mem[name]} B is over the trip at {self.limits.trip_bytes} B"
+        soft = mem.get("cgroup_soft")
+        if soft and mem.get("cgroup_usage", 0) > soft:
+            return (f"cgroup usage {mem['cgroup_usage']} B is over the guard's soft line "
+                    f"at {soft} B")
         return ""
 
     def _admit_waiting(self) -> None:
         while self._waiting and len(self._running) < self.limits.max_num_seqs:
+            if self._running and self._over_trip():  # each prefill can be a spike
+                return
             req = self._waiting[0]
             plan = self.pool.plan(req.prompt, req.max_tokens)
             if isinstance(plan, Refusal):
@@ -307,6 +333,7 @@ class Scheduler:
             "waiting": len(self._waiting) + len(self._inbox),
             "kv_bytes_held": self.engine.kv_bytes_held(),
             "kv_bytes_peak": self.engine.kv_bytes_peak(),
-            "tripped": self.tripped,
+            "tripped": bool(self.tripped),
+            "trip_reason": self.tripped,
             "counters": dict(self.counters),
         }

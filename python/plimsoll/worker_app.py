@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from . import anthropic_routes
 from . import protocol as P
+from .guard import SelfGuard, memory_probe_with_guard
 from .kv_pool import KVPool
 from .scheduler import (
     Finished,
@@ -238,6 +239,7 @@ def status_report(state: Any) -> dict[str, Any]:
         "mlx": {"active_bytes": mem["active"], "peak_bytes": mem["peak"],
                 "cache_bytes": mem["cache"]},
         "rss_bytes": state.rss(),
+        "cgroup": state.guard.status() if state.guard else None,
         "context": {"native_max": state.native_max_context, "configured": cfg.context,
                     "max_tokens": cfg.max_tokens, "default_max_tokens": cfg.default_max_tokens},
         "limits": {
@@ -293,8 +295,10 @@ def make_app(cfg: WorkerConfig) -> Starlette:
         def memory_probe() -> dict[str, int]:
             return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
 
+        self_guard = SelfGuard.find()  # the cgroup limit that binds us, if any
         sched = Scheduler(setup, SchedulerLimits(cfg.max_num_seqs, cfg.max_queue,
-                                                 cfg.max_wait_s, cfg.trip_bytes), memory_probe)
+                                                 cfg.max_wait_s, cfg.trip_bytes),
+                          memory_probe_with_guard(memory_probe, self_guard))
         sched.start()
         await run_in_threadpool(sched.ready.wait)
         if sched.setup_error is not None:
@@ -310,6 +314,7 @@ def make_app(cfg: WorkerConfig) -> Starlette:
         app.state.engine_memory = eng.memory
         app.state.rss = lambda: proc.memory_info().rss
         app.state.started = time.monotonic()
+        app.state.guard = self_guard
         log.info("PLIMSOLL_READY %s", json.dumps(status_report(app.state)))
         try:
             yield

@@ -30,6 +30,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory) -> Iterator[Path]:
+    """Tests never read or write the user's cache (calibration records change admission)."""
+    path = tmp_path_factory.mktemp("plimsoll-cache")
+    old = os.environ.get("PLIMSOLL_CACHE")
+    os.environ["PLIMSOLL_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("PLIMSOLL_CACHE", None)
+    else:
+        os.environ["PLIMSOLL_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from plimsoll.demo_model import build_demo_model

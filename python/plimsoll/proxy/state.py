@@ -28,7 +28,7 @@ from subprocess import Popen
 from typing import Any
 
 from ..admission import AdmissionDecision
-from ..launch import start_worker, stop_worker
+from ..launch import release_guard, start_worker, stop_worker
 from ..policy import ModelEntry
 from ..worker_config import WorkerConfig
 from .events import EventLog
@@ -150,7 +150,8 @@ class Worker:
             self.events.record("spawn", self.name, port=cfg.port,
                                footprint_bytes=decision.footprint_bytes)
             loop = asyncio.get_running_loop()
-            fut = loop.run_in_executor(None, lambda: start_worker(cfg, timeout_s))
+            fut = loop.run_in_executor(None, lambda: start_worker(
+                cfg, timeout_s, footprint_bytes=decision.footprint_bytes))
             try:
                 proc, status = await asyncio.shield(fut)
             except asyncio.CancelledError:  # shutting down: never leave an orphan behind
@@ -205,6 +206,7 @@ class Worker:
         self.events.record("exit", self.name, pid=inc.pid, returncode=rc,
                            exit=describe_exit(rc), expected=expected, reason=reason,
                            cut_requests=cut_requests)
+        release_guard(inc.proc)  # the exited worker's cgroup goes with it
         self.current = None
         self._watcher = None
         self._set(State.STOPPED)
