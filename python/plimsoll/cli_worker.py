@@ -155,4 +155,7 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     while proc.poll() is None and not stop:
         time.sleep(0.2)
-    raise SystemExit(stop_worker(proc) if stop else proc.returncode)
+    if stop:  # asked to stop: a clean stop of the worker is a clean exit of ours
+        rc = stop_worker(proc)
+        raise SystemExit(0 if rc in (0, -signal.SIGTERM) else 1)
+    raise SystemExit(proc.returncode if proc.returncode >= 0 else 1)

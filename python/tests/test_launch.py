@@ -48,7 +48,7 @@ def test_launch_starts_a_verified_worker_and_stops_it(tiny_model, tmp_path):
         assert r.status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        assert proc.wait(30) == 0  # a clean stop is a clean exit
     # the worker went with it
     time.sleep(0.5)
     try:
