@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from . import protocol as P
 from . import worker_app as W
+from .http_body import read_body
 from .protocol import anthropic as A
 from .scheduler import Refused, Started
 
@@ -41,7 +42,7 @@ def protocol_error(err: P.ProtocolError) -> JSONResponse:
 async def _prompt(request: Request, parse: Any) -> tuple[Any, list[int]] | JSONResponse:
     """Body → validated request → prompt ids, or the error response (400/404/413)."""
     state = request.app.state
-    raw = await W.read_body(request)
+    raw = await read_body(request)
     if isinstance(raw, P.ProtocolError):
         return protocol_error(raw)
     req = parse(raw)

@@ -235,12 +235,10 @@ def facts_from_config(config: dict, weights_bytes: int, kv_dtype: str | None = N
 # ---------------------------------------------------------------- file reading
 
 
-def safetensors_tensor_bytes(path: Path) -> dict[str, int]:
-    """Bytes per safetensors dtype (``end − start`` summed) of one file, from its header only.
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """The JSON header of one safetensors file and the size of its data region.
 
-    Those are the bytes the tensors occupy once loaded (the header itself is not
-    loaded). Reads 8 bytes + the JSON header, so it is fast on multi-GB files,
-    and checks that every tensor lies inside the file (a truncated download fails).
+    Reads 8 bytes + the header only, so it is fast on multi-GB files.
     """
     size = path.stat().st_size
     with path.open("rb") as f:
@@ -257,8 +255,17 @@ def safetensors_tensor_bytes(path: Path) -> dict[str, int]:
             raise ModelInspectionError(f"{path}: unreadable safetensors header ({e})") from e
     if not isinstance(header, dict):
         raise ModelInspectionError(f"{path}: safetensors header is not a JSON object")
+    return header, size - 8 - header_len
+
+
+def safetensors_tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes per safetensors dtype (``end − start`` summed) of one file, from its header only.
+
+    Those are the bytes the tensors occupy once loaded (the header itself is not
+    loaded); every tensor must lie inside the file (a truncated download fails).
+    """
+    header, data_region = read_safetensors_header(path)
     by_dtype: dict[str, int] = {}
-    data_region = size - 8 - header_len
     for name, info in header.items():
         if name == "__metadata__":
             continue

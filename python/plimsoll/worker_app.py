@@ -29,6 +29,7 @@ from starlette.routing import Route
 from . import anthropic_routes
 from . import protocol as P
 from .guard import SelfGuard, memory_probe_with_guard
+from .http_body import read_body
 from .kv_pool import KVPool
 from .scheduler import (
     Finished,
@@ -54,20 +55,6 @@ def error(status: int, message: str, *, code: str | None = None, param: str | No
 
 def protocol_error(err: P.ProtocolError) -> JSONResponse:
     return JSONResponse(err.body(), err.status)
-
-
-async def read_body(request: Request) -> bytes | P.ProtocolError:
-    """The body, refused past MAX_BODY_BYTES without reading it all into memory."""
-    too_big = P.check_body_size(request.headers.get("content-length"))
-    if too_big:
-        return too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > P.MAX_BODY_BYTES:
-            return P.check_body_size(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 # --- the request path (shared by the OpenAI and Anthropic routes) ---------------------------

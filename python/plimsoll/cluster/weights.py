@@ -6,30 +6,13 @@ The pure planner groups these by layer; this module only reads files. It never i
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
-from plimsoll.model_facts import ModelInspectionError
-
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
+from plimsoll.model_facts import ModelInspectionError, read_safetensors_header
 
 
 def _header(path: Path) -> dict:
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise ModelInspectionError(f"{path}: too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > min(_MAX_HEADER_BYTES, size - 8):
-            raise ModelInspectionError(f"{path}: implausible safetensors header length {n}")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelInspectionError(f"{path}: unreadable safetensors header ({e})") from e
-    if not isinstance(header, dict):
-        raise ModelInspectionError(f"{path}: safetensors header is not a JSON object")
-    return header
+    return read_safetensors_header(path)[0]
 
 
 def tensor_bytes(model_dir: str | Path) -> dict[str, int]:

@@ -50,6 +50,7 @@ from pydantic import (
 from .assembler import Assembled, Delta, TextAssembler, TextDelta, ToolCallDelta
 from .errors import ProtocolError
 from .parse import _from_validation, decode_json_body
+from .render import apply_template
 from .requests import MAX_TOKENS_LIMIT, _Strict
 
 MAX_STOP_SEQUENCES = 16
@@ -422,18 +423,9 @@ def render_messages(tokenizer: Any, req: _Conversation) -> list[int]:
                             param="messages", code="no_chat_template")
     messages = template_messages(req)
     prefill = req.messages[-1].role == "assistant"
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages, tools=req.active_tools, tokenize=True,
-            add_generation_prompt=not prefill, **({"continue_final_message": True}
-                                                  if prefill else {}))
-    except Exception as e:  # template code is the model's, not ours: any failure is a 400
-        raise ProtocolError(400, f"The model's chat template could not render these messages "
-                            f"({type(e).__name__}: {e}). Check the roles and their order.",
-                            param="messages", code="template_error") from e
-    if isinstance(ids, dict):  # a BatchEncoding from tokenizers that ignore return_dict
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+    return apply_template(tokenizer, messages, req.active_tools,
+                          add_generation_prompt=not prefill,
+                          **({"continue_final_message": True} if prefill else {}))
 
 
 def count_tokens_body(prompt_tokens: int) -> dict[str, Any]:

@@ -57,9 +57,15 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
     if not getattr(tokenizer, "has_chat_template", True):
         raise ProtocolError(400, "This model has no chat template; send a plain prompt to "
                             "/v1/completions instead.", param="messages", code="no_chat_template")
+    return apply_template(tokenizer, template_messages(req), req.active_tools,
+                          add_generation_prompt=True)
+
+
+def apply_template(tokenizer: Any, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None, **kwargs: Any) -> list[int]:
+    """The model's chat template over normalised messages, as token ids; a failure is a 400."""
     try:
-        ids = tokenizer.apply_chat_template(template_messages(req), tools=req.active_tools,
-                                            add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, **kwargs)
     except Exception as e:  # template code is the model's, not ours: any failure is a 400
         raise ProtocolError(400, f"The model's chat template could not render these messages "
                             f"({type(e).__name__}: {e}). Check the roles and their order.",

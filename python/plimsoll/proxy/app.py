@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import protocol as P
+from ..http_body import read_body
 from ..policy import Mode, Policy
 from . import admin
 from . import dashboard as dash  # GET /, GET /dashboard.json
@@ -67,19 +68,6 @@ def api_key_ok(request: Request) -> bool:
         return True
     given = request.headers.get("x-api-key", "")
     return hmac.compare_digest(given.encode(), key.encode())
-
-
-async def read_body(request: Request) -> bytes | P.ProtocolError:
-    too_big = P.check_body_size(request.headers.get("content-length"))
-    if too_big:
-        return too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > P.MAX_BODY_BYTES:
-            return P.check_body_size(size)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 async def lost_reason(lease: Lease, err: Exception) -> str:
