@@ -427,6 +427,7 @@ class _Watched:
         self.usage: int | None = None
         self.error: dict[str, Any] | None = None
         self.done = False
+        self.saw_end = False  # the stream's own end marker passed: a later close is not a cancel
 
     def __aiter__(self) -> _Watched:
         return self
@@ -441,7 +442,7 @@ class _Watched:
         return chunk
 
     async def aclose(self) -> None:
-        self._end(complete=False)
+        self._end(complete=self.saw_end)
         await self.inner.aclose()
 
     def _scan(self, chunk: bytes) -> None:
@@ -449,7 +450,9 @@ class _Watched:
         *events, self.buf = self.buf.split(b"\n\n")
         for raw in events:
             for line in raw.split(b"\n"):
-                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
+                    self.saw_end = True
+                elif line.startswith(b"data:"):
                     self._data(line[5:].strip())
 
     def _data(self, data: bytes) -> None:
@@ -459,6 +462,8 @@ class _Watched:
             return
         if not isinstance(obj, dict):
             return
+        if obj.get("type") == "message_stop":  # Anthropic's end of stream
+            self.saw_end = True
         if "error" in obj:
             self.error = obj
             return
