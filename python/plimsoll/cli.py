@@ -7,25 +7,46 @@ Exit statuses: 0 success (admit/clamp), 2 bad usage or bad input, 3 refusal.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import click
 
-from .cli_admit import admit_command
-from .cli_cluster import cluster_group
 from .cli_common import UsageFailure
-from .cli_demo import demo_model_command
-from .cli_doctor import doctor_command
-from .cli_reliability import calibrate_command, verify_command
-from .cli_serve import serve_command
-from .cli_watch import watch_link_command
-from .cli_worker import launch_command, worker_command
 from .policy import PolicyError, load_policy, policy_json_schema
 
+# name → (module, attribute): each subcommand's module is imported only when it runs (or for
+# --help), so `plimsoll admit` does not pay for the proxy, watcher or cluster imports.
+COMMANDS = {
+    "admit": ("cli_admit", "admit_command"),
+    "demo-model": ("cli_demo", "demo_model_command"),
+    "worker": ("cli_worker", "worker_command"),
+    "launch": ("cli_worker", "launch_command"),
+    "serve": ("cli_serve", "serve_command"),
+    "doctor": ("cli_doctor", "doctor_command"),
+    "watch-link": ("cli_watch", "watch_link_command"),
+    "cluster": ("cli_cluster", "cluster_group"),
+    "calibrate": ("cli_reliability", "calibrate_command"),
+    "verify": ("cli_reliability", "verify_command"),
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class LazyGroup(click.Group):
+    """A click group whose listed subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in COMMANDS:
+            module, attr = COMMANDS[name]
+            return getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="plimsoll")
 def main() -> None:
     """plimsoll: serve MLX models without ever loading the host past its memory line.
@@ -57,18 +78,6 @@ def policy_check(file: Path) -> None:
 def policy_schema() -> None:
     """Print the policy JSON Schema (what the Nix modules generate against)."""
     click.echo(json.dumps(policy_json_schema(), indent=2, sort_keys=True))
-
-
-main.add_command(admit_command)
-main.add_command(demo_model_command)
-main.add_command(worker_command)
-main.add_command(launch_command)
-main.add_command(doctor_command)
-main.add_command(serve_command)
-main.add_command(watch_link_command)
-main.add_command(cluster_group)
-main.add_command(calibrate_command)
-main.add_command(verify_command)
 
 
 if __name__ == "__main__":  # pragma: no cover

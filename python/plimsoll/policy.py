@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import jsonschema
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -204,6 +203,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 def _schema_errors(data: Mapping[str, Any], source: str) -> str | None:
     """Shape errors against the committed schema (the file Nix validates against too)."""
+    import jsonschema  # imported here: only loading a policy needs it, not CLI start-up
+
     validator = jsonschema.Draft202012Validator(committed_schema())
     errors = sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
     if not errors:
