@@ -83,6 +83,16 @@ class Worker:
     def status(self) -> dict:
         return httpx.get(self.url + "/v1/plimsoll/status", timeout=10).json()
 
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """Poll status until nothing runs, waits or holds live blocks; return that status."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = self.status()
+            if s["running"] == 0 and s["waiting"] == 0 and s["pool"]["used"] == 0:
+                return s
+            time.sleep(0.1)
+        raise AssertionError(f"worker did not go idle: {s}")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -1,40 +1,21 @@
 """The Anthropic Messages API on a real worker: uvicorn on 127.0.0.1, mlx-lm inference, and
 the official ``anthropic`` client, unchanged.
 
-The routes are not wired into ``plimsoll worker`` yet, so the worker is started by a tiny
-launcher (``make_app`` plus :data:`plimsoll.anthropic_routes.ROUTES`) in its own process,
-as ``conftest.Worker`` starts real workers. A random-weight model does not call tools;
+The worker is a real ``plimsoll worker`` process (``conftest.Worker``). A random-weight
+model does not call tools;
 the ``tool_use`` path is covered at the protocol level (test_anthropic_protocol.py).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Worker, free_port, worker_env
+from conftest import Worker
 
 anthropic = pytest.importorskip("anthropic")
-
-LAUNCHER = """
-import sys
-
-import uvicorn
-
-from plimsoll.anthropic_routes import ROUTES
-from plimsoll.worker_app import make_app
-from plimsoll.worker_config import WorkerConfig
-
-cfg = WorkerConfig.model_validate_json(sys.argv[1])
-app = make_app(cfg)
-app.router.routes.extend(ROUTES)
-uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
-"""
 
 WEATHER = {"name": "get_weather", "description": "Current weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -44,43 +25,15 @@ HELLO = [{"role": "user", "content": "hello there"}]
 GREEDY = {"temperature": 0}
 
 
-class AnthropicWorker(Worker):
-    """A real worker process serving the OpenAI routes and the Anthropic ones."""
-
-    def __init__(self, model: Path, **flags):
-        from plimsoll.worker_config import WorkerConfig
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        settings = {"max_cache_blocks": 2048, "gpu_memory_utilization": 0.9,
-                    "cache_memory_mb": 64, "max_num_seqs": 8, "context": 4096,
-                    "max_tokens": 512, "default_max_tokens": 256,
-                    "ceiling_bytes": 8 << 30, "total_ram_bytes": 16 << 30} | flags
-        cfg = WorkerConfig(model_dir=model, model_name="tiny", port=self.port, **settings)
-        self.proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, cfg.model_dump_json()],
-                                     env=worker_env(), start_new_session=True)
-        self.wait_ready()
-
-
 @pytest.fixture(scope="module")
 def worker(tiny_model):
-    w = AnthropicWorker(tiny_model)
+    w = Worker(tiny_model, default_max_tokens=256)
     yield w
     w.stop()
 
 
 def client(w: Worker) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=w.url, api_key="none", max_retries=0, timeout=120)
-
-
-def wait_idle(w: Worker, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = w.status()
-        if s["running"] == 0 and s["waiting"] == 0 and s["pool"]["used"] == 0:
-            return s
-        time.sleep(0.1)
-    raise AssertionError(f"worker did not go idle: {s}")
 
 
 def test_create_and_stream_agree(worker):
@@ -197,7 +150,7 @@ def test_bad_requests_in_anthropic_shape(worker):
 
 
 def test_disconnect_frees_blocks(worker):
-    wait_idle(worker)
+    worker.wait_idle()
     body = {"model": "tiny", "max_tokens": 400, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": "go"}]}
     with httpx.Client(timeout=60) as h, h.stream("POST", worker.url + "/v1/messages",
@@ -207,16 +160,15 @@ def test_disconnect_frees_blocks(worker):
         for _ in range(6):
             next(lines)
         assert worker.status()["running"] == 1
-    s = wait_idle(worker, timeout=10)
+    s = worker.wait_idle(timeout=10)
     assert s["counters"].get("cancelled", 0) >= 1
 
 
 @pytest.fixture(scope="module")
 def small_worker(tiny_model):
     # One sequence of the whole context fits; a second concurrent one does not.
-    w = AnthropicWorker(tiny_model, max_cache_blocks=80, context=1024, max_tokens=900,
-                        default_max_tokens=256, cache_memory_mb=0, max_wait_s=0.5,
-                        max_num_seqs=4)
+    w = Worker(tiny_model, max_cache_blocks=80, context=1024, max_tokens=900,
+               default_max_tokens=256, cache_memory_mb=0, max_wait=0.5, max_num_seqs=4)
     yield w
     w.stop()
 
@@ -246,7 +198,7 @@ def test_pool_exhausted_is_503_overloaded_with_retry_after(small_worker):
     assert "blocks" in e.value.body["error"]["message"]
     assert results["hog"].usage.output_tokens == 900 and results["hog"].stop_reason == \
         "max_tokens"
-    wait_idle(w)
+    w.wait_idle()
     ok = c.messages.create(model="tiny", max_tokens=20, messages=[{"role": "user",
                                                                   "content": "late"}])
     assert ok.usage.output_tokens <= 20

@@ -18,16 +18,6 @@ def client(w: Worker) -> openai.OpenAI:
     return openai.OpenAI(base_url=w.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def wait_idle(w: Worker, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = w.status()
-        if s["running"] == 0 and s["waiting"] == 0 and s["pool"]["used"] == 0:
-            return s
-        time.sleep(0.1)
-    raise AssertionError(f"worker did not go idle: {s}")
-
-
 def test_openai_client_round_trips(worker):
     c = client(worker)
     assert [m.id for m in c.models.list()] == ["tiny"]
@@ -115,13 +105,13 @@ def test_physical_bound_under_eight_growing_conversations(worker):
         assert s["kv_bytes_held"] <= bound
         pool = s["pool"]
         assert pool["used"] + pool["cached"] + pool["headroom"] + pool["free"] == pool["total"]
-    final = wait_idle(worker)
+    final = worker.wait_idle()
     assert final["kv_bytes_peak"] <= bound  # sampled by the engine after every allocation
 
 
 def test_growing_conversation_keeps_one_kv_copy(worker):
     c = client(worker)
-    s0 = wait_idle(worker)
+    s0 = worker.wait_idle()
     per_token = s0["kv_bytes_per_token"]
     history = [{"role": "system", "content": "You are a coding agent."}]
     cached = []
@@ -134,7 +124,7 @@ def test_growing_conversation_keeps_one_kv_copy(worker):
         total = r.usage.prompt_tokens + r.usage.completion_tokens
     assert cached[0] == 0 and all(b > a for a, b in itertools.pairwise(cached))  # reuse grows
     assert cached[-1] > 0.8 * total
-    s = wait_idle(worker)
+    s = worker.wait_idle()
     # The conversation is held once (one retained prefix of its written tokens, rounded up
     # to whole blocks), next to whatever earlier tests retained: not one copy per turn.
     held_conv = s["kv_bytes_held"] - s0["kv_bytes_held"]
@@ -142,7 +132,7 @@ def test_growing_conversation_keeps_one_kv_copy(worker):
 
 
 def test_disconnect_frees_blocks(worker):
-    wait_idle(worker)
+    worker.wait_idle()
     body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}],
             "max_tokens": 400, "stream": True, "temperature": 0}
     with httpx.Client(timeout=60) as h, h.stream(
@@ -153,7 +143,7 @@ def test_disconnect_frees_blocks(worker):
             next(lines)
         assert worker.status()["running"] == 1
     # the connection is closed: the request is cancelled and its blocks freed
-    s = wait_idle(worker, timeout=10)
+    s = worker.wait_idle(timeout=10)
     assert s["counters"].get("cancelled", 0) >= 1
 
 
@@ -191,7 +181,7 @@ def test_pool_exhausted_is_503_with_retry_after_then_recovers(small_worker):
     asked, free, _cached, held = map(int, re.findall(
         r"needs (\d+) blocks; (\d+) are free, (\d+) cached .* and (\d+) held", err["message"])[0])
     assert asked >= math.ceil(900 / 16) and asked > free and held >= math.ceil(930 / 16)
-    wait_idle(w)
+    w.wait_idle()
     ok = httpx.post(w.url + "/v1/chat/completions", json=late | {"max_tokens": 20}, timeout=60)
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["completion_tokens"] <= 20
