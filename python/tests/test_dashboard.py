@@ -67,18 +67,24 @@ def browser(tmp_path_factory) -> Iterator:
 
 
 def wait(driver, pred, what: str, timeout: float = 60):
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
+    # The page re-renders every poll, so an element found a moment ago may be gone: retry.
+    ignored = (NoSuchElementException, StaleElementReferenceException)
     try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.2).until(lambda d: pred(d))
+        return WebDriverWait(driver, timeout, poll_frequency=0.2,
+                             ignored_exceptions=ignored).until(lambda d: pred(d))
     except Exception as err:
         raise AssertionError(f"timed out waiting for {what}") from err
 
 
 def value(driver, element_id: str) -> int:
-    from selenium.webdriver.common.by import By
-
-    return int(driver.find_element(By.ID, element_id).get_attribute("data-value") or -1)
+    """An element's data-value, read in one script call (no stale element between calls)."""
+    got = driver.execute_script(
+        "const e = document.getElementById(arguments[0]); return e ? e.dataset.value : null",
+        element_id)
+    return int(got or -1)
 
 
 def card(driver, model: str):
@@ -98,14 +104,14 @@ def test_dashboard_shows_live_figures_and_updates(proxy, browser, tmp_path):
     d.get(proxy.url + "/")
     assert d.title == "plimsoll"
     wait(d, lambda d: polls(d) >= 1, "the first poll")
-    assert d.find_element(By.ID, "mode").text == "standalone"
+    assert wait(d, lambda d: d.find_element(By.ID, "mode").text, "the mode") == "standalone"
     assert value(d, "budget") == 512 * MIB
     assert value(d, "os-floor") == 4 * 1024 * MIB
     host = httpx.get(proxy.url + "/dashboard.json", timeout=30).json()["host"]
     assert value(d, "ceiling") == host["ceiling_bytes"]
     assert value(d, "total-ram") == host["total_ram_bytes"]
     assert value(d, "envelope") == host["envelope_bytes"]
-    assert card(d, "tiny").get_attribute("data-state") == "stopped"
+    assert wait(d, lambda d: card(d, "tiny").get_attribute("data-state"), "the card") == "stopped"
     assert value(d, "used-weights") == 0
 
     # a refusal, then a request that loads the model
@@ -116,20 +122,22 @@ def test_dashboard_shows_live_figures_and_updates(proxy, browser, tmp_path):
     wait(d, lambda d: card(d, "tiny").get_attribute("data-state") == "ready", "tiny ready")
     worker = next(w for w in proxy.running()["workers"] if w["model"] == "tiny")
     pool = worker["memory"]["pool"]
-    pool_el = wait(d, lambda d: card(d, "tiny").find_element(By.CSS_SELECTOR, "td.pool"),
-                   "the pool row")
-    assert int(pool_el.get_attribute("data-total")) == pool["total"]
+    pool_total = wait(d, lambda d: card(d, "tiny").find_element(By.CSS_SELECTOR, "td.pool")
+                      .get_attribute("data-total"), "the pool row")
+    assert int(pool_total) == pool["total"]
     wait(d, lambda d: card(d, "tiny").find_element(By.CSS_SELECTOR, "td.requests")
          .get_attribute("data-ok") == "1", "one request counted")
     assert value(d, "used-weights") == worker["admitted"]["weights_bytes"]
     assert value(d, "admitted") == worker["admitted"]["footprint_bytes"]
     wait(d, lambda d: value(d, "used-cache") > 0, "the retained prefix in the cache")
-    reasons = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#refusals tr.refusal td.reason")]
+    reasons = wait(d, lambda d: [e.text for e in d.find_elements(
+        By.CSS_SELECTOR, "#refusals tr.refusal td.reason")], "the refusals")
     assert "admission_refused" in reasons
-    assert "huge" in d.find_element(By.ID, "refusals").text
+    assert "huge" in wait(d, lambda d: d.find_element(By.ID, "refusals").text, "refusals")
 
     # the timeline grows live
-    before = int(d.find_element(By.ID, "timeline").get_attribute("data-points"))
+    before = int(wait(d, lambda d: d.find_element(By.ID, "timeline")
+                      .get_attribute("data-points"), "the timeline"))
     wait(d, lambda d: int(d.find_element(By.ID, "timeline").get_attribute("data-points"))
          >= max(before + 2, 3), "the timeline to grow")
     assert d.find_elements(By.CSS_SELECTOR, "#timeline path")
