@@ -17,6 +17,14 @@ The limit is set *before* the worker runs any code: the launch wrapper creates t
 cgroup and spawns ``python -m plimsoll.guard enter DIR -- ARGV…``, which writes its own
 pid into the cgroup and execs the worker (an argument list, never a shell). Without root
 or a writable memory controller the guard is skipped with the reason logged.
+
+Where no cgroup can bind the worker (macOS; Linux without a writable memory controller)
+the same lines are kept by the worker itself on its **whole-process footprint**: the
+launcher passes the hard line in ``PLIMSOLL_FOOTPRINT_LIMIT_BYTES``; the worker samples
+``phys_footprint`` (libproc ``proc_pid_rusage``, what jetsam counts) on macOS, or its RSS
+elsewhere. The soft line feeds the scheduler exactly as the cgroup's does; crossing the
+hard line ends the worker at once with exit status :data:`EXIT_FOOTPRINT` (fail closed: the
+proxy notices the exit and restarts it later) — before the OS is under pressure.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import logging
 import math
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +52,12 @@ MARGIN_FRACTION = 0.05
 MIN_MARGIN_BYTES = 64 * MIB
 SOFT_FRACTION = 0.90
 SOFT_ENV = "PLIMSOLL_GUARD_SOFT_FRACTION"
+#: The hard line of a worker that no cgroup binds (set by the launcher, read by the worker).
+FOOTPRINT_ENV = "PLIMSOLL_FOOTPRINT_LIMIT_BYTES"
+#: The worker's exit status when its own footprint crossed the hard line.
+EXIT_FOOTPRINT = 70
+#: How often the footprint guard samples the hard line (the soft line is read per step).
+FOOTPRINT_PERIOD_S = 0.05
 _names = itertools.count()
 
 
@@ -138,32 +154,119 @@ class SelfGuard:
     soft_fraction: float
 
     @classmethod
-    def find(cls, soft_fraction: float | None = None) -> SelfGuard | None:
-        """None when no cgroup limit binds this process (then only the trip applies)."""
-        cg = cgroups.own() if sys.platform.startswith("linux") else None
-        if cg is None or cg.limit() is None:
-            return None
+    def find(cls, soft_fraction: float | None = None) -> SelfGuard | FootprintGuard | None:
+        """The guard that binds this process: its cgroup, else the footprint line the
+        launcher passed (armed here: the hard line is watched from now on), else None
+        (then only the trip applies)."""
         fraction = soft_fraction_from_env() if soft_fraction is None else soft_fraction
         soft_line(1, fraction)  # validate once, loudly
-        return cls(cg, fraction)
+        cg = cgroups.own() if sys.platform.startswith("linux") else None
+        if cg is not None and cg.limit() is not None:
+            return cls(cg, fraction)
+        raw = os.environ.get(FOOTPRINT_ENV)
+        if raw:
+            guard = FootprintGuard(int(raw), fraction, *own_footprint_reader())
+            guard.arm()
+            return guard
+        return None
 
     def probe(self) -> dict[str, int]:
         """The scheduler's extra inputs: working-set usage and the soft line."""
         limit = self.cgroup.limit()
         if limit is None:
             return {}
-        return {"cgroup_usage": self.cgroup.working_set() or 0,
-                "cgroup_soft": soft_line(limit, self.soft_fraction)}
+        return {"guard_usage": self.cgroup.working_set() or 0,
+                "guard_soft": soft_line(limit, self.soft_fraction)}
 
     def status(self) -> dict:
         stats = self.cgroup.stats()
         limit = stats["limit_bytes"]
-        return {**stats, "soft_fraction": self.soft_fraction,
+        return {**stats, "kind": "cgroup", "soft_fraction": self.soft_fraction,
                 "soft_bytes": soft_line(limit, self.soft_fraction) if limit else None}
 
 
+def own_footprint_reader() -> tuple[Callable[[], int], str]:
+    """This process's whole footprint and what it is: ``phys_footprint`` on macOS (what
+    jetsam and Activity Monitor count), the resident set elsewhere."""
+    if sys.platform == "darwin":
+        from .probes.darwin import read_phys_footprint
+
+        pid = os.getpid()
+        return (lambda: read_phys_footprint(pid)), "phys_footprint"
+    import psutil
+
+    me = psutil.Process()
+    return (lambda: me.memory_info().rss), "rss"
+
+
+@dataclass
+class FootprintGuard:
+    """Both lines on this process's own footprint, for a worker no cgroup binds.
+
+    Invariant: the soft line (``soft_fraction`` of ``limit_bytes``) is a scheduler input
+    like the cgroup's; a sample above ``limit_bytes`` ends the process with
+    :data:`EXIT_FOOTPRINT` within one period, whatever the scheduler is doing.
+    """
+
+    limit_bytes: int
+    soft_fraction: float
+    read: Callable[[], int]
+    source: str
+    peak_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.limit_bytes <= 0:
+            raise ValueError(f"{FOOTPRINT_ENV}={self.limit_bytes}: the hard line must be a "
+                             "positive number of bytes")
+
+    def sample(self) -> int:
+        used = self.read()
+        self.peak_bytes = max(self.peak_bytes, used)
+        return used
+
+    def probe(self) -> dict[str, int]:
+        return {"guard_usage": self.sample(),
+                "guard_soft": soft_line(self.limit_bytes, self.soft_fraction)}
+
+    def over_hard_line(self) -> str:
+        """Why the hard line is crossed ("" when it is not)."""
+        used = self.sample()
+        if used > self.limit_bytes:
+            return (f"{self.source} {used} B crossed the hard line {self.limit_bytes} B "
+                    f"({FOOTPRINT_ENV})")
+        return ""
+
+    def arm(self, period_s: float = FOOTPRINT_PERIOD_S,
+            on_cross: Callable[[str], None] | None = None) -> threading.Thread:
+        """Watch the hard line from a daemon thread; on crossing, ``on_cross`` (default: log
+        and ``os._exit(EXIT_FOOTPRINT)`` — no clean-up can be trusted to stay under it)."""
+        def cross(why: str) -> None:
+            log.critical("footprint guard: %s; ending the worker", why)
+            logging.shutdown()
+            os._exit(EXIT_FOOTPRINT)
+
+        def watch() -> None:
+            while True:
+                why = self.over_hard_line()
+                if why:
+                    (on_cross or cross)(why)
+                    return
+                time.sleep(period_s)
+
+        t = threading.Thread(target=watch, daemon=True, name="footprint-guard")
+        t.start()
+        return t
+
+    def status(self) -> dict:
+        return {"kind": "footprint", "source": self.source, "limit_bytes": self.limit_bytes,
+                "usage_bytes": self.sample(), "peak_bytes": self.peak_bytes,
+                "soft_fraction": self.soft_fraction,
+                "soft_bytes": soft_line(self.limit_bytes, self.soft_fraction)}
+
+
 def memory_probe_with_guard(base: Callable[[], dict[str, int]],
-                            guard: SelfGuard | None) -> Callable[[], dict[str, int]]:
+                            guard: SelfGuard | FootprintGuard | None
+                            ) -> Callable[[], dict[str, int]]:
     if guard is None:
         return base
     return lambda: base() | guard.probe()

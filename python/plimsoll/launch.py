@@ -122,17 +122,23 @@ class LaunchError(RuntimeError):
 
 def start_guard(cfg: WorkerConfig, footprint_bytes: int | None = None,
                 cgroup_parent: Path | None = None,
-                limit_bytes: int | None = None) -> G.WorkerGuard | None:
-    """The worker's own memory cgroup (admitted footprint + margin), or None with the reason
-    logged. Without a footprint the allocation limit stands in (it bounds the footprint);
+                limit_bytes: int | None = None) -> tuple[G.WorkerGuard | None, dict[str, str]]:
+    """The worker's guard: its own memory cgroup (admitted footprint + margin) and no extra
+    environment, or — where no cgroup can be made (macOS, no root) — no cgroup and the
+    environment that makes the worker keep the same lines on its own footprint.
+
+    Without a footprint the allocation limit stands in (it bounds the footprint);
     ``limit_bytes`` sets the hard line outright (tests, ``plimsoll verify``)."""
     if limit_bytes is None:
         limit_bytes = G.guard_limit(cfg.allocation_limit_bytes if footprint_bytes is None
                                     else footprint_bytes)
     guard, why = G.WorkerGuard.create(f"worker-{cfg.port}", limit_bytes, cgroup_parent)
-    (log.info if guard else log.warning)("memory guard for %s: %s", cfg.model_name,
-                                         why if guard else f"skipped ({why})")
-    return guard
+    if guard is not None:
+        log.info("memory guard for %s: %s", cfg.model_name, why)
+        return guard, {}
+    log.warning("memory guard for %s: no cgroup (%s); the worker guards its own footprint "
+                "with a hard line of %d B", cfg.model_name, why, limit_bytes)
+    return None, {G.FOOTPRINT_ENV: str(limit_bytes)}
 
 
 def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
@@ -144,12 +150,14 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
 
     With ``guard`` (and root and a writable memory controller) the worker runs in its own
     cgroup, created under ``cgroup_parent``; ``proc.plimsoll_guard`` holds it and
-    :func:`stop_worker` removes it.
+    :func:`stop_worker` removes it. Without them the worker guards its own footprint
+    (:class:`plimsoll.guard.FootprintGuard`) against the same hard line.
     """
-    wg = start_guard(cfg, footprint_bytes, cgroup_parent, cgroup_limit_bytes) if guard else None
+    wg, guard_env = (start_guard(cfg, footprint_bytes, cgroup_parent, cgroup_limit_bytes)
+                     if guard else (None, {}))
     argv = wg.wrap(worker_argv(cfg)) if wg else worker_argv(cfg)
     try:
-        proc = subprocess.Popen(argv, env=worker_env() | (env or {}), stdout=stdout,
+        proc = subprocess.Popen(argv, env=worker_env() | guard_env | (env or {}), stdout=stdout,
                                 start_new_session=True)
     except BaseException:
         if wg:

@@ -229,16 +229,16 @@ class Scheduler:
     def _over_trip(self) -> str:
         """Why memory is over a line ("" when it is not): the trip, or the guard's soft line.
 
-        ``cgroup_usage``/``cgroup_soft`` come from the per-process guard when the worker runs
-        in a limited cgroup (:mod:`plimsoll.guard`): its whole footprint, not only MLX's.
+        ``guard_usage``/``guard_soft`` come from the per-process guard (:mod:`plimsoll.guard`:
+        the worker's cgroup, or its own footprint): its whole footprint, not only MLX's.
         """
         mem = self.memory_probe()
         for name in ("mlx_active", "rss"):
             if mem.get(name, 0) > self.limits.trip_bytes:
                 return f"{name}={mem[name]} B is over the trip at {self.limits.trip_bytes} B"
-        soft = mem.get("cgroup_soft")
-        if soft and mem.get("cgroup_usage", 0) > soft:
-            return (f"cgroup usage {mem['cgroup_usage']} B is over the guard's soft line "
+        soft = mem.get("guard_soft")
+        if soft and mem.get("guard_usage", 0) > soft:
+            return (f"memory usage {mem['guard_usage']} B is over the guard's soft line "
                     f"at {soft} B")
         return ""
 

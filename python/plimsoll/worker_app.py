@@ -226,7 +226,8 @@ def status_report(state: Any) -> dict[str, Any]:
         "mlx": {"active_bytes": mem["active"], "peak_bytes": mem["peak"],
                 "cache_bytes": mem["cache"]},
         "rss_bytes": state.rss(),
-        "cgroup": state.guard.status() if state.guard else None,
+        "cgroup": state.guard.status() if isinstance(state.guard, SelfGuard) else None,
+        "guard": state.guard.status() if state.guard else None,
         "context": {"native_max": state.native_max_context, "configured": cfg.context,
                     "max_tokens": cfg.max_tokens, "default_max_tokens": cfg.default_max_tokens},
         "limits": {

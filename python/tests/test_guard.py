@@ -165,3 +165,81 @@ def test_soft_line_answers_503_not_an_oom_kill(tiny_model) -> None:
         assert r.status_code == 200, r.text
     finally:
         stop_worker(proc)
+
+
+# --- the footprint guard: the same lines where no cgroup binds the worker (macOS) -------
+def _footprint(limit: int, readings: list[int]) -> G.FootprintGuard:
+    it = iter(readings)
+    return G.FootprintGuard(limit, 0.9, lambda: next(it), "test")
+
+
+def test_footprint_guard_lines_are_those_of_the_cgroup_guard() -> None:
+    g = _footprint(1000, [500, 950, 1001, 10])
+    assert g.probe() == {"guard_usage": 500, "guard_soft": 900}
+    assert g.probe()["guard_usage"] == 950  # over soft: the scheduler refuses; not the hard
+    assert "crossed the hard line 1000 B" in g.over_hard_line()
+    assert g.over_hard_line() == ""
+    assert g.peak_bytes == 1001
+    with pytest.raises(ValueError, match=G.FOOTPRINT_ENV):
+        G.FootprintGuard(0, 0.9, lambda: 0, "test")
+
+
+def test_footprint_guard_hard_line_ends_the_process_before_the_allocation_finishes() -> None:
+    code = (
+        "import time, numpy as np\n"
+        "from plimsoll import guard as G\n"
+        "read, source = G.own_footprint_reader()\n"
+        "g = G.FootprintGuard(read() + (96 << 20), 0.9, read, source)\n"
+        "g.arm(period_s=0.01)\n"
+        "blocks = []\n"
+        "for _ in range(64):\n"  # 16 MiB at a time up to 1 GiB: crosses at about 96 MiB
+        "    blocks.append(np.ones(16 << 20, dtype=np.uint8)); time.sleep(0.02)\n"
+        "print('SURVIVED', flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=os.environ | {"OPENBLAS_NUM_THREADS": "1"})
+    assert out.returncode == G.EXIT_FOOTPRINT, out.stderr
+    assert "SURVIVED" not in out.stdout
+    assert "crossed the hard line" in out.stderr
+
+
+def test_without_a_cgroup_the_launcher_hands_the_worker_its_footprint_line(
+        tiny_model, monkeypatch) -> None:
+    monkeypatch.setattr(G.WorkerGuard, "create",
+                        classmethod(lambda cls, *a, **k: (None, "no controller here")))
+    from plimsoll.launch import start_guard
+
+    wg, env = start_guard(_cfg(tiny_model), limit_bytes=768 * MIB)
+    assert wg is None and env == {G.FOOTPRINT_ENV: str(768 * MIB)}
+
+
+def test_a_worker_guarding_its_own_footprint_refuses_over_the_soft_line(tiny_model) -> None:
+    """A real worker, no cgroup: a soft line far under its resident set → 503 with the reason,
+    while the hard line (8 GiB) is never near; the status names the guard."""
+    cfg = _cfg(tiny_model)
+    proc, status = start_worker(cfg, guard=False, env=ENV | {
+        G.FOOTPRINT_ENV: str(8192 * MIB), G.SOFT_ENV: "0.005"})  # soft ≈ 41 MiB
+    try:
+        assert status["cgroup"] is None
+        guard = status["guard"]
+        assert guard["kind"] == "footprint" and guard["limit_bytes"] == 8192 * MIB
+        assert guard["usage_bytes"] > guard["soft_bytes"]
+        r = httpx.post(f"http://127.0.0.1:{cfg.port}/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "memory_trip" and "soft line" in err["message"]
+        assert proc.poll() is None
+    finally:
+        stop_worker(proc)
+
+
+def test_a_worker_over_its_footprint_hard_line_fails_closed(tiny_model) -> None:
+    """A hard line under what loading needs: the worker ends itself (status 70) and the
+    launcher reports it instead of a worker that grew past its line."""
+    from plimsoll.launch import LaunchError
+
+    cfg = _cfg(tiny_model)
+    with pytest.raises(LaunchError, match=f"status {G.EXIT_FOOTPRINT}"):
+        start_worker(cfg, guard=False, env=ENV | {G.FOOTPRINT_ENV: str(48 * MIB)},
+                     timeout_s=90)

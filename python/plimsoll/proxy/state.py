@@ -28,6 +28,7 @@ from subprocess import Popen
 from typing import Any
 
 from ..admission import AdmissionDecision
+from ..guard import EXIT_FOOTPRINT
 from ..launch import release_guard, start_worker, stop_worker
 from ..policy import ModelEntry
 from ..worker_config import WorkerConfig
@@ -66,6 +67,8 @@ def describe_exit(returncode: int | None) -> str:
             return f"signal {-returncode} ({signal.Signals(-returncode).name})"
         except ValueError:
             return f"signal {-returncode}"
+    if returncode == EXIT_FOOTPRINT:
+        return f"exit status {returncode} (its footprint crossed the guard's hard line)"
     return f"exit status {returncode}"
 
 
