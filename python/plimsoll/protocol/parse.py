@@ -8,6 +8,7 @@ rewritten to name the field as ``messages[0].content`` and say what to send inst
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
@@ -54,6 +55,33 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON; send a finite number")
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A ``\\uD800``–``\\uDFFF`` escape: only then can a parsed string hold a lone surrogate."""
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The first string (key or value) holding a lone UTF-16 surrogate, else None.
+
+    JSON lets ``"\\ud800"`` through, but such a string is not text: it cannot be encoded
+    as UTF-8, so a tokenizer raises deep inside the engine. Walked with a stack, not
+    recursion: the decoder has already bounded the depth, this must not add a limit.
+    """
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item
+    return None
+
+
 def decode_json_body(raw: bytes) -> dict[str, Any] | ProtocolError:
     """Bytes to a JSON object, or the 400/413 that says what is wrong with them."""
     if too_big := check_body_size(len(raw)):
@@ -73,11 +101,19 @@ def decode_json_body(raw: bytes) -> dict[str, Any] | ProtocolError:
                              f"{e.lineno}, column {e.colno}.", code="invalid_json")
     except (ValueError, RecursionError) as e:
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        if "integer string conversion" in reason:  # Python's int-size guard, not the client's
+            reason = "a number has more digits than any field accepts; send a smaller number"
         return ProtocolError(400, f"The request body is not valid JSON: {reason}.",
                              code="invalid_json")
     if not isinstance(obj, dict):
         return ProtocolError(400, f"The request body must be a JSON object, not a JSON "
                              f"{type(obj).__name__}.", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(text) and (bad := _lone_surrogate(obj)) is not None:
+        shown = json.dumps(bad[:40])
+        return ProtocolError(400, f"The request body holds a string with an unpaired UTF-16 "
+                             f"surrogate escape ({shown}), which is not text; send valid "
+                             "Unicode (a \\uD8xx escape must be followed by a \\uDCxx one).",
+                             code="invalid_json")
     return obj
 
 

@@ -83,7 +83,12 @@ def render_completion(tokenizer: Any, req: CompletionRequest) -> list[int]:
     a token id outside the vocabulary.
     """
     if isinstance(req.prompt, str):
-        ids = [int(t) for t in tokenizer.encode(req.prompt)]
+        try:
+            ids = [int(t) for t in tokenizer.encode(req.prompt)]
+        except (TypeError, ValueError) as e:  # text the tokenizer cannot take: the client's
+            raise ProtocolError(400, f"The prompt could not be tokenized ({type(e).__name__}: "
+                                f"{e}); send plain Unicode text.", param="prompt",
+                                code="invalid_prompt") from e
     else:
         ids = list(req.prompt)
         vocab = len(tokenizer)

@@ -5,8 +5,10 @@
 and on exit stops every worker. Requests are routed by their ``model``; bodies are
 relayed as bytes (the worker parses them) and streams pass through chunk by chunk as
 they arrive — nothing is buffered but a non-streamed answer. A worker that dies under a
-request is reported to its client in the OpenAI error shape with the reason (an SSE
-``error`` event mid-stream, a 502 otherwise).
+request is reported to its client with the reason (an SSE ``error`` event mid-stream, a 502
+otherwise). The proxy's own errors speak the route's protocol: Anthropic's shape
+(``{"type": "error", "error": {"type", "message"}}``) on ``/v1/messages*``, OpenAI's
+elsewhere; both carry the machine-readable ``code`` the metrics count.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from starlette.routing import Route
 from .. import protocol as P
 from ..http_body import read_body
 from ..policy import Mode, Policy
+from ..protocol import anthropic as A
 from . import admin
 from . import dashboard as dash  # GET /, GET /dashboard.json
 from . import metrics as M  # GET /metrics and the request/event observer
@@ -38,17 +41,67 @@ EXIT_WAIT_S = 0.5
 STATUS_TIMEOUT_S = 2.0
 
 
-def error(status: int, message: str, code: str, *, param: str | None = None,
-          retry_after: int | None = None, extra: dict[str, Any] | None = None) -> JSONResponse:
-    body = P.error_body(status, message, param=param, code=code)
+def is_anthropic(request: Request) -> bool:
+    """True on the Anthropic routes (``/v1/messages``, ``/v1/messages/count_tokens``)."""
+    return request.url.path.startswith("/v1/messages")
+
+
+def error_body(status: int, message: str, code: str, *, anthropic: bool = False,
+               param: str | None = None, extra: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    """The proxy's error object in the route's protocol; ``code`` and ``extra`` ride inside
+    ``error`` in both (Anthropic's clients ignore fields they do not know)."""
+    if anthropic:
+        body = A.error_body(status, message)
+        body["error"]["code"] = code
+    else:
+        body = P.error_body(status, message, param=param, code=code)
     body["error"].update(extra or {})
+    return body
+
+
+def error(status: int, message: str, code: str, *, param: str | None = None,
+          retry_after: int | None = None, extra: dict[str, Any] | None = None,
+          anthropic: bool = False) -> JSONResponse:
+    body = error_body(status, message, code, anthropic=anthropic, param=param, extra=extra)
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return JSONResponse(body, status, headers=headers)
 
 
-def proxy_error(err: ProxyError) -> JSONResponse:
+def proxy_error(err: ProxyError, *, anthropic: bool = False) -> JSONResponse:
     return error(err.status, err.message, err.code, retry_after=err.retry_after,
-                 extra=err.extra)
+                 extra=err.extra, anthropic=anthropic)
+
+
+def request_error(err: P.ProtocolError, *, anthropic: bool) -> JSONResponse:
+    """A body the proxy cannot route (too large, not a JSON object, a bad ``model``)."""
+    return error(err.status, err.message, err.code or "invalid_request", param=err.param,
+                 anthropic=anthropic)
+
+
+def route_model(raw: bytes, known: list[str]) -> str | P.ProtocolError:
+    """The served model a body names (the only one when it names none), or why not.
+
+    The body is decoded as the worker decodes it (UTF-8, one JSON object, no NaN, bounded
+    depth), so a body the proxy passes on is one the worker can parse, and one it refuses
+    gets the same 400; the rest of the request is the worker's to check.
+    """
+    data = P.decode_json_body(raw)
+    if isinstance(data, P.ProtocolError):
+        return data
+    model = data.get("model")
+    if model is None and len(known) == 1:
+        return known[0]
+    if model is not None and not isinstance(model, str):
+        return P.ProtocolError(400, f"Invalid 'model': send the model's name as a string, got "
+                               f"{json.dumps(model)[:60]}; known models: "
+                               f"{', '.join(known) or '(none)'}", param="model",
+                               code="invalid_request")
+    if model not in known:
+        return P.ProtocolError(404, f"the model {model!r} is not served here; known models: "
+                               f"{', '.join(known) or '(none)'}", param="model",
+                               code="model_not_found")
+    return model
 
 
 class PassThrough(StreamingResponse):
@@ -85,12 +138,17 @@ async def lost_reason(lease: Lease, err: Exception) -> str:
             f"during this request{why}; retry: the next request starts it again")
 
 
-async def relay(upstream: httpx.Response, lease: Lease) -> AsyncIterator[bytes]:
+async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = False
+                ) -> AsyncIterator[bytes]:
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
     except httpx.HTTPError as err:
-        yield P.sse(P.error_body(502, await lost_reason(lease, err), code="worker_lost"))
+        body = error_body(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
+        if anthropic:  # Anthropic's streams end at the error event; no [DONE]
+            yield A.sse_event(body)
+            return
+        yield P.sse(body)
         yield P.SSE_DONE
     finally:
         await upstream.aclose()
@@ -98,28 +156,24 @@ async def relay(upstream: httpx.Response, lease: Lease) -> AsyncIterator[bytes]:
 
 
 async def generate(request: Request) -> Response:
+    anthropic = is_anthropic(request)
     if not api_key_ok(request):
+        if anthropic:
+            return error(401, "missing or wrong API key: send 'x-api-key: <key>' or "
+                         "'Authorization: Bearer <key>'", "unauthorized", anthropic=True)
         return admin.unauthorized("API key")
     sup: Supervisor = request.app.state.supervisor
     raw = await read_body(request)
     if isinstance(raw, P.ProtocolError):
-        return JSONResponse(raw.body(), raw.status)
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        return error(400, f"the body is not valid JSON: {err}", "invalid_json")
-    model = data.get("model") if isinstance(data, dict) else None
-    known = sorted(sup.workers)
-    if model is None and len(known) == 1:
-        model = known[0]
-    if not isinstance(model, str) or model not in sup.workers:
-        return error(404, f"the model {model!r} is not served here; known models: "
-                     f"{', '.join(known) or '(none)'}", "model_not_found", param="model")
+        return request_error(raw, anthropic=anthropic)
+    model = route_model(raw, sorted(sup.workers))
+    if isinstance(model, P.ProtocolError):
+        return request_error(model, anthropic=anthropic)
     request.state.model = model  # metrics: the label of this request
     try:
         lease = await sup.acquire(model)
     except ProxyError as err:
-        return proxy_error(err)
+        return proxy_error(err, anthropic=anthropic)
     client: httpx.AsyncClient = request.app.state.client
     upstream_req = client.build_request("POST", lease.inc.url + request.url.path, content=raw,
                                         headers={"content-type": "application/json"})
@@ -127,16 +181,16 @@ async def generate(request: Request) -> Response:
         upstream = await client.send(upstream_req, stream=True)
     except httpx.HTTPError as err:
         lease.release()
-        return error(502, await lost_reason(lease, err), "worker_lost")
+        return error(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
     ctype = upstream.headers.get("content-type", "application/json")
     headers = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
     if ctype.startswith("text/event-stream"):
-        return PassThrough(relay(upstream, lease), upstream.status_code, media_type=ctype,
-                           headers={"Cache-Control": "no-cache", **headers})
+        return PassThrough(relay(upstream, lease, anthropic=anthropic), upstream.status_code,
+                           media_type=ctype, headers={"Cache-Control": "no-cache", **headers})
     try:
         content = await upstream.aread()
     except httpx.HTTPError as err:
-        return error(502, await lost_reason(lease, err), "worker_lost")
+        return error(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
     finally:
         await upstream.aclose()
         lease.release()
