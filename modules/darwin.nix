@@ -170,7 +170,8 @@ in
       '';
       description = ''
         The rest of the policy, as in `plimsoll policy schema`: `tripOffset`, `uMargin`,
-        `blockTokens`, `minContext`, `wire`, `listen`, `cluster`. Unknown keys are errors.
+        `blockTokens`, `minContext`, `wire`, `listen`, `cluster`, `pressure` (the proxy's
+        memory-pressure tripwire). Unknown keys are errors.
       '';
     };
 

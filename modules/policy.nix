@@ -8,6 +8,7 @@
 #   - each mode's budget leaves the OS floor free: totalRamGb − maxLocalLlmGb ≥ osFloorGb;
 #   - the clustered budget is at least the standalone one;
 #   - fractions in range (transientReserve ∈ [0, 0.5], tripOffset, uMargin ∈ (0, 0.2]);
+#   - the pressure tripwire's lines in range, its warn line not above its critical one;
 #   - every model entry well-formed (defaultMaxTokens ≤ maxTokens < context, …);
 #   - no unknown keys anywhere (a typo is an error, never a silent default).
 # python/tests/test_nix_policy.py proves the two halves agree on every field.
@@ -20,7 +21,8 @@
 #     maxLocalLlmGb = { standalone = 72; clustered = 80; };  # clustered defaults to standalone
 #     transientReserve = 0.05;                # fraction of the mode budget (optional)
 #     models = { name = { path = "..."; context = 32768; ... }; };   # optional
-#     settings = { wire = "weights"; listen.port = 8080; cluster = { ... }; };  # optional
+#     settings = { wire = "weights"; listen.port = 8080; cluster = { ... };     # optional
+#                  pressure = { someAvg10Warn = 10; clearAfterS = 10; ... }; };
 #   }
 #
 # Entry points:
@@ -48,6 +50,17 @@ let
     wire = "weights";
     listen = { host = "127.0.0.1"; port = 8080; };
     cluster = { interface = "bridge0"; peers = [ ]; backend = "ring"; };
+    # The proxy's memory-pressure tripwire (PSI %, pages/s, seconds).
+    pressure = {
+      enabled = true;
+      someAvg10Warn = 10;
+      someAvg10Critical = 25;
+      fullAvg10Critical = 5;
+      pageOutsPerS = 256;
+      darwinLevel = "warn";
+      pollS = 1;
+      clearAfterS = 10;
+    };
   };
 
   modelDefaults = {
@@ -61,11 +74,13 @@ let
 
   declKeys = [ "host" "totalRamGb" "osFloorGb" "maxLocalLlmGb" "transientReserve" "models" "settings" ];
   modeNames = [ "standalone" "clustered" ];
-  settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "cluster" ];
+  settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "cluster" "pressure" ];
   modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" ];
   listenKeys = [ "host" "port" ];
   clusterKeys = [ "interface" "peers" "backend" ];
   peerKeys = [ "host" "address" ];
+  pressureKeys = attrNames defaults.pressure;
+  darwinLevels = [ "warn" "critical" ];
   wireChoices = [ "footprint" "weights" "none" ];
   kvDtypes = [ "auto" "float16" "bfloat16" "float32" ];
   backends = [ "ring" "jaccl" ];
@@ -121,6 +136,7 @@ let
       s = if isAttrs settings then settings else { };
       listen = defaults.listen // (if isAttrs (s.listen or { }) then s.listen or { } else { });
       cluster = defaults.cluster // (if isAttrs (s.cluster or { }) then s.cluster or { } else { });
+      pressure = defaults.pressure // (if isAttrs (s.pressure or { }) then s.pressure or { } else { });
       models = decl.models or { };
     in
     {
@@ -137,6 +153,7 @@ let
       wire = s.wire or defaults.wire;
       listen = if isAttrs (s.listen or { }) then listen else s.listen;
       cluster = if isAttrs (s.cluster or { }) then cluster else s.cluster;
+      pressure = if isAttrs (s.pressure or { }) then pressure else s.pressure;
       models = if isAttrs models then mapAttrs (_: e: if isAttrs e then modelOf e else e) models else models;
     };
 
@@ -233,6 +250,29 @@ let
         ]
         ++ (if isList c.peers then builtins.concatLists (genList (i: peerChecks i (builtins.elemAt c.peers i)) (length c.peers)) else [ ]);
 
+      pressureChecks =
+        let
+          t = p.pressure;
+          where = f: "settings.pressure.${f}";
+          percent = f: numberChecks { field = where f; value = t.${f}; ok = v: v > 0 && v <= 100; range = "above 0 and at most 100 (percent of time stalled)"; };
+          warn = t.someAvg10Warn;
+          crit = t.someAvg10Critical;
+        in
+        if !(isAttrs t) then [ (check false "${who}: settings.pressure must be an attribute set { someAvg10Warn; someAvg10Critical; ... }") ]
+        else [
+          (check (unknownKeys pressureKeys t == [ ]) "${who}: settings.pressure has unknown key(s) ${quoteList (unknownKeys pressureKeys t)}: allowed are ${quoteList pressureKeys}")
+          (check (isBool t.enabled) "${who}: settings.pressure.enabled must be true or false, got ${fmt t.enabled}")
+          (check (elem t.darwinLevel darwinLevels) "${who}: settings.pressure.darwinLevel is ${fmt t.darwinLevel}, must be one of ${quoteList darwinLevels}")
+          (check (!(isNum warn && isNum crit) || warn <= crit)
+            "${who}: settings.pressure.someAvg10Warn (${fmt warn}) is above settings.pressure.someAvg10Critical (${fmt crit}): lower the warn line or raise the critical one")
+        ]
+        ++ percent "someAvg10Warn"
+        ++ percent "someAvg10Critical"
+        ++ percent "fullAvg10Critical"
+        ++ numberChecks { field = where "pageOutsPerS"; value = t.pageOutsPerS; ok = v: v > 0; range = "above 0 pages per second"; }
+        ++ numberChecks { field = where "pollS"; value = t.pollS; ok = v: v > 0 && v <= 60; range = "above 0 and at most 60 seconds"; }
+        ++ numberChecks { field = where "clearAfterS"; value = t.clearAfterS; ok = v: v >= 0 && v <= 3600; range = "between 0 and 3600 seconds"; };
+
       modelChecks = name: e:
         let
           where = "model ${name}";
@@ -278,6 +318,7 @@ let
     ++ numberChecks { field = "settings.minContext"; value = p.minContext; integer = true; ok = v: v >= 16; range = "at least 16 tokens"; }
     ++ listenChecks
     ++ clusterChecks
+    ++ pressureChecks
     ++ (if isAttrs p.models
     then builtins.concatLists (map (n: modelChecks n p.models.${n}) (attrNames p.models))
     else [ (check false "${who}: models must be an attribute set of name = { path; context; ... }") ]);

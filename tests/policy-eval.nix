@@ -92,6 +92,10 @@ let
         minContext = 2048; wire = "weights";
         listen = { host = "127.0.0.1"; port = 8080; };
         cluster = { interface = "bridge0"; peers = [ ]; backend = "ring"; };
+        pressure = {
+          enabled = true; someAvg10Warn = 10; someAvg10Critical = 25; fullAvg10Critical = 5;
+          pageOutsPerS = 256; darwinLevel = "warn"; pollS = 1; clearAfterS = 10;
+        };
         models = { };
       })
     (equal "a model entry gets the pydantic defaults"
@@ -99,6 +103,11 @@ let
       { path = "/m"; context = 8192; concurrency = 1; defaultMaxTokens = 512; maxTokens = 4096; kvDtype = "auto"; sharded = false; idleTtlS = 300; })
     (equal "a partial listen keeps the default host"
       (policy.checkedPolicy (withSettings minimal { listen.port = 9000; })).listen { host = "127.0.0.1"; port = 9000; })
+    (equal "a partial pressure block keeps the other defaults"
+      (policy.checkedPolicy (withSettings minimal { pressure = { pollS = 0.5; clearAfterS = 30; }; })).pressure
+      { enabled = true; someAvg10Warn = 10; someAvg10Critical = 25; fullAvg10Critical = 5; pageOutsPerS = 256; darwinLevel = "warn"; pollS = 0.5; clearAfterS = 30; })
+    (accepted "pressure: every field set, tripwire off, warn = critical, no hold"
+      (withSettings minimal { pressure = { enabled = false; someAvg10Warn = 20; someAvg10Critical = 20; fullAvg10Critical = 100; pageOutsPerS = 0.5; darwinLevel = "critical"; pollS = 60; clearAfterS = 0; }; }))
     (equal "GiB to bytes: 72 GiB" (policy.gibToBytes 72) 77309411328)
     (equal "GiB to bytes: 0.5 GiB" (policy.gibToBytes 0.5) 536870912)
     (equal "numbers read as written" (map policy.fmt [ 60 4.5 (96 - 91.9) (-4) 60.0 ]) [ "60" "4.5" "4.1" "-4" "60" ])
@@ -154,6 +163,24 @@ let
       "host min: settings.cluster.peers[0].host is \"-bad\"")
     (broken "cluster peer without an address" (withSettings minimal { cluster.peers = [ { host = "b"; } ]; })
       "host min: settings.cluster.peers[0].address must be a non-empty string")
+    (broken "pressure: warn line above the critical one" (withSettings minimal { pressure = { someAvg10Warn = 30; }; })
+      "host min: settings.pressure.someAvg10Warn (30) is above settings.pressure.someAvg10Critical (25): lower the warn line or raise the critical one")
+    (broken "pressure: a PSI line above 100 %" (withSettings minimal { pressure.fullAvg10Critical = 101; })
+      "host min: settings.pressure.fullAvg10Critical is 101, must be above 0 and at most 100")
+    (broken "pressure: a zero warn line" (withSettings minimal { pressure.someAvg10Warn = 0; })
+      "host min: settings.pressure.someAvg10Warn is 0, must be above 0 and at most 100")
+    (broken "pressure: a zero page-out rate" (withSettings minimal { pressure.pageOutsPerS = 0; })
+      "host min: settings.pressure.pageOutsPerS is 0, must be above 0 pages per second")
+    (broken "pressure: pollS of 0" (withSettings minimal { pressure.pollS = 0; })
+      "host min: settings.pressure.pollS is 0, must be above 0 and at most 60 seconds")
+    (broken "pressure: a negative clearAfterS" (withSettings minimal { pressure.clearAfterS = -1; })
+      "host min: settings.pressure.clearAfterS is -1, must be between 0 and 3600 seconds")
+    (broken "pressure: darwinLevel not a choice" (withSettings minimal { pressure.darwinLevel = "urgent"; })
+      "host min: settings.pressure.darwinLevel is \"urgent\", must be one of \"warn\", \"critical\"")
+    (broken "pressure: enabled not a bool" (withSettings minimal { pressure.enabled = "yes"; })
+      "host min: settings.pressure.enabled must be true or false, got \"yes\"")
+    (broken "pressure: an unknown key" (withSettings minimal { pressure.someAvg60Warn = 5; })
+      "host min: settings.pressure has unknown key(s) \"someAvg60Warn\"")
     (nixOnly (broken "a typed field in settings" (withSettings minimal { totalRamGb = 32; })
       "host min: settings has unknown key(s) \"totalRamGb\""))
     (nixOnly (broken "a misspelt declaration key" (minimal // { osFloorGB = 4; })

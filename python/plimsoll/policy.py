@@ -138,6 +138,55 @@ class Cluster(_Strict):
     backend: Literal["ring", "jaccl"] = "ring"
 
 
+class Pressure(_Strict):
+    """The proxy-wide memory-pressure tripwire: a backstop behind admission, not a substitute.
+
+    warn: new requests and loads get 503 ``memory_pressure`` and requests waiting for a load
+    are cancelled; critical: also unload idle workers, then the least recently used ones,
+    one per poll, until the level drops. Admission reopens only after ``clearAfterS`` of
+    readings under every line.
+    """
+
+    enabled: bool = Field(default=True, description="Run the tripwire in the proxy.")
+    some_avg10_warn: float = Field(
+        default=10, gt=0, le=100,
+        description="Linux PSI memory 'some avg10' (% of time stalled) that stops admission.",
+    )
+    some_avg10_critical: float = Field(
+        default=25, gt=0, le=100,
+        description="Linux PSI memory 'some avg10' that also unloads workers.",
+    )
+    full_avg10_critical: float = Field(
+        default=5, gt=0, le=100,
+        description="Linux PSI memory 'full avg10' (every task stalled) that unloads workers.",
+    )
+    page_outs_per_s: float = Field(
+        default=256, gt=0,
+        description="Pages/s leaving RAM for disk (Linux pswpout; macOS vm_stat Pageouts + "
+        "Swapouts) that unloads workers: the OS is already paging.",
+    )
+    darwin_level: Literal["warn", "critical"] = Field(
+        default="warn",
+        description="Lowest macOS kern.memorystatus_vm_pressure_level that stops admission "
+        "(warn = 2, critical = 4); the kernel's critical level always unloads.",
+    )
+    poll_s: float = Field(default=1, gt=0, le=60, description="Seconds between readings.")
+    clear_after_s: float = Field(
+        default=10, ge=0, le=3600,
+        description="Readings must stay under every line this long before admission reopens.",
+    )
+
+    @model_validator(mode="after")
+    def _warn_not_above_critical(self) -> Pressure:
+        if self.some_avg10_warn > self.some_avg10_critical:
+            raise ValueError(
+                f"pressure.someAvg10Warn ({self.some_avg10_warn:g}) is above "
+                f"pressure.someAvg10Critical ({self.some_avg10_critical:g}): lower the warn "
+                "line or raise the critical one"
+            )
+        return self
+
+
 class Policy(_Strict):
     schema_version: Literal[1] = Field(description="Policy file format version.")
     host: Name
@@ -165,6 +214,7 @@ class Policy(_Strict):
     )
     listen: Listen = Listen()
     cluster: Cluster = Cluster()
+    pressure: Pressure = Pressure()
     models: dict[Name, ModelEntry] = Field(default_factory=dict)
 
     @model_validator(mode="after")
