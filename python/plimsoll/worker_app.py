@@ -17,7 +17,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -239,6 +240,7 @@ def status_report(state: Any) -> dict[str, Any]:
             "total_ram_bytes": cfg.total_ram_bytes,
         },
         "uptime_s": round(time.monotonic() - state.started, 3),
+        **(extra() if (extra := getattr(state, "status_extra", None)) else {}),
     }
 
 
@@ -262,52 +264,70 @@ def make_pool(cfg: WorkerConfig, eng: Any) -> KVPool:
     return pool
 
 
-def make_app(cfg: WorkerConfig) -> Starlette:
+#: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
+#: block_bytes, kv_bytes_per_token, applied_limits, engine_memory, rss, guard, and
+#: optionally ``status_extra`` (a callable whose dict is merged into the status report).
+Backend = Callable[[WorkerConfig], AbstractAsyncContextManager[dict[str, Any]]]
+
+
+@contextlib.asynccontextmanager
+async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
+    """This process's own engine: load it on the scheduler thread, stop it at exit."""
+    import psutil
+
+    proc = psutil.Process()
+    loaded: dict[str, Any] = {}
+
+    def setup(stack: contextlib.ExitStack):
+        """On the scheduler thread: load, apply limits (restored at exit), size the pool."""
+        from . import engine as E  # the engine edge: the only place mlx is imported
+
+        eng = E.Engine.load(cfg.model_dir, cfg.block_tokens)
+        loaded["applied"] = stack.enter_context(E.process_limits(
+            cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
+        loaded["active_memory"] = E.active_memory
+        return eng, make_pool(cfg, eng)
+
+    def memory_probe() -> dict[str, int]:
+        return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
+
+    self_guard = SelfGuard.find()  # the cgroup limit that binds us, if any
+    sched = Scheduler(setup, SchedulerLimits(cfg.max_num_seqs, cfg.max_queue,
+                                             cfg.max_wait_s, cfg.trip_bytes),
+                      memory_probe_with_guard(memory_probe, self_guard))
+    sched.start()
+    await run_in_threadpool(sched.ready.wait)
+    if sched.setup_error is not None:
+        raise sched.setup_error
+    eng = sched.engine
+    try:
+        yield {"scheduler": sched, "tokenizer": eng.tokenizer,
+               "native_max_context": eng.facts.native_max_context,
+               "block_bytes": eng.facts.kv_bytes_per_token * cfg.block_tokens,
+               "kv_bytes_per_token": eng.facts.kv_bytes_per_token,
+               "applied_limits": loaded["applied"], "engine_memory": eng.memory,
+               "rss": lambda: proc.memory_info().rss, "guard": self_guard}
+    finally:
+        await run_in_threadpool(sched.stop)
+
+
+def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
+    """The worker's routes over ``backend`` (default: this process's own engine).
+
+    A clustered load passes its own backend (rank 0's ring scheduler): the routes,
+    protocol parsing, streaming, chat templates and error shapes are this same code.
+    """
+    open_backend = backend or local_backend
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        import psutil
-
-        proc = psutil.Process()
-        loaded: dict[str, Any] = {}
-
-        def setup(stack: contextlib.ExitStack):
-            """On the scheduler thread: load, apply limits (restored at exit), size the pool."""
-            from . import engine as E  # the engine edge: the only place mlx is imported
-
-            eng = E.Engine.load(cfg.model_dir, cfg.block_tokens)
-            loaded["applied"] = stack.enter_context(E.process_limits(
-                cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
-            loaded["active_memory"] = E.active_memory
-            return eng, make_pool(cfg, eng)
-
-        def memory_probe() -> dict[str, int]:
-            return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
-
-        self_guard = SelfGuard.find()  # the cgroup limit that binds us, if any
-        sched = Scheduler(setup, SchedulerLimits(cfg.max_num_seqs, cfg.max_queue,
-                                                 cfg.max_wait_s, cfg.trip_bytes),
-                          memory_probe_with_guard(memory_probe, self_guard))
-        sched.start()
-        await run_in_threadpool(sched.ready.wait)
-        if sched.setup_error is not None:
-            raise sched.setup_error
-        eng = sched.engine
-        app.state.cfg = cfg
-        app.state.scheduler = sched
-        app.state.tokenizer = eng.tokenizer
-        app.state.native_max_context = eng.facts.native_max_context
-        app.state.block_bytes = eng.facts.kv_bytes_per_token * cfg.block_tokens
-        app.state.kv_bytes_per_token = eng.facts.kv_bytes_per_token
-        app.state.applied_limits = loaded["applied"]
-        app.state.engine_memory = eng.memory
-        app.state.rss = lambda: proc.memory_info().rss
-        app.state.started = time.monotonic()
-        app.state.guard = self_guard
-        log.info("PLIMSOLL_READY %s", json.dumps(status_report(app.state)))
-        try:
+        async with open_backend(cfg) as parts:
+            app.state.cfg = cfg
+            for name, value in parts.items():
+                setattr(app.state, name, value)
+            app.state.started = time.monotonic()
+            log.info("PLIMSOLL_READY %s", json.dumps(status_report(app.state)))
             yield
-        finally:
-            await run_in_threadpool(sched.stop)
 
     return Starlette(
         routes=[

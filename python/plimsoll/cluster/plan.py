@@ -301,3 +301,9 @@ def decide(answers: list[Preflight], world_size: int) -> ClusterDecision:
     return ClusterDecision(action="commit", reasons=reasons, refusing_ranks=[],
                            concurrency=min(d.concurrency for d in decisions),
                            context=min(d.context for d in decisions))
+
+
+def cache_limit_mib(transient_reserve_bytes: int) -> int:
+    """A rank's MLX buffer-cache cap in MiB: half its transient reserve, as a worker's
+    (invariant 4: every cache is capped and counted inside the reserve)."""
+    return max(1, transient_reserve_bytes // 2 // (1 << 20))

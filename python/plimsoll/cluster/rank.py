@@ -11,19 +11,25 @@ ring``, which sets the same ``MLX_RANK``/``MLX_HOSTFILE`` environment). Every ra
    MLX allocation limit to its admitted allocation limit; all-gathers the answers;
 4. **commit all or roll back all** (:func:`plimsoll.cluster.plan.decide`, identical on every
    rank): on rollback it restores its limit, loads nothing and exits 3; on commit it loads
-   only its own tensors (lazy load, foreign layers dropped before evaluation);
-5. serves: rank 0 reads JSON requests on stdin and broadcasts each one to the ring; the
-   pipeline passes activations rank → rank + 1 and the last rank's greedy token is
-   all-summed back to every rank, so all ranks agree when to stop.
+   only its own tensors (lazy load, foreign layers dropped before evaluation) and
+   all-gathers what it loaded (so rank 0 can report every rank);
+5. serves up to the committed concurrency of sequences at once, each in its own slot with
+   its own per-layer caches on every rank (:mod:`plimsoll.cluster.protocol`): rank 0
+   broadcasts one op at a time (new/step/free/ping/shutdown), the pipeline passes
+   activations rank → rank + 1, and the last rank's token is all-summed back to every rank.
+   Rank 0 takes its requests from HTTP (``--serve-port``: the worker's own API, through
+   :mod:`plimsoll.cluster.serve`) or, without it, one JSON request per line on stdin.
 
 Events are JSON lines on stdout (``{"event": ...}``); the supervisor reads them. A lost
 peer (mlx raises ``[ring] connection to a peer was lost``) ends the rank with exit 4 and a
 reasoned ``error`` event, so one rank's death tears the ring down; a supervisor that dies
 takes its ranks with it (parent watchdog).
 
-Running out is checked by the rank itself before every decode step (mlx's memory limit is
-soft on the CPU backend): active memory past the admitted allocation limit ends the rank
-with exit 6, which ends the ring for every peer.
+Running out is checked by the rank itself before every forward that yields a token (mlx's
+memory limit is soft on the CPU backend): active memory past the admitted allocation limit
+ends the rank with exit 6, which ends the ring for every peer. Each slot's KV is sized once
+to its reservation (``prompt + max_tokens``, whole blocks: the engine's ``SlotKV``), so it
+never grows past what rank 0's pool admitted.
 
 Exit codes: 0 shutdown, 2 cannot join the ring, 3 rolled back, 4 peer lost, 5 other error,
 6 ran out of its admitted memory.
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 import threading
@@ -47,7 +54,26 @@ FAULT_BYTES, FAULT_AT = "PLIMSOLL_CLUSTER_FAULT_BYTES", "PLIMSOLL_CLUSTER_FAULT_
 
 class RanOut(RuntimeError):
     """This rank's memory went past its admitted allocation limit (mlx's CPU limit is soft)."""
-OP_GENERATE, OP_SHUTDOWN = 1, 2
+
+
+class RingFailure(RuntimeError):
+    """The ring cannot go on (a peer lost, this rank ran out, an op failed half-way): the
+    rank must exit with ``code`` so every peer is torn down. ``reason`` says why."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+def as_failure(rank: int, err: BaseException) -> RingFailure:
+    """Any error inside a ring op leaves the ranks out of lockstep: classify it for the exit."""
+    if isinstance(err, RingFailure):
+        return err
+    if isinstance(err, RanOut):
+        return RingFailure(EXIT_RAN_OUT, f"{err}; tearing down")
+    if isinstance(err, RuntimeError) and "[ring]" in str(err):
+        return RingFailure(EXIT_PEER, f"rank {rank} lost a peer: {err}; tearing down")
+    return RingFailure(EXIT_OTHER, f"rank {rank}: {type(err).__name__}: {err}; tearing down")
 
 
 def emit(event: str, **fields) -> None:
@@ -148,38 +174,63 @@ class Ring:
         return out.tolist()
 
 
+class _Slot:
+    """One live sequence on this rank: its own caches for this rank's layers."""
+
+    def __init__(self, caches: list, pending: int, temperature: float, top_p: float, key):
+        self.caches, self.pending = caches, pending
+        self.temperature, self.top_p, self.key = temperature, top_p, key
+
+
 class Stage:
-    """This rank's contiguous slice of the model's layers (a pipeline stage)."""
+    """This rank's contiguous slice of the model's layers (a pipeline stage), and its slots.
+
+    Every method is one step of the lockstep protocol and runs on every rank in the same
+    order (rank 0 broadcasts the op first); a token-producing method returns the same
+    token on every rank (the last rank samples, an all-sum carries it).
+    """
 
     def __init__(self, mx, ring: Ring, model, plan, eos: set[int], prefill_chunk: int,
-                 cache_templates: list):
+                 cache_templates: list, block_tokens: int):
         from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+        from mlx_lm.models.cache import KVCache
+
+        from plimsoll.engine.adapter import SlotKV
 
         self.mx, self.ring, self.model, self.plan = mx, ring, model, plan
         self.inner = model.model
         self.layers = self.inner.layers[plan.layer_start:plan.layer_end]
         self.templates = cache_templates[plan.layer_start:plan.layer_end]
         self.linear = [bool(getattr(layer, "is_linear", False)) for layer in self.layers]
-        self.eos, self.chunk = eos, prefill_chunk
+        self.eos, self.chunk, self.block_tokens = eos, prefill_chunk, block_tokens
         self.first, self.last = ring.rank == 0, ring.rank == ring.size - 1
         self._attn_mask, self._ssm_mask = create_attention_mask, create_ssm_mask
+        self._kv_type, self._slot_kv = KVCache, SlotKV
         self.hidden = model.args.hidden_size
         self.dtype = None
         self.limit_bytes: int | None = None
+        self.slots: dict[int, _Slot] = {}
+        self.steps = 0  # token-producing forwards since load (fault injection counts these)
+        self.held: list = []
         self.fault_bytes = int(os.environ.get(FAULT_BYTES, "0"))
         self.fault_at = int(os.environ.get(FAULT_AT, "0"))
 
-    def check_memory(self, step: int, held: list) -> None:
+    def check_memory(self) -> None:
         """Running out is checked, not trusted to the allocator: past the limit, stop the ring."""
-        mx = self.mx
+        mx, step = self.mx, self.steps
         if self.fault_bytes and step == self.fault_at:
             spike = mx.zeros((self.fault_bytes // 4,), dtype=mx.float32)
             mx.eval(spike)
-            held.append(spike)
+            self.held.append(spike)
         active = mx.get_active_memory()
         if self.limit_bytes is not None and active > self.limit_bytes:
             raise RanOut(f"rank {self.ring.rank} ran out of its admitted memory at decode step "
                          f"{step}: active {active} B > allocation limit {self.limit_bytes} B")
+
+    def _new_caches(self, capacity: int) -> list:
+        """Full-attention KV sized once to the reservation; other kinds as their template."""
+        return [self._slot_kv(capacity) if type(t) is self._kv_type else copy.deepcopy(t)
+                for t in self.templates]
 
     def _masks(self, h, caches: list) -> list:
         """One mask per layer kind, built from the first cache of that kind (as mlx-lm does)."""
@@ -189,8 +240,22 @@ class Stage:
                  True: self._ssm_mask(h, ssm) if ssm is not None else None}
         return [masks[lin] for lin in self.linear]
 
-    def _forward(self, tokens: list[int], caches: list, want_token: bool) -> int | None:
-        mx, ring = self.mx, self.ring
+    def _sample(self, logits, slot: _Slot):
+        mx = self.mx
+        if slot.temperature <= 0:
+            return mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32)
+        from mlx_lm.sample_utils import apply_top_p
+
+        row = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[None]
+        if 0 < slot.top_p < 1:
+            row = apply_top_p(row, slot.top_p)
+        sub = None
+        if slot.key is not None:
+            slot.key, sub = mx.random.split(slot.key)
+        return mx.random.categorical(row * (1 / slot.temperature), key=sub).astype(mx.int32)
+
+    def _forward(self, tokens: list[int], slot: _Slot, want_token: bool) -> int | None:
+        mx, ring, caches = self.mx, self.ring, slot.caches
         if self.first:
             h = self.inner.embed_tokens(mx.array([tokens]))
         else:
@@ -203,10 +268,13 @@ class Stage:
             mx.eval(mx.distributed.send(h, ring.rank + 1, group=ring.group))
             token = mx.array([0], dtype=mx.int32)
         else:
+            if not want_token:
+                mx.eval([c.state for c in caches])
+                return None
             h = self.inner.norm(h[:, -1:, :])
             head = getattr(self.model, "lm_head", None)
             logits = head(h) if head is not None else self.inner.embed_tokens.as_linear(h)
-            token = mx.argmax(logits[0, -1], axis=-1, keepdims=True).astype(mx.int32)
+            token = self._sample(logits[0, -1], slot)
             mx.eval(token, [c.state for c in caches])
         if not want_token:
             return None
@@ -215,24 +283,48 @@ class Stage:
         mx.eval(token)
         return int(token.item())
 
-    def generate(self, prompt: list[int], max_tokens: int, on_token) -> list[int]:
-        caches = [copy.deepcopy(t) for t in self.templates]
-        head, y = prompt[:-1], prompt[-1]
+    # ------------------------------------------------------------ the protocol's verbs
+
+    def new(self, slot: int, prompt: list[int], max_tokens: int, temperature: float = 0.0,
+            top_p: float = 1.0, seed: int | None = None) -> int:
+        """Open ``slot``: KV sized to ``prompt + max_tokens``, prefill, the first token."""
+        if slot in self.slots:
+            raise ValueError(f"slot {slot} is already open")
+        capacity = math.ceil((len(prompt) + max_tokens) / self.block_tokens) * self.block_tokens
+        key = self.mx.random.key(seed) if seed is not None and self.last else None
+        s = _Slot(self._new_caches(capacity), -1, temperature, top_p, key)
+        self.slots[slot] = s
+        head = prompt[:-1]
         for i in range(0, len(head), self.chunk):
-            self._forward(head[i:i + self.chunk], caches, want_token=False)
-        out: list[int] = []
-        held: list = []
-        for step in range(max_tokens):
-            self.check_memory(step, held)
-            y = self._forward([y], caches, want_token=True)
-            out.append(y)
-            on_token(y)
-            if y in self.eos:
-                break
-        return out
+            self._forward(head[i:i + self.chunk], s, want_token=False)
+        return self._decode(s, prompt[-1])
+
+    def step(self, slot: int) -> int:
+        """One more token of ``slot`` (its last token's KV written, the next sampled)."""
+        s = self.slots[slot]
+        return self._decode(s, s.pending)
+
+    def _decode(self, s: _Slot, y: int) -> int:
+        self.check_memory()
+        s.pending = self._forward([y], s, want_token=True)
+        self.steps += 1
+        return s.pending
+
+    def free(self, slot: int) -> None:
+        s = self.slots.pop(slot, None)
+        if s is not None:
+            s.caches.clear()
+
+    def kv_bytes_held(self) -> int:
+        return sum(getattr(c, "nbytes", 0) for s in self.slots.values() for c in s.caches)
+
+    def memory(self) -> dict[str, int]:
+        mx = self.mx
+        return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(),
+                "cache": mx.get_cache_memory()}
 
 
-def _load_stage(mx, ring, model_dir: Path, plan, prefill_chunk: int) -> Stage:
+def _load_stage(mx, ring, model_dir: Path, plan, request) -> Stage:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
@@ -240,7 +332,7 @@ def _load_stage(mx, ring, model_dir: Path, plan, prefill_chunk: int) -> Stage:
     inner = model.model
     n = len(inner.layers)
     # Empty caches of the right kind per layer (KV, or arrays for linear attention), taken
-    # before foreign layers are dropped; each request deep-copies its own.
+    # before foreign layers are dropped; each slot makes its own from these.
     if hasattr(model, "make_cache"):
         templates = model.make_cache()
     else:
@@ -261,46 +353,17 @@ def _load_stage(mx, ring, model_dir: Path, plan, prefill_chunk: int) -> Stage:
     mx.eval(params)
     eos = config.get("eos_token_id", [])
     eos = set(eos if isinstance(eos, list) else [eos])
-    stage = Stage(mx, ring, model, plan, eos, prefill_chunk, templates)
+    stage = Stage(mx, ring, model, plan, eos, request.prefill_chunk, templates,
+                  request.block_tokens)
     stage.dtype = params[0].dtype if params else mx.float32
     stage.loaded_bytes = sum(v.nbytes for v in params)
     return stage
 
 
-def _serve(ring: Ring, stage: Stage, context: int) -> int:
-    """Rank 0: stdin requests → ring broadcast; every rank runs each request in lockstep."""
-    while True:
-        header = None
-        if ring.rank == 0:
-            line = sys.stdin.readline()
-            req = json.loads(line) if line.strip() else {"op": "shutdown"}
-            if req.get("op") == "generate":
-                prompt = [int(t) for t in req["prompt"]]
-                max_tokens = int(req["max_tokens"])
-                if not prompt or prompt[0] < 0 or len(prompt) + max_tokens > context:
-                    emit("refused", reason=f"prompt {len(prompt)} + max_tokens {max_tokens} "
-                         f"exceeds the committed context {context} (or the prompt is empty)")
-                    continue
-                header = [OP_GENERATE, len(prompt), max_tokens]
-            else:
-                header = [OP_SHUTDOWN, 0, 0]
-        op, n, max_tokens = ring.broadcast_ints(header, 3)
-        if op == OP_SHUTDOWN:
-            return EXIT_OK
-        prompt = ring.broadcast_ints(prompt if ring.rank == 0 else None, n)
-        start = time.monotonic()
-        report = (lambda t: emit("token", id=t)) if ring.rank == 0 else (lambda t: None)
-        out = stage.generate(prompt, max_tokens, report)
-        if ring.rank == 0:
-            elapsed = time.monotonic() - start
-            emit("done", tokens=out, seconds=elapsed,
-                 tokens_per_s=len(out) / elapsed if elapsed > 0 else None)
-
-
-def main(argv: list[str] | None = None) -> int:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m plimsoll.cluster.rank")
     p.add_argument("--model", required=True, type=Path)
-    p.add_argument("--host", default="")
+    p.add_argument("--host", default="", help="This rank's host name (for its reasons).")
     p.add_argument("--ceiling-bytes", type=int)
     p.add_argument("--total-ram-bytes", type=int)
     p.add_argument("--budget-bytes", type=int)
@@ -309,7 +372,31 @@ def main(argv: list[str] | None = None) -> int:
                    "mlx.launch needs, with each rank's own figures")
     p.add_argument("--policy", type=Path, help="This host's policy (clustered budget).")
     p.add_argument("--request", default="{}", help="ClusterRequest as JSON (same on every rank)")
-    args = p.parse_args(argv)
+    for flag in ("--concurrency", "--context", "--max-tokens", "--block-tokens"):
+        p.add_argument(flag, type=int, help="Overrides the same field of --request.")
+    s = p.add_argument_group("HTTP on rank 0 (the worker API); without --serve-port, stdin")
+    s.add_argument("--serve-port", type=int, help="Rank 0 serves HTTP on this port.")
+    s.add_argument("--serve-host", default="127.0.0.1")
+    s.add_argument("--model-name", help="The name clients use (default: the directory name).")
+    s.add_argument("--default-max-tokens", type=int, default=512)
+    s.add_argument("--max-queue", type=int, default=64)
+    s.add_argument("--max-wait", type=float, default=30.0)
+    s.add_argument("--trip-offset", type=float, default=0.05)
+    return p.parse_args(argv)
+
+
+def _request(args):
+    from plimsoll.cluster.plan import ClusterRequest
+
+    base = json.loads(args.request)
+    for name in ("concurrency", "context", "max_tokens", "block_tokens"):
+        if getattr(args, name) is not None:
+            base[name] = getattr(args, name)
+    return ClusterRequest.model_validate(base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
     _parent_watchdog()
 
     import mlx.core as mx
@@ -329,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INIT
     ring = Ring(mx, group)
     try:
-        request = cp.ClusterRequest.model_validate_json(args.request)
+        request = _request(args)
         probe = _own_probe(args, ring.rank)
         probes = [cp.RankProbe.model_validate(x) for x in ring.all_gather_json(probe.model_dump())]
         config, facts = read_config(args.model), inspect_model(args.model)
@@ -348,28 +435,40 @@ def main(argv: list[str] | None = None) -> int:
             if previous_limit is not None:
                 mx.set_memory_limit(previous_limit)
             return EXIT_ROLLBACK
-        stage = _load_stage(mx, ring, args.model, plans[ring.rank], request.prefill_chunk)
+        # the MLX buffer cache is capped too (invariant 4): half the transient reserve
+        mx.set_cache_limit(cp.cache_limit_mib(answer.decision.transient_reserve_bytes) << 20)
+        stage = _load_stage(mx, ring, args.model, plans[ring.rank], request)
         stage.limit_bytes = answer.decision.allocation_limit_bytes
-        ring.broadcast_ints([1], 1)  # barrier: every rank loaded
-        emit("ready", rank=ring.rank, loaded_bytes=stage.loaded_bytes,
-             planned_weights_bytes=plans[ring.rank].weights_bytes,
-             active_memory_bytes=mx.get_active_memory(),
-             layers=[plans[ring.rank].layer_start, plans[ring.rank].layer_end],
-             concurrency=decision.concurrency, context=decision.context)
-        return _serve(ring, stage, decision.context)
-    except RanOut as e:
-        emit("error", rank=ring.rank, phase="run", reason=f"{e}; tearing down")
-        return EXIT_RAN_OUT
-    except RuntimeError as e:
-        if "[ring]" in str(e):
-            emit("error", rank=ring.rank, phase="run",
-                 reason=f"rank {ring.rank} lost a peer: {e}; tearing down")
-            return EXIT_PEER
-        emit("error", rank=ring.rank, phase="run", reason=f"{type(e).__name__}: {e}")
-        return EXIT_OTHER
+        mine = {"rank": ring.rank, "pid": os.getpid(), "host": probe.host,
+                "loaded_bytes": stage.loaded_bytes,
+                "planned_weights_bytes": plans[ring.rank].weights_bytes,
+                "active_memory_bytes": mx.get_active_memory(),
+                "memory_limit_applied_bytes": mx.get_memory_limit(),
+                "layers": [plans[ring.rank].layer_start, plans[ring.rank].layer_end]}
+        loaded = ring.all_gather_json(mine)  # also the barrier: every rank loaded
+        emit("ready", **mine, concurrency=decision.concurrency, context=decision.context)
+        from plimsoll.cluster import protocol
+
+        if ring.rank != 0:
+            return protocol.follow(ring, stage)
+        leader = protocol.Leader(ring, stage)
+        if args.serve_port is None:
+            return protocol.serve_stdin(leader, decision.context)
+        from plimsoll.cluster.serve import ClusterFacts, serve_http
+
+        return serve_http(leader, ClusterFacts(
+            model_dir=args.model, request=request, decision=decision, answers=answers,
+            loaded=loaded, facts=facts, tokenizer=_load_tokenizer(args.model, config)), args)
     except Exception as e:
-        emit("error", rank=ring.rank, phase="run", reason=f"{type(e).__name__}: {e}")
-        return EXIT_OTHER
+        failure = as_failure(ring.rank, e)
+        emit("error", rank=ring.rank, phase="run", reason=failure.reason)
+        return failure.code
+
+
+def _load_tokenizer(model_dir: Path, config: dict):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,15 @@ not: ``mlx.launch`` exits 0 even when ranks fail, so this class watches every ra
 - :meth:`Cluster.start` waits (bounded) for every rank's preflight answer and the common
   decision. A rollback raises :class:`ClusterRefused` with every rank's reasons, after
   every rank process has exited (or been killed) — nothing is left holding memory.
-- :meth:`Cluster.generate` sends one request to rank 0 and waits for its tokens; if any
-  rank exits or the wait runs out, every other rank is killed (by pid) and
-  :class:`ClusterRankFailed` names which rank died, how, and what its peers said.
-- :meth:`Cluster.close` shuts the ring down cleanly, then kills what is left.
+- With a :class:`ServeSpec`, rank 0 serves the worker's HTTP API (:mod:`.serve`) and
+  :meth:`Cluster.start` also waits for it to listen; :meth:`Cluster.watch` then follows
+  every rank until asked to stop or until one dies (then every rank is torn down and
+  :class:`ClusterRankFailed` carries every rank's reasons).
+- Without one, :meth:`Cluster.generate` sends one request to rank 0's stdin and waits for
+  its tokens; if any rank exits or the wait runs out, every other rank is killed (by pid)
+  and :class:`ClusterRankFailed` names which rank died, how, and what its peers said.
+- :meth:`Cluster.close` shuts the ring down cleanly (stdin EOF, or SIGTERM to a serving
+  rank 0, which drains HTTP then broadcasts the shutdown), then kills what is left.
 
 Every wait is bounded; all traffic is on the addresses given (127.0.0.1 by default).
 This module does not import mlx. Ranks on other hosts (ssh) are out of scope here: for
@@ -74,6 +79,24 @@ class RankSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ServeSpec:
+    """Rank 0 serves the worker's HTTP API on ``host:port`` (127.0.0.1 by default)."""
+
+    port: int
+    host: str = "127.0.0.1"
+    model_name: str | None = None
+    default_max_tokens: int = 512
+    max_queue: int = 64
+    max_wait_s: float = 30.0
+
+    def argv(self) -> list[str]:
+        out = ["--serve-port", str(self.port), "--serve-host", self.host,
+               "--default-max-tokens", str(self.default_max_tokens),
+               "--max-queue", str(self.max_queue), "--max-wait", repr(self.max_wait_s)]
+        return out + (["--model-name", self.model_name] if self.model_name else [])
+
+
 @dataclass
 class Generation:
     tokens: list[int]
@@ -97,7 +120,8 @@ class Cluster:
 
     def __init__(self, model_dir: str | Path, ranks: list[RankSpec],
                  request: ClusterRequest | None = None, *, python: str = sys.executable,
-                 env: dict[str, str] | None = None, workdir: str | Path | None = None):
+                 env: dict[str, str] | None = None, workdir: str | Path | None = None,
+                 serve: ServeSpec | None = None):
         if not ranks:
             raise ValueError("a cluster needs at least one rank")
         self.model_dir = Path(model_dir)
@@ -112,6 +136,8 @@ class Cluster:
         self.said: dict[int, list[str]] = {}
         self.ready: dict[int, dict] = {}
         self.decision: ClusterDecision | None = None
+        self.serve = serve
+        self.serving: dict | None = None
 
     # ------------------------------------------------------------ processes
 
@@ -119,9 +145,11 @@ class Cluster:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def _argv(self, spec: RankSpec) -> list[str]:
+    def _argv(self, rank: int, spec: RankSpec) -> list[str]:
         argv = [self.python, "-m", "plimsoll.cluster.rank", "--model", str(self.model_dir),
                 "--host", spec.ip, "--request", self.request.model_dump_json()]
+        if rank == 0 and self.serve is not None:
+            argv += self.serve.argv()
         for flag, value in (("--ceiling-bytes", spec.ceiling_bytes),
                             ("--total-ram-bytes", spec.total_ram_bytes),
                             ("--budget-bytes", spec.budget_bytes)):
@@ -150,10 +178,10 @@ class Cluster:
             else:
                 env.pop("MLX_HOSTFILE", None)
             log = (self.workdir / f"rank{rank}.log").open("wb")
+            stdin = subprocess.PIPE if rank == 0 and self.serve is None else subprocess.DEVNULL
             proc = subprocess.Popen(
-                self._argv(spec), env=env, stdin=subprocess.PIPE if rank == 0 else
-                subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, text=True,
-                start_new_session=True)
+                self._argv(rank, spec), env=env, stdin=stdin, stdout=subprocess.PIPE,
+                stderr=log, text=True, start_new_session=True)
             log.close()
             self.procs.append(proc)
             threading.Thread(target=self._reader, args=(rank, proc.stdout), daemon=True,
@@ -167,6 +195,8 @@ class Cluster:
             self.said.setdefault(rank, []).extend(event["answer"].get("reasons", []))
         elif kind == "ready":
             self.ready[rank] = event
+        elif kind == "serving" and rank == 0:
+            self.serving = event
         elif kind == "decision" and rank == 0:
             self.decision = ClusterDecision.model_validate(event["decision"])
 
@@ -236,8 +266,8 @@ class Cluster:
         """Preflight, decide, and (on commit) wait for every rank to be loaded."""
         self._spawn()
         deadline = time.monotonic() + timeout
-        while self.decision is None or (self.decision.action == "commit"
-                                        and len(self.ready) < len(self.ranks)):
+        while self.decision is None or (self.decision.action == "commit" and (
+                len(self.ready) < len(self.ranks) or (self.serve and self.serving is None))):
             if self.decision is not None and self.decision.action == "rollback":
                 break
             try:
@@ -298,14 +328,25 @@ class Cluster:
                 self._drain(1.0)
                 self._check_alive()
 
-    def close(self, timeout: float = 10.0) -> None:
+    def watch(self, stop: threading.Event, poll_s: float = 0.2) -> None:
+        """Follow every rank until ``stop`` is set; a rank that exits tears every rank down
+        (:class:`ClusterRankFailed` with every rank's reasons)."""
+        while not stop.is_set():
+            self._next(time.monotonic() + poll_s)
+            self._check_alive()
+
+    def close(self, timeout: float = 15.0) -> None:
         """Shut the ring down (rank 0 broadcasts shutdown), then kill whatever is left."""
-        if self.procs and self.procs[0].poll() is None and self.procs[0].stdin:
-            try:
-                self.procs[0].stdin.write(json.dumps({"op": "shutdown"}) + "\n")
-                self.procs[0].stdin.close()
-            except (BrokenPipeError, OSError):
-                pass
+        first = self.procs[0] if self.procs else None
+        if first is not None and first.poll() is None:
+            if first.stdin:
+                try:
+                    first.stdin.write(json.dumps({"op": "shutdown"}) + "\n")
+                    first.stdin.close()
+                except (BrokenPipeError, OSError):
+                    pass
+            else:  # serving: uvicorn drains, then rank 0 broadcasts the shutdown
+                first.send_signal(signal.SIGTERM)
         self._wait_exit(timeout)
         if self._tmp is not None:
             self._tmp.cleanup()

@@ -1,0 +1,355 @@
+"""Rank 0 serves HTTP: the worker's own API over the ring (no mlx imported here).
+
+Why the worker's code and not a copy: :func:`plimsoll.worker_app.make_app` takes a
+backend, and this module gives it one whose scheduler is the worker's own
+:class:`~plimsoll.scheduler.Scheduler` driving a :class:`RingEngine` instead of a local
+engine. So the routes, OpenAI/Anthropic parsing, chat templates, SSE streaming, the
+bounded waiting queue (full → 503 ``queue_full``), per-request admission against the
+pool (``prompt + max_tokens`` blocks, over the committed context → 400) and the error
+shapes are the same code as a single-process worker's.
+
+Threads: the ring's collectives stay on the main thread, where the rank joined the ring
+and loaded its layers: :meth:`RingScheduler.run_here` runs the scheduler's loop there.
+uvicorn runs in a thread of its own and talks to the loop only through ``submit`` and
+the per-request event sinks (the scheduler's inbox is the bounded queue between them).
+
+The pool on rank 0 counts token blocks for the whole ring: a sequence of ``n`` tokens
+holds ``ceil(n / block_tokens)`` blocks on *every* rank, so the binding total is the
+smallest pool any rank was admitted with. Prefix retention is off (cache cap 0): every
+request prefills its whole prompt.
+
+Failure: an op that fails (a peer lost, this rank ran out) breaks the leader; the loop
+then answers every request in flight with a reasoned error (a 500 body or an SSE error
+event naming the rank and the cause), stops, and the rank exits with the failure's
+code, which tears the ring down. An idle leader pings the ring every
+:data:`PING_S` seconds, so a dead peer is noticed without traffic too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from plimsoll.cluster.plan import cache_limit_mib
+from plimsoll.cluster.rank import EXIT_OK, EXIT_OTHER, RingFailure, emit
+from plimsoll.kv_pool import KVPool
+from plimsoll.scheduler import Scheduler, SchedulerLimits
+from plimsoll.worker_config import WorkerConfig
+
+log = logging.getLogger("plimsoll.cluster")
+PING_S = 2.0
+SERVE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Added:
+    """What :meth:`RingEngine.add` did (the fields the scheduler reads)."""
+
+    first_token: int
+    reused_tokens: int = 0
+
+
+@dataclass
+class _Seq:
+    slot: int
+    generated: int
+    written: int
+
+
+class RingEngine:
+    """The engine interface the worker's scheduler drives, over rank 0's ring leader.
+
+    One sequence per slot (the scheduler's ``max_num_seqs`` is the number of slots, so a
+    free slot always exists when it admits); a decode step steps every open slot once,
+    round-robin. Not thread-safe: one owner (the scheduler loop, on the main thread).
+    """
+
+    def __init__(self, leader, tokenizer, facts, slots: int):
+        self.leader, self.tokenizer, self.facts = leader, tokenizer, facts
+        self._free = list(range(slots))
+        self._seqs: dict[object, _Seq] = {}
+        self._peak = 0
+
+    def add(self, seq_id, prompt: list[int], max_tokens: int, prefix=None, *,
+            temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> Added:
+        if prefix is not None:
+            raise ValueError("the ring keeps no prefixes")
+        slot = self._free.pop(0)
+        try:
+            token = self.leader.new(slot, prompt, max_tokens, temperature, top_p, seed)
+        except BaseException:
+            self._free.insert(0, slot)
+            raise
+        self._seqs[seq_id] = _Seq(slot, 1, len(prompt))
+        self._note()
+        return Added(token)
+
+    def step(self) -> list[tuple[object, int]]:
+        out = []
+        for seq_id, s in list(self._seqs.items()):
+            token = self.leader.step(s.slot)
+            s.generated += 1
+            s.written += 1
+            out.append((seq_id, token))
+        self._note()
+        return out
+
+    def generated(self, seq_id) -> int:
+        return self._seqs[seq_id].generated
+
+    def written_tokens(self, seq_id) -> int:
+        return self._seqs[seq_id].written
+
+    def finish(self, seq_id, retain: bool = False) -> None:
+        s = self._seqs.pop(seq_id)
+        if self.leader.broken is None:
+            self.leader.free(s.slot)
+        self._free.append(s.slot)
+
+    def drop_prefix(self, handle) -> None:
+        raise KeyError(f"prefix {handle}: the ring keeps no prefixes")
+
+    def clear_cache(self) -> None:
+        self.leader.clear_cache()
+
+    def kv_bytes_held(self) -> int:
+        return self.leader.kv_bytes_held()
+
+    def kv_bytes_peak(self) -> int:
+        return max(self._peak, self.kv_bytes_held())
+
+    def _note(self) -> None:
+        self._peak = max(self._peak, self.kv_bytes_held())
+
+    @property
+    def open_slots(self) -> int:
+        return len(self._seqs)
+
+
+class RingScheduler(Scheduler):
+    """The worker's scheduler, run on the calling thread, that stops when the ring breaks."""
+
+    def __init__(self, engine: RingEngine, pool: KVPool, limits: SchedulerLimits,
+                 memory_probe):
+        super().__init__(lambda _stack: (engine, pool), limits, memory_probe)
+        self.fatal: RingFailure | None = None
+
+    def run_here(self) -> RingFailure | None:
+        """The scheduler loop on this thread (the ring's), until stopped or the ring fails."""
+        beat = threading.Thread(target=self._heartbeat, name="ring-heartbeat", daemon=True)
+        beat.start()
+        self._run()
+        return self.fatal
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(PING_S / 2):
+            self.wake()
+
+    def _iterate(self) -> None:
+        leader = self.engine.leader
+        with contextlib.suppress(RingFailure):
+            super()._iterate()
+            if not self._running and time.monotonic() - leader.last_op >= PING_S:
+                leader.ping()
+        if leader.broken is not None and self.fatal is None:
+            self.fatal = leader.broken
+            log.error("the ring failed: %s", self.fatal.reason)
+            self._fail_all(f"the cluster was torn down: {self.fatal.reason}")
+            self._publish()
+            self._stop.set()
+
+
+# ------------------------------------------------------------------ the figures
+
+
+@dataclass
+class ClusterFacts:
+    """What rank 0 knows after the commit: every rank's plan, answer and loaded figures."""
+
+    model_dir: Path
+    request: Any  # ClusterRequest
+    decision: Any  # ClusterDecision
+    answers: list  # [Preflight], by rank
+    loaded: list[dict]  # every rank's ready figures, by rank
+    facts: Any  # ModelFacts of the whole model
+    tokenizer: Any = field(repr=False, default=None)
+
+    @property
+    def pool_blocks(self) -> int:
+        """The ring's pool: the smallest any rank was admitted with (every rank holds every
+        sequence's tokens for its layers)."""
+        return min(a.decision.pool_blocks for a in self.answers)
+
+    @property
+    def fixed_blocks_per_seq(self) -> int:
+        return max(math.ceil(a.plan.per_sequence_fixed_bytes / a.decision.block_bytes)
+                   for a in self.answers)
+
+    @property
+    def max_tokens(self) -> int:
+        return min(a.decision.output_reservation for a in self.answers)
+
+    def ranks(self) -> list[dict[str, Any]]:
+        """Each rank's layers, shares and admission figures (for the status report)."""
+        out = []
+        for a, got in zip(self.answers, self.loaded, strict=True):
+            d, p = a.decision, a.plan
+            out.append({
+                "rank": a.rank, "pid": got.get("pid"), "host": got.get("host", ""),
+                "layers": [p.layer_start, p.layer_end], "weights_bytes": p.weights_bytes,
+                "loaded_bytes": got.get("loaded_bytes"), "comm_bytes": p.comm_bytes,
+                "kv_bytes_per_token": p.kv_bytes_per_token,
+                "per_sequence_fixed_bytes": p.per_sequence_fixed_bytes,
+                "pool_blocks": d.pool_blocks, "block_bytes": d.block_bytes,
+                "footprint_bytes": d.footprint_bytes,
+                "gpu_memory_utilization": d.gpu_memory_utilization,
+                "allocation_limit_bytes": d.allocation_limit_bytes,
+                "memory_limit_applied_bytes": got.get("memory_limit_applied_bytes"),
+                "ceiling_bytes": d.ceiling_bytes, "budget_bytes": d.budget_bytes,
+                "concurrency": d.concurrency, "context": d.context,
+                "active_memory_at_load_bytes": got.get("active_memory_bytes"),
+            })
+        return out
+
+
+def ring_worker_config(cf: ClusterFacts, *, model_name: str | None, host: str, port: int,
+                       default_max_tokens: int = 512, max_queue: int = 64,
+                       max_wait_s: float = 30.0, trip_offset: float = 0.05) -> WorkerConfig:
+    """Rank 0's worker configuration: the committed concurrency and context, the ring's
+    pool, rank 0's own allocation limit and trip (the memory it can see)."""
+    d0 = cf.answers[0].decision
+    max_tokens = cf.max_tokens
+    return WorkerConfig(
+        model_dir=cf.model_dir, model_name=model_name or cf.model_dir.name,
+        max_cache_blocks=cf.pool_blocks, gpu_memory_utilization=d0.gpu_memory_utilization,
+        cache_memory_mb=0, max_num_seqs=cf.decision.concurrency, context=cf.decision.context,
+        block_tokens=cf.request.block_tokens, max_tokens=max_tokens,
+        default_max_tokens=min(default_max_tokens, max_tokens), max_queue=max_queue,
+        max_wait_s=max_wait_s, ceiling_bytes=d0.ceiling_bytes,
+        total_ram_bytes=d0.total_ram_bytes, trip_offset=trip_offset,
+        mlx_cache_mb=cache_limit_mib(d0.transient_reserve_bytes), host=host, port=port)
+
+
+# ------------------------------------------------------------------ serving
+
+
+def ring_backend(sched: RingScheduler, cf: ClusterFacts, leader, guard):
+    """The worker app's backend over a ring scheduler that runs elsewhere (the main thread)."""
+    import psutil
+
+    proc = psutil.Process()
+
+    @contextlib.asynccontextmanager
+    async def backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
+        ready = await run_in_threadpool(sched.ready.wait, SERVE_TIMEOUT_S)
+        if not ready or sched.setup_error is not None:
+            raise RuntimeError(f"the ring scheduler did not start: {sched.setup_error}")
+
+        def status_extra() -> dict[str, Any]:
+            return {"cluster": {
+                "world_size": len(cf.answers), "backend": "ring",
+                "decision": cf.decision.model_dump(), "ranks": cf.ranks(),
+                "slots_open": sched.engine.open_slots,
+                "failed": sched.fatal.reason if sched.fatal else None}}
+
+        try:
+            yield {"scheduler": sched, "tokenizer": cf.tokenizer,
+                   "native_max_context": cf.facts.native_max_context,
+                   "block_bytes": cf.facts.kv_bytes_per_token * cfg.block_tokens,
+                   "kv_bytes_per_token": cf.facts.kv_bytes_per_token,
+                   "applied_limits": {
+                       "memory_limit_applied_bytes": cf.loaded[0].get(
+                           "memory_limit_applied_bytes"),
+                       "cache_limit_applied_bytes": cfg.mlx_cache_bytes,
+                       "wired_limit_applied_bytes": 0},
+                   "engine_memory": leader.memory, "rss": lambda: proc.memory_info().rss,
+                   "guard": guard, "status_extra": status_extra}
+        finally:
+            sched.stop()  # uvicorn is done: the ring loop ends, then the ring shuts down
+
+    return backend
+
+
+def serve_http(leader, cf: ClusterFacts, args) -> int:
+    """Rank 0: uvicorn in a thread, the ring loop here; the exit code for the rank.
+
+    SIGTERM/SIGINT stop uvicorn gracefully (in-flight requests get a bounded time), then
+    the loop, then the ring (SHUTDOWN to every rank): exit 0. A ring failure answers every
+    request in flight with its reason, stops uvicorn and exits with the failure's code.
+    """
+    import psutil
+    import uvicorn
+
+    from plimsoll.guard import SelfGuard, memory_probe_with_guard
+    from plimsoll.worker_app import make_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = ring_worker_config(cf, model_name=args.model_name, host=args.serve_host,
+                             port=args.serve_port, default_max_tokens=args.default_max_tokens,
+                             max_queue=args.max_queue, max_wait_s=args.max_wait,
+                             trip_offset=args.trip_offset)
+    pool = KVPool(total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens, cache_cap_blocks=0,
+                  fixed_blocks_per_seq=cf.fixed_blocks_per_seq)
+    engine = RingEngine(leader, cf.tokenizer, cf.facts, cfg.max_num_seqs)
+    proc = psutil.Process()
+    guard = SelfGuard.find()
+    probe = memory_probe_with_guard(
+        lambda: {"mlx_active": leader.memory()["active"], "rss": proc.memory_info().rss}, guard)
+    sched = RingScheduler(engine, pool, SchedulerLimits(
+        cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes), probe)
+    app = make_app(cfg, backend=ring_backend(sched, cf, leader, guard))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5,
+        limit_concurrency=cfg.max_queue + cfg.max_num_seqs + 16))
+
+    def run_server() -> None:
+        try:
+            server.run()
+        finally:
+            sched.stop()  # uvicorn ended (stopped, or never bound): end the loop too
+
+    def announce() -> None:
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while time.monotonic() < deadline and web.is_alive() and not server.started:
+            time.sleep(0.05)
+        if server.started:
+            emit("serving", rank=0, url=f"http://{cfg.host}:{cfg.port}", model=cfg.model_name,
+                 concurrency=cfg.max_num_seqs, context=cfg.context,
+                 pool_blocks=cfg.max_cache_blocks, max_tokens=cfg.max_tokens)
+        else:
+            emit("error", rank=0, phase="serve",
+                 reason=f"HTTP did not start on {cfg.host}:{cfg.port} (port in use?)")
+            sched.stop()
+
+    def on_signal(signum, _frame) -> None:
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    web = threading.Thread(target=run_server, name="uvicorn", daemon=True)
+    web.start()
+    threading.Thread(target=announce, name="announce", daemon=True).start()
+    fatal = sched.run_here()
+    server.should_exit = True
+    web.join(10.0)
+    if fatal is not None:
+        emit("error", rank=0, phase="run", reason=fatal.reason)
+        return fatal.code
+    served = server.started
+    try:
+        leader.shutdown()
+    except RingFailure as err:
+        emit("error", rank=0, phase="shutdown", reason=err.reason)
+        return err.code
+    return EXIT_OK if served else EXIT_OTHER
+
