@@ -1,13 +1,16 @@
-"""``plimsoll cluster``: plan a clustered load per rank, or run one on 127.0.0.1 and generate.
+"""``plimsoll cluster``: plan a clustered load per rank, serve one, or run one and generate.
 
-Not wired into ``plimsoll.cli`` yet: add ``main.add_command(cluster_group)``.
+``plan`` is pure (no process starts); ``serve`` and ``generate`` start every rank on this
+host (ring backend on 127.0.0.1) through :class:`plimsoll.cluster.runner.Cluster`.
 mlx is never imported here (the rank processes import it).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -152,3 +155,86 @@ def generate_command(model, rank_figures, prompt, n_tokens, timeout, **request_k
                "context": decision.context,
                "ranks": [ready[r] for r in sorted(ready)]}, sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+class _Interrupted(Exception):
+    """SIGTERM/SIGINT while the ranks were still coming up."""
+
+
+@cluster_group.command("serve")
+@click.argument("model", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@_rank_option
+@_request_options
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Rank 0's HTTP bind address.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8090, show_default=True,
+              help="Rank 0's HTTP port (the worker API: /v1/chat/completions, ...).")
+@click.option("--model-name", help="The model name clients use (default: the directory name).")
+@click.option("--default-max-tokens", type=click.IntRange(min=1), default=512,
+              show_default=True, help="Output reservation when a request names none.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests that may wait for a free slot; beyond: 503 queue_full.")
+@click.option("--max-wait", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds a request may wait for a slot before a 503.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
+              help="Seconds to wait for every rank to load and rank 0 to listen.")
+def serve_command(model, rank_figures, host, port, model_name, default_max_tokens, max_queue,
+                  max_wait, timeout, **request_kw) -> None:
+    """Serve MODEL split across ranks on this host; rank 0 answers the worker's HTTP API.
+
+    Stays in the foreground as the ranks' supervisor: SIGTERM/SIGINT shut every rank down
+    (exit 0); a rank that dies tears every rank down (exit 4, every rank's reasons on
+    stderr); a two-phase refusal rolls every rank back (exit 3, every rank's reasons).
+    No rank outlives this process. For ranks on other hosts, see ``mlx.launch`` in the
+    README.
+    """
+    from .cluster.runner import Cluster, ClusterRankFailed, ClusterRefused, RankSpec, ServeSpec
+    from .launch import worker_env
+
+    specs = [RankSpec(ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b)
+             for c, t, b in map(_parse_rank, rank_figures)]
+    request = _request(**request_kw)
+    name = model_name or model.name
+    cluster = Cluster(model, specs, request, env=worker_env(), serve=ServeSpec(
+        port=port, host=host, model_name=name, default_max_tokens=default_max_tokens,
+        max_queue=max_queue, max_wait_s=max_wait))
+    stop = threading.Event()
+    starting = True
+
+    def on_signal(signum, _frame) -> None:
+        stop.set()
+        if starting:
+            raise _Interrupted(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        try:
+            decision = cluster.start(timeout=timeout)
+        finally:
+            starting = False
+        layers = ", ".join(f"rank {r}: layers {e['layers'][0]}..{e['layers'][1] - 1}"
+                           for r, e in sorted(cluster.ready.items()))
+        url = cluster.serving["url"]
+        click.echo(f"plimsoll cluster serve: {url}/v1 ready — model {name!r} on "
+                   f"{len(specs)} ranks ({layers}); concurrency {decision.concurrency}, "
+                   f"context {decision.context}", err=True)
+        click.echo(json.dumps({"event": "ready", "url": url, "model": name,
+                               "pids": cluster.pids, "concurrency": decision.concurrency,
+                               "context": decision.context,
+                               "ranks": [cluster.ready[r] for r in sorted(cluster.ready)]}))
+        sys.stdout.flush()
+        cluster.watch(stop)
+    except ClusterRefused as err:
+        click.echo(str(err), err=True)
+        raise SystemExit(EXIT_REFUSED) from None
+    except ClusterRankFailed as err:
+        click.echo(str(err), err=True)
+        raise SystemExit(EXIT_RANK_FAILED) from None
+    except _Interrupted as why:
+        click.echo(f"plimsoll cluster serve: {why} while loading; every rank torn down",
+                   err=True)
+    finally:
+        cluster.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    click.echo("plimsoll cluster serve: every rank shut down", err=True)
