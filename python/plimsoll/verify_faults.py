@@ -1,0 +1,484 @@
+"""The fault kinds of ``plimsoll verify``, shared by every target and every OS.
+
+A :class:`Target` is a server under test (plimsoll's worker, or ``mlx_lm.server`` for the
+contrast) with the cgroup it runs in; a :class:`Workload` is the same set of requests and
+spike sizes for both. Each ``phase_*`` function injects one fault kind and returns a
+:class:`Phase` with the answers (``"200"``, ``"503 memory_trip"``, ``"error
+RemoteProtocolError"`` …) and figures. ``passed`` is plimsoll's criterion (controlled
+answers, a refusal where one is due, served again afterwards); for the contrast the same
+record says what happened instead.
+
+Spikes are made by :mod:`plimsoll.engine.spike` helpers placed in the target's cgroup, so
+the kernel charges them where the guard looks. Plimsoll's run sizes them against its own
+soft and hard lines (halfway between) and records the sizes in the workload; the contrast
+reuses those absolute sizes.
+
+Prompts are text, the same strings for both targets (``mlx_lm.server`` takes no token
+lists), built from the model's own tokenizer to at most the wanted number of tokens.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import os
+import queue
+import random
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .units import MIB
+
+CONTROLLED = ("200", "503", "429", "400")
+
+
+# --- prompts ------------------------------------------------------------------------------
+class Prompts:
+    """Texts of a known token count, built once and shared by every target."""
+
+    def __init__(self, model_dir: Path, vocab: int):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+        self.vocab = min(vocab, self.tok.get_vocab_size())
+        self._made: dict[tuple[int, int, bool], str] = {}
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def text(self, n: int, seed: int, over: bool = False) -> str:
+        """At most ``n`` tokens (``over``: more than ``n``), as close as a few trims get."""
+        key = (n, seed, over)
+        if key in self._made:
+            return self._made[key]
+        rng = random.Random(seed)
+        ids = [rng.randrange(10, self.vocab) for _ in range(n + (n // 8 + 8 if over else 0))]
+        text = self.tok.decode(ids)
+        for _ in range(12):
+            c = self.count(text)
+            if (c > n) if over else (c <= n):
+                break
+            if over:
+                ids += [rng.randrange(10, self.vocab) for _ in range(n // 8 + 8)]
+            else:
+                ids = ids[:max(1, len(ids) - (c - n) - 1)]
+            text = self.tok.decode(ids)
+        self._made[key] = text
+        return text
+
+
+# --- what is driven -----------------------------------------------------------------------
+@dataclass
+class Workload:
+    """The requests and spike sizes, fixed by plimsoll's run and replayed on the contrast."""
+
+    model_dir: Path
+    concurrency: int
+    context: int
+    max_tokens: int  # the output reservation a request may ask for
+    default_max_tokens: int
+    max_queue: int
+    mmap_path: Path | None = None
+    spike_mib: dict[str, int] = field(default_factory=dict)  # kind → MiB, set by plimsoll's run
+    load_copies: int | None = None
+
+
+class Target:
+    """A server under test, in its own memory cgroup (or none), on 127.0.0.1."""
+
+    def __init__(self, label: str, url: str, model_name: str, proc: subprocess.Popen,
+                 cgroup, prompts: Prompts, *, guarded: bool):
+        self.label, self.url, self.model_name = label, url, model_name
+        self.proc, self.cgroup, self.prompts, self.guarded = proc, cgroup, prompts, guarded
+
+    def post(self, text: str, max_tokens: int, timeout: float = 300.0) -> str:
+        import httpx
+
+        try:
+            r = httpx.post(f"{self.url}/v1/completions", timeout=timeout,
+                           json={"model": self.model_name, "prompt": text,
+                                 "max_tokens": max_tokens, "temperature": 0.0})
+        except httpx.HTTPError as err:
+            return f"error {type(err).__name__}"
+        if r.status_code == 200:
+            return "200"
+        try:
+            code = r.json()["error"].get("code") or ""
+        except (ValueError, KeyError, AttributeError, TypeError):
+            code = ""
+        return f"{r.status_code} {code}".strip()
+
+    def burst(self, texts: list[str], max_tokens: int) -> Counter:
+        with cf.ThreadPoolExecutor(max(1, len(texts))) as ex:
+            return Counter(ex.map(lambda t: self.post(t, max_tokens), texts))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def place(self, argv: list[str]) -> list[str]:
+        """``argv`` run inside this target's cgroup from its first instruction."""
+        if self.cgroup is None:
+            return argv
+        return [sys.executable, "-m", "plimsoll.guard", "enter", str(self.cgroup.path),
+                "--", *argv]
+
+    def lines(self) -> tuple[int | None, int | None]:
+        """(soft line, hard line) in bytes; the contrast has no soft line."""
+        if self.guarded:
+            import httpx
+
+            st = httpx.get(f"{self.url}/v1/plimsoll/status", timeout=10).json()["cgroup"]
+            return st["soft_bytes"], st["limit_bytes"]
+        return None, (self.cgroup.limit() if self.cgroup else None)
+
+    def working_set(self) -> int:
+        return (self.cgroup.working_set() or 0) if self.cgroup else 0
+
+    def recovers(self, within_s: float = 30.0) -> bool:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline and self.alive():
+            if self.post("hello again", 2, timeout=60) == "200":
+                return True
+            time.sleep(0.3)
+        return False
+
+
+# --- spike helpers ------------------------------------------------------------------------
+class Helper:
+    """One :mod:`plimsoll.engine.spike` process in the target's cgroup; every read bounded."""
+
+    def __init__(self, target: Target, kind: str, arg: str | None = None,
+                 env: dict[str, str] | None = None):
+        argv = [sys.executable, "-m", "plimsoll.engine.spike", kind, *([arg] if arg else [])]
+        self.proc = subprocess.Popen(target.place(argv), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put("")  # EOF: the helper exited (or was killed)
+
+    def expect(self, word: str, timeout_s: float = 120.0) -> str | None:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        return line if line.startswith(word) else None
+
+    def send(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
+
+    def release(self, timeout_s: float = 60.0) -> int:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self.proc.stdin.close()
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+
+
+# --- one phase ----------------------------------------------------------------------------
+@dataclass
+class Phase:
+    kind: str
+    passed: bool = False
+    answers: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    figures: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    target_alive: bool = True
+
+
+def controlled(answers: Counter | dict) -> bool:
+    return all(a.split()[0] in CONTROLLED for a in answers)
+
+
+def refused(answers: Counter | dict) -> int:
+    return sum(v for k, v in answers.items() if k.split()[0] in ("503", "429"))
+
+
+def _fill(w: Workload) -> int:
+    """Prompt tokens that fill the context beside the default output."""
+    return w.context - w.default_max_tokens - 4
+
+
+def phase_first_inference(t: Target, w: Workload) -> Phase:
+    ph = Phase("first_inference")
+    n = _fill(w)
+    got = t.burst([t.prompts.text(n, i) for i in range(w.concurrency)], w.default_max_tokens)
+    ph.answers = dict(got)
+    ph.notes.append(f"{w.concurrency} × ≤{n}-token prompts at once")
+    ph.passed = controlled(got)
+    return ph
+
+
+def phase_long_prefill(t: Target, w: Workload) -> Phase:
+    ph = Phase("long_prefill")
+    n = _fill(w)
+    fits = t.post(t.prompts.text(n, 100), w.default_max_tokens)
+    over_text = t.prompts.text(w.context, 101, over=True)
+    over = t.post(over_text, w.default_max_tokens)
+    ph.answers = dict(Counter([fits, over]))
+    ph.notes.append(f"≤{n} tokens: {fits}; {t.prompts.count(over_text)} tokens (past the "
+                    f"{w.context}-token context): {over}")
+    ph.passed = fits in ("200", "503 memory_trip") and over.startswith("400")
+    return ph
+
+
+def phase_overload(t: Target, w: Workload) -> Phase:
+    ph = Phase("overload")
+    n = w.concurrency + w.max_queue + 4
+    got = t.burst([t.prompts.text(512, 200 + i) for i in range(n)], w.max_tokens)
+    ph.answers = dict(got)
+    ph.notes.append(f"{n} requests of ≤512 tokens, {w.max_tokens} out, for {w.concurrency} "
+                    f"slots + {w.max_queue} queue places; {refused(got)} refused")
+    ph.passed = controlled(got) and refused(got) >= 1
+    return ph
+
+
+def _halfway_mib(t: Target) -> tuple[int, dict]:
+    """A spike that takes the working set halfway from the soft line to the hard one."""
+    soft, hard = t.lines()
+    ws = t.working_set()
+    mib = max(1, (soft + (hard - soft) // 2 - ws) // MIB)
+    return mib, {"working_set_before": ws, "soft_bytes": soft, "limit_bytes": hard}
+
+
+def phase_spike(t: Target, w: Workload, kind: str, env: dict | None = None) -> Phase:
+    """An MLX or numpy allocation the scheduler did not plan, held while requests arrive."""
+    ph = Phase(f"{kind}_spike")
+    if t.cgroup is None:
+        ph.notes.append("skipped: the target has no cgroup of its own")
+        ph.passed = True
+        return ph
+    helper = Helper(t, kind, env=env)
+    got: Counter = Counter()
+    try:
+        if helper.expect("READY") is None:
+            ph.notes.append(f"the spike helper did not start (exit {helper.proc.poll()})")
+            return ph
+        if t.guarded:
+            mib, ph.figures = _halfway_mib(t)
+            w.spike_mib[kind] = mib
+        else:
+            mib = w.spike_mib.get(kind, 0)
+            ph.figures = {"working_set_before": t.working_set(),
+                          "limit_bytes": t.lines()[1]}
+        helper.send(str(mib))
+        held = helper.expect("HELD")
+        time.sleep(0.3)
+        ph.figures.update(spike_bytes=mib * MIB, working_set_during=t.working_set(),
+                          helper_held=held is not None)
+        got = t.burst([t.prompts.text(256, 300 + i) for i in range(w.concurrency)], 8)
+    finally:
+        rc = helper.release()
+    ph.answers = dict(got)
+    trips = got.get("503 memory_trip", 0)
+    recovered = t.recovers()
+    f = ph.figures
+    ph.notes.append(f"{mib} MiB {kind} spike (held: {f['helper_held']}, helper exit {rc}) took "
+                    f"the working set from {f['working_set_before'] // MIB} to "
+                    f"{f['working_set_during'] // MIB} MiB; {trips} answered 503 memory_trip; "
+                    f"served again after release: {recovered}")
+    ph.passed = (controlled(got) and trips >= 1 and recovered and rc == 0
+                 and f["helper_held"])
+    return ph
+
+
+def drop_cached(path: Path) -> None:
+    """Drop ``path``'s clean pages from the page cache (a page is charged to the cgroup that
+    first faults it in, so a cached file would be charged to nobody under test)."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def make_scratch(directory: Path, size_bytes: int) -> Path:
+    """A file of ``size_bytes`` written, synced and dropped from the page cache, so the
+    prefetch that reads it back is charged to the reader's cgroup, not to ours."""
+    path = Path(directory) / "prefetch.bin"
+    chunk = b"\x5a" * (8 * MIB)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        left = size_bytes
+        while left > 0:
+            left -= os.write(fd, chunk[:min(left, len(chunk))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    drop_cached(path)
+    return path
+
+
+def phase_mmap_prefetch(t: Target, w: Workload) -> Phase:
+    """A file larger than the limit mapped and read through while requests flow: page cache
+    charged to the cgroup. It is reclaimable, so the kernel must drop it (fail count rises)
+    rather than OOM-kill; requests get 200 or a 503 memory_trip, never a dead server."""
+    ph = Phase("mmap_prefetch")
+    if t.cgroup is None or w.mmap_path is None:
+        ph.notes.append("skipped: no cgroup or no scratch file")
+        ph.passed = True
+        return ph
+    drop_cached(w.mmap_path)  # cold again for this target: its reads are charged to it
+    size = w.mmap_path.stat().st_size
+    helper = Helper(t, "mmap", str(w.mmap_path))
+    got: Counter = Counter()
+    held = None
+    try:
+        if helper.expect("READY") is None:
+            ph.notes.append(f"the prefetch helper did not start (exit {helper.proc.poll()})")
+            return ph
+        texts = [t.prompts.text(256, 400 + i) for i in range(w.concurrency)]
+        with cf.ThreadPoolExecutor(1) as ex:
+            during = ex.submit(t.burst, texts, 8)  # requests flow while the file is read
+            helper.send("go")
+            held = helper.expect("HELD", timeout_s=300)
+            got += during.result()
+        ws_held = t.working_set()
+        got += t.burst(texts, 8)
+    finally:
+        rc = helper.release()
+    ph.answers = dict(got)
+    recovered = t.recovers()
+    ph.figures = {"file_bytes": size, "helper_held": held is not None,
+                  "working_set_while_mapped": ws_held if held else None,
+                  "limit_bytes": t.lines()[1]}
+    ph.notes.append(f"{size // MIB} MiB file mapped with MADV_WILLNEED and every page read "
+                    f"(done: {held is not None}, helper exit {rc}); answers {dict(got)}; "
+                    f"served again after: {recovered}")
+    ph.passed = controlled(got) and recovered and rc == 0 and held is not None
+    return ph
+
+
+def weights_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+def phase_load_spike(t: Target, w: Workload, env: dict | None = None) -> Phase:
+    """The model loaded again (mlx-lm) beside the serving one, as many copies as take the
+    working set halfway past the soft line; requests meanwhile must get 503 memory_trip."""
+    ph = Phase("load_spike")
+    if t.cgroup is None:
+        ph.notes.append("skipped: the target has no cgroup of its own")
+        ph.passed = True
+        return ph
+    wb = weights_bytes(w.model_dir)
+    helper = Helper(t, "load", str(w.model_dir), env=env)
+    got: Counter = Counter()
+    try:
+        if helper.expect("READY") is None:
+            ph.notes.append(f"the load helper did not start (exit {helper.proc.poll()})")
+            return ph
+        if t.guarded:
+            mib, ph.figures = _halfway_mib(t)
+            copies = (mib * MIB) // wb
+            if copies < 1:
+                ph.notes.append(f"skipped: one more copy ({wb // MIB} MiB) does not fit under "
+                                "the hard line beside the worker; plimsoll never overlaps "
+                                "loads (invariant 3), so this spike cannot happen to it")
+                ph.passed = True
+                return ph
+            w.load_copies = int(min(copies, 256))
+        else:
+            ph.figures = {"working_set_before": t.working_set(), "limit_bytes": t.lines()[1]}
+        copies = w.load_copies or 1
+        texts = [t.prompts.text(256, 500 + i) for i in range(w.concurrency)]
+        helper.send(str(copies))
+        held = helper.expect("HELD", timeout_s=300)
+        time.sleep(0.3)
+        ph.figures.update(copies=copies, weights_bytes=wb, helper_held=held is not None,
+                          loaded_bytes=int(held.split()[1]) if held else None,
+                          working_set_during=t.working_set())
+        got = t.burst(texts, 8)
+    finally:
+        rc = helper.release()
+    ph.answers = dict(got)
+    trips = got.get("503 memory_trip", 0)
+    recovered = t.recovers()
+    f = ph.figures
+    ph.notes.append(f"{copies} more load(s) of the {wb // MIB} MiB model (done: "
+                    f"{f['helper_held']}, helper exit {rc}) took the working set from "
+                    f"{f['working_set_before'] // MIB} to {f['working_set_during'] // MIB} MiB;"
+                    f" {trips} answered 503 memory_trip; served again after: {recovered}")
+    ph.passed = (controlled(got) and trips >= 1 and recovered and rc == 0
+                 and f["helper_held"])
+    return ph
+
+
+def phase_together(t: Target, w: Workload, env: dict | None = None) -> Phase:
+    """Several kinds at once: a numpy spike held while a file is prefetched, an overload
+    burst and a full-context prefill are in flight."""
+    ph = Phase("together")
+    if t.cgroup is None:
+        ph.notes.append("skipped: the target has no cgroup of its own")
+        ph.passed = True
+        return ph
+    spike = Helper(t, "numpy", env=env)
+    mapper = Helper(t, "mmap", str(w.mmap_path)) if w.mmap_path else None
+    got: Counter = Counter()
+    held = []
+    try:
+        ok = spike.expect("READY") and (mapper is None or mapper.expect("READY"))
+        if not ok:
+            ph.notes.append("a helper did not start")
+            return ph
+        if t.guarded:
+            mib, ph.figures = _halfway_mib(t)
+            w.spike_mib["together"] = mib
+        else:
+            mib = w.spike_mib.get("together", 0)
+            ph.figures = {"working_set_before": t.working_set(), "limit_bytes": t.lines()[1]}
+        n = w.concurrency + w.max_queue + 4
+        texts = [t.prompts.text(512, 600 + i) for i in range(n)]
+        with cf.ThreadPoolExecutor(2) as ex:
+            over = ex.submit(t.burst, texts, w.max_tokens)
+            long = ex.submit(t.post, t.prompts.text(_fill(w), 601), w.default_max_tokens)
+            spike.send(str(mib))
+            held.append(spike.expect("HELD"))
+            if mapper:
+                mapper.send("go")
+                held.append(mapper.expect("HELD", timeout_s=300))
+            ph.figures["working_set_during"] = t.working_set()
+            got += t.burst([t.prompts.text(256, 650 + i) for i in range(w.concurrency)], 8)
+            got += over.result()
+            got[long.result()] += 1
+    finally:
+        rcs = [spike.release(), *([mapper.release()] if mapper else [])]
+    ph.answers = dict(got)
+    recovered = t.recovers()
+    ph.figures.update(spike_bytes=mib * MIB, helpers_held=all(held), helper_exits=rcs)
+    ph.notes.append(f"{mib} MiB numpy spike + {'a file prefetch + ' if mapper else ''}"
+                    f"{n} overload requests + one full-context prefill at once; "
+                    f"{refused(got)} refused; helpers exit {rcs}; served again after: "
+                    f"{recovered}")
+    ph.passed = (controlled(got) and refused(got) >= 1 and recovered and all(held)
+                 and all(rc == 0 for rc in rcs))
+    return ph
+
+
+PHASES = {
+    "first_inference": lambda t, w, env: phase_first_inference(t, w),
+    "long_prefill": lambda t, w, env: phase_long_prefill(t, w),
+    "overload": lambda t, w, env: phase_overload(t, w),
+    "mlx_spike": lambda t, w, env: phase_spike(t, w, "mlx", env),
+    "numpy_spike": lambda t, w, env: phase_spike(t, w, "numpy", env),
+    "mmap_prefetch": lambda t, w, env: phase_mmap_prefetch(t, w),
+    "load_spike": lambda t, w, env: phase_load_spike(t, w, env),
+    "together": lambda t, w, env: phase_together(t, w, env),
+}
+FAULT_KINDS = tuple(PHASES)
