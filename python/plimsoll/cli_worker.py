@@ -58,8 +58,13 @@ def worker_command(model_dir, model_name, max_tokens, default_max_tokens, ceilin
     """
     from pydantic import ValidationError
 
+    from .model_facts import ModelInspectionError, check_servable
     from .worker_config import WorkerConfig
 
+    try:  # a broken download is a one-line error here, not an engine traceback at load
+        check_servable(model_dir)
+    except ModelInspectionError as err:
+        raise UsageFailure(str(err)) from None
     if ceiling_bytes is None or total_ram_bytes is None:
         from .probes import read_snapshot
 
@@ -108,7 +113,7 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     """
     from .launch import LaunchError, free_port, start_worker, stop_worker, worker_config
     from .live_admission import MemoryOverrides, Wanted, memory_figures, plan, resolve_model
-    from .model_facts import ModelInspectionError
+    from .model_facts import ModelInspectionError, check_servable
     from .policy import PolicyError, load_policy
     from .probes import read_snapshot
     from .progress import progress
@@ -124,6 +129,7 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     try:
         facts, _req, decision = plan(model_dir, entry, pol, figures,
                                      Wanted(concurrency, context, max_tokens))
+        check_servable(model_dir)
     except ModelInspectionError as err:
         raise UsageFailure(str(err)) from None
     click.echo(admission_report(facts, decision, str(model_dir), mode, figures.source),

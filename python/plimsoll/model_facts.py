@@ -26,7 +26,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16",
@@ -40,6 +40,23 @@ _SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 class ModelInspectionError(ValueError):
     """The model directory or config cannot be turned into facts; the message says what to fix."""
+
+
+def _load_json(data: bytes | str, what: str) -> Any:
+    """JSON from a file's bytes; any way they fail to decode is a ModelInspectionError.
+
+    Not only ``JSONDecodeError``: bytes that are not UTF-8, an integer past Python's digit
+    limit (a plain ``ValueError``) and nesting past the decoder's depth (``RecursionError``)
+    are broken files too, and must not escape as a traceback.
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ModelInspectionError(f"{what} is not valid JSON (nested too deeply); "
+                                   "fix or replace the file") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, int digit limit
+        raise ModelInspectionError(f"{what} is not valid JSON ({e}); fix or replace the "
+                                   "file") from None
 
 
 class ModelFacts(BaseModel):
@@ -124,6 +141,9 @@ def _kinds_from_layer_types(types: list, n: int, window: Any, notes: list[str]) 
     if len(types) != n:
         raise ModelInspectionError(f"config.json: layer_types has {len(types)} entries but "
                                    f"num_hidden_layers is {n}; make them agree")
+    if not all(isinstance(t, str) for t in types):
+        raise ModelInspectionError("config.json: layer_types must list one layer kind (a "
+                                   'string such as "full_attention") per layer; fix it')
     capped = isinstance(window, int)
     kinds = ["sliding" if t in _SLIDING_KINDS and capped else "linear" if t in _LINEAR_KINDS
              else "full" for t in types]
@@ -175,6 +195,10 @@ def _linear_state_bytes(cfg: dict, act_bytes: int, notes: list[str]) -> int:
         notes.append("linear-attention layers of an unrecognised kind: their recurrent "
                      "state is NOT included in per_sequence_fixed_bytes")
         return 0
+    if not all(x > 0 for x in (hv, hk, dk, dv, k)):
+        raise ModelInspectionError("config.json: linear_num_value_heads, linear_num_key_heads, "
+                                   "linear_key_head_dim, linear_value_head_dim and "
+                                   "linear_conv_kernel_dim must be positive integers; fix them")
     state_bytes = DTYPE_BYTES[normalize_dtype(_lookup(cfg, "mamba_ssm_dtype", "float32"))]
     return hv * dv * dk * state_bytes + (k - 1) * (2 * hk * dk + hv * dv) * act_bytes
 
@@ -207,8 +231,12 @@ def facts_from_config(config: dict, weights_bytes: int, kv_dtype: str | None = N
         raise ModelInspectionError(f"config.json: num_key_value_heads={kv_heads!r} is not a "
                                    "positive integer; per-layer head counts are not supported")
     head_dim = _lookup(config, "head_dim")
-    if not isinstance(head_dim, int):
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool):
         head_dim = _require_int(config, "hidden_size") // heads
+    if head_dim <= 0:
+        raise ModelInspectionError(f"config.json: head_dim is {head_dim} (from head_dim, or "
+                                   "hidden_size // num_attention_heads); it must be a positive "
+                                   "integer: fix head_dim")
     if _lookup(config, "kv_lora_rank") is not None:
         notes.append("multi-head latent attention (kv_lora_rank): mlx-lm caches a compressed "
                      "latent, so the per-head formula used here overstates KV bytes")
@@ -217,19 +245,28 @@ def facts_from_config(config: dict, weights_bytes: int, kv_dtype: str | None = N
     kinds = _layer_kinds(config, n, notes)
     kv_layers, sliding, linear = (kinds.count(k) for k in ("full", "sliding", "linear"))
     window = _lookup(config, "sliding_window") if sliding else None
+    if sliding and window <= 0:
+        raise ModelInspectionError(f"config.json: sliding_window is {window}; a window must "
+                                   "be a positive number of tokens: fix sliding_window")
     fixed = 2 * sliding * kv_heads * head_dim * nbytes * (window or 0)
     if linear:
         fixed += linear * _linear_state_bytes(config, nbytes, notes)
     model_type = config.get("model_type") or _lookup(config, "model_type")
     if not isinstance(model_type, str):
         raise ModelInspectionError("config.json: `model_type` is missing; add it")
-    return ModelFacts(
-        model_type=model_type, num_layers=n, kv_layers=kv_layers, sliding_layers=sliding,
-        sliding_window=window, num_key_value_heads=kv_heads, head_dim=head_dim,
-        kv_dtype=dtype, kv_dtype_bytes=nbytes, weights_bytes=weights_bytes,
-        native_max_context=_native_max_context(config, notes),
-        kv_bytes_per_token=2 * kv_layers * kv_heads * head_dim * nbytes,
-        per_sequence_fixed_bytes=fixed, notes=notes)
+    try:
+        return ModelFacts(
+            model_type=model_type, num_layers=n, kv_layers=kv_layers, sliding_layers=sliding,
+            sliding_window=window, num_key_value_heads=kv_heads, head_dim=head_dim,
+            kv_dtype=dtype, kv_dtype_bytes=nbytes, weights_bytes=weights_bytes,
+            native_max_context=_native_max_context(config, notes),
+            kv_bytes_per_token=2 * kv_layers * kv_heads * head_dim * nbytes,
+            per_sequence_fixed_bytes=fixed, notes=notes)
+    except ValidationError as e:  # a figure the arithmetic cannot hold: name the first one
+        first = e.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in first["loc"]) or "config"
+        raise ModelInspectionError(f"config.json gives an impossible {field} "
+                                   f"({first['msg']}); fix the config") from None
 
 
 # ---------------------------------------------------------------- file reading
@@ -250,9 +287,11 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
             raise ModelInspectionError(f"{path}: header length {header_len} is implausible; "
                                        "the file is corrupt or not safetensors")
         try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelInspectionError(f"{path}: unreadable safetensors header ({e})") from e
+            header = _load_json(f.read(header_len), "header")
+        except ModelInspectionError as e:
+            raise ModelInspectionError(f"{path}: unreadable safetensors header "
+                                       f"({str(e).removeprefix('header ')}); the file is "
+                                       "corrupt, download it again") from None
     if not isinstance(header, dict):
         raise ModelInspectionError(f"{path}: safetensors header is not a JSON object")
     return header, size - 8 - header_len
@@ -274,6 +313,9 @@ def safetensors_tensor_bytes(path: Path) -> dict[str, int]:
             dtype = str(info["dtype"])
         except (TypeError, KeyError, ValueError) as e:
             raise ModelInspectionError(f"{path}: malformed header entry {name!r}") from e
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, end)):
+            raise ModelInspectionError(f"{path}: malformed header entry {name!r} "
+                                       "(data_offsets must be two integers)")
         if not 0 <= start <= end <= data_region:
             raise ModelInspectionError(f"{path}: tensor {name!r} lies past the end of the "
                                        "file; the file is truncated, download it again")
@@ -293,9 +335,13 @@ def _weight_files(model_dir: Path, notes: list[str]) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            names = set(_load_json(index.read_bytes(), str(index))["weight_map"].values())
+        except (ModelInspectionError, KeyError, AttributeError, TypeError) as e:
             raise ModelInspectionError(f"{index}: no readable weight_map ({e})") from e
+        if not all(isinstance(name, str) and name for name in names):
+            raise ModelInspectionError(f"{index}: weight_map values must be shard file "
+                                       "names (strings); fix or regenerate the index")
+        names = sorted(names)
         files = [model_dir / name for name in names]
         missing = [p.name for p in files if not p.is_file()]
         if missing:
@@ -326,16 +372,17 @@ def inspect_model(path: str | Path, kv_dtype: str | None = None) -> ModelFacts:
         raise ModelInspectionError(f"{model_dir} has no config.json; pass the directory "
                                    "that holds config.json and the *.safetensors files")
     try:
-        config = json.loads(config_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelInspectionError(f"{config_path} is not valid JSON ({e}); fix it") from e
-    if not isinstance(config, dict):
-        raise ModelInspectionError(f"{config_path} must hold a JSON object")
-    notes: list[str] = []
-    by_dtype: dict[str, int] = {}
-    for weight_file in _weight_files(model_dir, notes):
-        for dtype, n in safetensors_tensor_bytes(weight_file).items():
-            by_dtype[dtype] = by_dtype.get(dtype, 0) + n
+        config = _load_json(config_path.read_bytes(), str(config_path))
+        if not isinstance(config, dict):
+            raise ModelInspectionError(f"{config_path} must hold a JSON object")
+        notes: list[str] = []
+        by_dtype: dict[str, int] = {}
+        for weight_file in _weight_files(model_dir, notes):
+            for dtype, n in safetensors_tensor_bytes(weight_file).items():
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + n
+    except OSError as e:  # unreadable, a directory where a file should be, a dangling link
+        raise ModelInspectionError(f"cannot read {e.filename or model_dir}: "
+                                   f"{e.strerror or e}; fix the model directory") from None
     declared = _lookup(config, "torch_dtype") or _lookup(config, "dtype")
     if kv_dtype is None and declared is None and _dominant_float_dtype(by_dtype):
         kv_dtype = _dominant_float_dtype(by_dtype)
@@ -343,3 +390,22 @@ def inspect_model(path: str | Path, kv_dtype: str | None = None) -> ModelFacts:
                      "dominant float dtype of the weights")
     facts = facts_from_config(config, sum(by_dtype.values()), kv_dtype)
     return facts.model_copy(update={"notes": notes + facts.notes}) if notes else facts
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+"""Any one of these lets mlx-lm (transformers' AutoTokenizer) build the model's tokenizer."""
+
+
+def check_servable(path: str | Path) -> None:
+    """Refuse, before a worker process loads anything, a directory mlx-lm cannot serve.
+
+    Admission needs only the config and the safetensors headers (:func:`inspect_model`);
+    serving also needs a tokenizer. Checked up front so a broken download is a one-line
+    error naming the missing file, not an engine traceback after the weights are read.
+    """
+    model_dir = Path(path).expanduser()
+    inspect_model(model_dir)
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelInspectionError(f"{model_dir} has no tokenizer (none of "
+                                   f"{', '.join(TOKENIZER_FILES)}); copy the model's tokenizer "
+                                   "files into it")

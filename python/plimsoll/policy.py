@@ -48,6 +48,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
         frozen=True,
+        allow_inf_nan=False,  # Infinity/NaN parse as JSON in Python; no budget is infinite
         alias_generator=to_camel,
         populate_by_name=True,
     )
@@ -280,13 +281,19 @@ def parse_policy(data: Mapping[str, Any], source: str = "policy") -> Policy:
 def load_policy(path: str | Path) -> Policy:
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as err:
         raise PolicyError(f"{p}: cannot read policy file: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise PolicyError(f"{p}: not UTF-8 text (bad byte at offset {err.start}); save the "
+                          "policy as UTF-8 JSON") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise PolicyError(f"{p}: not valid JSON: {err.msg} at line {err.lineno}") from None
+    except (ValueError, RecursionError) as err:  # a number past Python's digit limit; depth
+        why = "nested too deeply" if isinstance(err, RecursionError) else "a number is too long"
+        raise PolicyError(f"{p}: not valid JSON: {why}; fix the file") from None
     if not isinstance(data, dict):
         raise PolicyError(f"{p}: the policy must be a JSON object")
     return parse_policy(data, str(p))
