@@ -175,7 +175,7 @@ def test_the_tripwire_keeps_state_records_changes_and_refuses_with_reasons():
     assert snap["reading"]["some_avg10"] == 0.0 and snap["calm_for_s"] == 3.0
     tw.observe(psi(0.0, t=8.0), [])
     assert not tw.closed.is_set() and tw.refusal("x") is None
-    assert events.kinds() == ["pressure-critical", "pressure-warn", "pressure-clear"]
+    assert events.kinds() == ["pressure-critical", "pressure-easing", "pressure-clear"]
     clear = events.as_json()[-1]["detail"]
     assert clear["calm_for_s"] == 7.0 and clear["clear_after_s"] == 5
 

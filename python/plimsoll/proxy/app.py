@@ -230,7 +230,8 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     sup: Supervisor = request.app.state.supervisor
     ready = [n for n, w in sup.workers.items() if w.state is State.READY]
-    return JSONResponse({"status": "ok", "mode": sup.mode, "ready": ready})
+    return JSONResponse({"status": "ok", "mode": sup.mode, "ready": ready,
+                         "pressure": sup.pressure.state.level})
 
 
 async def worker_status(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
@@ -266,6 +267,7 @@ async def running(request: Request) -> Response:
         "mode": sup.mode, "envelope_bytes": sup.envelope(figures),
         "budget_bytes": figures.budget_bytes, "host_in_use_bytes": sup.in_use(),
         "workers": workers, "pending_releases": pending,
+        "pressure": sup.pressure.snapshot(),  # the tripwire: level, reasons, last reading
         "events": sup.events.as_json(),
     })
 

@@ -4,7 +4,11 @@ Every transition that matters for the no-overlap guarantee is recorded with a wa
 clock time (comparable with a process's start time) and a monotonic one (for
 ordering and durations): ``spawn``, ``ready``, ``spawn-failed``, ``refused``,
 ``drain``, ``evict``, ``exit``, ``release-verified``, ``release-unverified``,
-``idle-unload``, ``crash``, ``unload``, ``mode-change``, ``mode-refused``.
+``idle-unload``, ``crash``, ``unload``, ``mode-change``, ``mode-refused``; and the
+memory-pressure tripwire's ``pressure-warn``, ``pressure-critical`` (rising),
+``pressure-easing`` (critical → warn), ``pressure-clear`` (admission reopens),
+``pressure-cancel`` (a request waiting for a load), ``pressure-unload`` and
+``pressure-probe-failed``.
 Tests read it at ``GET /running`` (``events``) and ``GET /admin/events``.
 """
 

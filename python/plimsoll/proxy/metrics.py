@@ -99,6 +99,7 @@ class Poll:
     host: dict[str, Any] = field(default_factory=dict)
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # supervisor's view
     status: dict[str, dict[str, Any]] = field(default_factory=dict)  # each worker's own
+    tripwire: dict[str, Any] = field(default_factory=dict)  # the pressure tripwire's state
 
 
 class Observer:
@@ -142,9 +143,18 @@ class Observer:
                                      ["model"], registry=r)
         self.mode_changes = Counter("plimsoll_mode_changes", "Mode changes applied.",
                                     ["mode"], registry=r)
+        self.pressure_trips = Counter("plimsoll_pressure_trips", "Times the memory-pressure "
+                                      "tripwire rose to a level (warn, critical).", ["level"],
+                                      registry=r)
+        self.pressure_unloads = Counter("plimsoll_pressure_unloads", "Workers unloaded by the "
+                                        "memory-pressure tripwire.", ["model"], registry=r)
+        self.pressure_cancelled = Counter("plimsoll_pressure_cancelled", "Requests waiting "
+                                          "for a load, cancelled by the memory-pressure "
+                                          "tripwire.", ["model"], registry=r)
         for m in models:
             self.requests.labels(m, "ok")
-            for c in (self.loads, self.swaps, self.evictions, self.crashes, self.load_refusals):
+            for c in (self.loads, self.swaps, self.evictions, self.crashes, self.load_refusals,
+                      self.pressure_unloads, self.pressure_cancelled):
                 c.labels(m)
             self.ttft.labels(m)
             self.rate.labels(m)
@@ -202,6 +212,12 @@ class Observer:
             self.crashes.labels(m).inc()
         elif ev.kind == "mode-change":
             self.mode_changes.labels(str(d.get("new"))).inc()
+        elif ev.kind in ("pressure-warn", "pressure-critical"):
+            self.pressure_trips.labels(ev.kind.removeprefix("pressure-")).inc()
+        elif ev.kind == "pressure-unload" and m is not None:
+            self.pressure_unloads.labels(m).inc()
+        elif ev.kind == "pressure-cancel" and m is not None:
+            self.pressure_cancelled.labels(m).inc()
 
     # --- the request path -----------------------------------------------------------------
     def finished(self, model: str, status: int, body: Any, *, tokens: int | None = None,
@@ -251,7 +267,9 @@ class Observer:
             if st is not None and st.get("pid") == inc.pid:
                 status[name] = st
                 self._count_trips(name, inc.pid, st)
-        self.last = Poll(time.time(), host, workers, status)
+        pressure = getattr(sup, "pressure", None)
+        tripwire = pressure.snapshot() if pressure is not None else {}
+        self.last = Poll(time.time(), host, workers, status, tripwire)
         return self.last
 
     @staticmethod
@@ -323,6 +341,23 @@ class Observer:
             pc = CounterMetricFamily("plimsoll_host_page_outs", "Page-outs since boot.")
             pc.add_metric([], h["page_outs"])
             out.append(pc)
+        t = p.tripwire
+        if t.get("enabled"):
+            gauge("plimsoll_tripwire_level", "The memory-pressure tripwire's level as acted on "
+                  "(with hysteresis): 0 normal, 1 warn (admission closed), 2 critical "
+                  "(unloading).").add_metric([], PRESSURE_LEVELS[t["level"]])
+            gauge("plimsoll_tripwire_admitting", "1 while the tripwire lets new requests and "
+                  "loads in.").add_metric([], 1.0 if t["admitting"] else 0.0)
+            reading = t.get("reading") or {}
+            for key, name, doc in (
+                    ("some_avg10", "psi_some_avg10", "Linux PSI memory some avg10 (%)."),
+                    ("full_avg10", "psi_full_avg10", "Linux PSI memory full avg10 (%)."),
+                    ("darwin_level", "darwin_level", "macOS kern.memorystatus_vm_pressure_"
+                     "level (1 normal, 2 warn, 4 critical)."),
+                    ("page_outs_per_s", "page_outs_per_second", "Pages/s leaving RAM for "
+                     "disk between the tripwire's last two readings.")):
+                if reading.get(key) is not None:
+                    gauge(f"plimsoll_pressure_{name}", doc).add_metric([], float(reading[key]))
         state = gauge("plimsoll_worker_state", "1 for each worker's state.", ["model", "state"])
         queue = gauge("plimsoll_queue_length", "Requests waiting: for the model to load "
                       "(proxy) or for pool blocks/slots (worker).", ["model", "where"])

@@ -43,6 +43,7 @@ from .events import EventLog, log
 from .evict import Resident, choose_evictions
 from .sizing import ReleaseCheck, envelope_bytes, right_size
 from .state import Lease, State, Worker
+from .tripwire import Tripwire, watch
 
 RELEASE_POLL_S = 0.05
 REAP_INTERVAL_S = 0.25
@@ -94,6 +95,8 @@ class Supervisor:
         self._admin_idle = asyncio.Event()
         self._admin_idle.set()
         self._reaper: asyncio.Task | None = None
+        self.pressure = Tripwire(policy.pressure, self.events)  # the memory-pressure backstop
+        self._pressure_task: asyncio.Task | None = None
 
     # --- probes ---------------------------------------------------------------------------
     def in_use(self) -> int:
@@ -164,6 +167,7 @@ class Supervisor:
     async def acquire(self, name: str) -> Lease:
         """A lease on a ready worker for ``name``, loading it if needed (bounded wait)."""
         w = self.workers[name]
+        self.check_pressure(f"a request for model {name!r}")
         if lease := w.try_lease():
             return lease
         s = self.settings
@@ -175,7 +179,7 @@ class Supervisor:
         try:
             async with asyncio.timeout(s.wait_timeout_s):
                 while not (lease := w.try_lease()):
-                    await asyncio.shield(self._bring_up_task(w))
+                    await self._await_load(w)
             return lease
         except TimeoutError:
             raise ProxyError(503, f"model {name!r} was not ready after waiting "
@@ -183,6 +187,34 @@ class Supervisor:
                              retry_after=s.retry_after_s) from None
         finally:
             self.waiting[name] -= 1
+
+    def check_pressure(self, what: str) -> None:
+        """Refuse ``what`` with a reasoned 503 while the pressure tripwire is tripped."""
+        if (r := self.pressure.refusal(what)) is not None:
+            raise ProxyError(503, r.message, "memory_pressure", retry_after=r.retry_after,
+                             extra=r.extra)
+
+    async def _await_load(self, w: Worker) -> None:
+        """Wait for ``w``'s bring-up, unless the tripwire trips first: then a reasoned 503.
+
+        The bring-up is never cancelled by a waiter (a spawn half-way would be an orphan).
+        """
+        load = asyncio.ensure_future(asyncio.shield(self._bring_up_task(w)))
+        tripped = asyncio.ensure_future(self.pressure.closed.wait())
+        try:
+            done, _ = await asyncio.wait({load, tripped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            tripped.cancel()
+            load.cancel()  # cancels the shield only, never the bring-up
+        if tripped in done and (r := self.pressure.refusal(
+                f"the request waiting for model {w.name!r} to load", "was cancelled")):
+            if load.done() and not load.cancelled():
+                load.exception()  # seen: the pressure refusal answers this request
+            self.pressure.note_cancelled(w.name)
+            raise ProxyError(503, r.message, "memory_pressure", retry_after=r.retry_after,
+                             extra=r.extra)
+        if load.done() and not load.cancelled():
+            load.result()  # the bring-up's own refusal, if any
 
     def _bring_up_task(self, w: Worker) -> asyncio.Task:
         task = self._bringups.get(w.name)
@@ -225,6 +257,7 @@ class Supervisor:
         async with self.transition():
             if w.state is State.READY:
                 return
+            self.check_pressure(f"loading model {w.name!r}")
             await self.settle_releases()
             figures = self.figures()
             _facts, alone = self.admit(w, figures)
@@ -240,6 +273,7 @@ class Supervisor:
             for name in choice.stop:
                 victim = self.workers[name]
                 await self._hold(victim)
+                self.check_pressure(f"loading model {w.name!r}")  # no eviction for a refusal
                 self.events.record("evict", name, for_model=w.name, envelope_bytes=env,
                                    needed_bytes=alone.footprint_bytes)
                 await self.stop_verified(victim, f"evicted to load {w.name!r}")
@@ -250,6 +284,7 @@ class Supervisor:
                 self._refuse(w, dec, figures)
             cfg = worker_config(Path(w.entry.path), w.name, facts, dec, w.entry, self.policy,
                                 port=free_port())
+            self.check_pressure(f"loading model {w.name!r}")
             try:
                 await w.start(cfg, dec, self.settings.spawn_timeout_s)
             except LaunchError as err:
@@ -274,7 +309,7 @@ class Supervisor:
         while (inc := victim.current) is not None and victim.state is State.READY:
             now = time.monotonic()
             idle = inc.inflight == 0 and now - inc.last_used >= s.idle_grace_s
-            if idle or now >= inc.ready_at + s.swap_hold_s:
+            if idle or now >= inc.ready_at + s.swap_hold_s or self.pressure.closed.is_set():
                 return
             await asyncio.sleep(0.05)
 
@@ -373,9 +408,12 @@ class Supervisor:
 
     def start_background(self) -> None:
         self._reaper = asyncio.create_task(self.reap_idle(), name="reap-idle")
+        if self.pressure.enabled:
+            self._pressure_task = asyncio.create_task(watch(self), name="pressure-tripwire")
 
     async def shutdown(self) -> None:
-        tasks = [t for t in (self._reaper, *self._bringups.values()) if t is not None]
+        tasks = [t for t in (self._reaper, self._pressure_task, *self._bringups.values())
+                 if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -27,7 +27,7 @@ from ..policy import Pressure
 from ..probes.pressure import PressureReading, read_pressure
 from .events import EventLog, log
 from .evict import Resident
-from .pressure import Actions, TripState, classify, decide, page_out_rate, step
+from .pressure import RANK, Actions, TripState, classify, decide, page_out_rate, step
 from .state import State
 
 if TYPE_CHECKING:
@@ -89,6 +89,8 @@ class Tripwire:
                 detail["calm_for_s"] = round(calm, 3) if calm is not None else None
                 detail["clear_after_s"] = self.thresholds.clear_after_s
                 self.events.record("pressure-clear", None, **detail)
+            elif RANK[self.state.level] < RANK[before.level]:  # critical → warn: no unloads
+                self.events.record("pressure-easing", None, level=self.state.level, **detail)
             else:
                 self.events.record(f"pressure-{self.state.level}", None, **detail)
         if actions.admit:
