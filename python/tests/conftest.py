@@ -53,7 +53,8 @@ def tiny_model(tmp_path_factory) -> Path:
 class Worker:
     """A real ``plimsoll worker`` process; stopped (and waited for) on exit."""
 
-    def __init__(self, model: Path, *, extra_env: dict[str, str] | None = None, **flags):
+    def __init__(self, model: Path, *, extra_env: dict[str, str] | None = None,
+                 log: Path | None = None, **flags):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         defaults = {"max-cache-blocks": 2048, "gpu-memory-utilization": 0.9,
@@ -65,7 +66,11 @@ class Worker:
         for k, v in defaults.items():
             argv += [f"--{k}", str(v)]
         env = worker_env() | (extra_env or {})
-        self.proc = subprocess.Popen(argv, env=env, start_new_session=True)
+        out = log.open("w") if log is not None else None  # else: pytest's own output
+        self.proc = subprocess.Popen(argv, env=env, start_new_session=True, stdout=out,
+                                     stderr=subprocess.STDOUT if out else None)
+        if out is not None:
+            out.close()  # the child holds its own copy
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 120.0) -> None:

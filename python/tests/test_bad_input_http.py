@@ -1,0 +1,409 @@
+"""Bad input over real HTTP: a real worker and a real proxy, hypothesis-generated requests.
+
+One ``plimsoll worker`` (the tiny demo model, context 512, output reservation ≤ 8, no
+prefix cache so its pool has one exact baseline) and one ``plimsoll serve`` proxy in front
+of the same model receive malformed bytes, wrong types for every field, impossible
+``max_tokens``, prompts over the context, unknown models, wrong content types, bodies over
+the cap and headers past uvicorn's limits, on the OpenAI and the Anthropic routes.
+
+The contract checked on every answer: a 4xx whose body says why, in the route's protocol
+(OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", "error": {...}}``) — never a
+5xx; only a request that happens to be valid may be served (200), and any such request is
+cheap (≤ 8 output tokens). At the end both processes are alive, nothing runs or waits, the
+worker's pool is back at its baseline and nobody logged a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import Worker
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from test_proxy import Proxy
+
+MODEL = "tiny"
+CONTEXT, MAX_TOKENS = 512, 8
+BODY_CAP = 8 * 1024 * 1024
+MSG = [{"role": "user", "content": "hi"}]
+BASES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"model": MODEL, "messages": MSG, "max_tokens": 2},
+    "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
+    "/v1/messages": {"model": MODEL, "messages": MSG, "max_tokens": 2},
+    "/v1/messages/count_tokens": {"model": MODEL, "messages": MSG},
+}
+ROUTES = list(BASES)
+FIELDS: dict[str, list[tuple]] = {
+    "/v1/chat/completions": [
+        ("messages",), ("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
+        ("messages", 0, "name"), ("messages", 0, "tool_calls"), ("model",), ("max_tokens",),
+        ("max_completion_tokens",), ("temperature",), ("top_p",), ("seed",), ("stop",),
+        ("stream",), ("stream_options",), ("n",), ("tools",), ("tool_choice",),
+        ("response_format",), ("logprobs",), ("top_logprobs",), ("presence_penalty",),
+        ("user",), ("parallel_tool_calls",)],
+    "/v1/completions": [
+        ("prompt",), ("model",), ("max_tokens",), ("temperature",), ("top_p",), ("seed",),
+        ("stop",), ("stream",), ("echo",), ("logprobs",), ("best_of",), ("suffix",), ("n",)],
+    "/v1/messages": [
+        ("messages",), ("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
+        ("model",), ("max_tokens",), ("system",), ("stop_sequences",), ("temperature",),
+        ("top_p",), ("top_k",), ("stream",), ("tools",), ("tool_choice",), ("thinking",),
+        ("metadata",)],
+    "/v1/messages/count_tokens": [
+        ("messages",), ("messages", 0, "content"), ("model",), ("system",), ("tools",),
+        ("tool_choice",), ("thinking",)],
+}
+HTTP = settings(max_examples=40, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow])
+
+JSON_SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda kids: st.lists(kids, max_size=3)
+                           | st.dictionaries(st.text(max_size=8), kids, max_size=3),
+                           max_leaves=8)
+
+
+# --- the servers ------------------------------------------------------------------------------
+
+class Servers:
+    """The worker, the proxy and one client; ``url(target)`` is either server's base URL."""
+
+    def __init__(self, worker: Worker, proxy: Proxy, baseline: dict[str, Any],
+                 worker_log: Path) -> None:
+        self.worker, self.proxy, self.baseline = worker, proxy, baseline
+        self.worker_log = worker_log
+        self.client = httpx.Client(timeout=120)
+
+    def url(self, target: str) -> str:
+        return self.worker.url if target == "worker" else self.proxy.url
+
+    def post(self, target: str, path: str, **kw) -> httpx.Response:
+        return self.client.post(self.url(target) + path, **kw)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory) -> Iterator[Servers]:
+    tmp = tmp_path_factory.mktemp("bad-input")
+    worker = Worker(tiny_model, log=tmp / "worker.log", context=CONTEXT,
+                    max_tokens=MAX_TOKENS, default_max_tokens=4, max_cache_blocks=512,
+                    cache_memory_mb=0, max_num_seqs=4)
+    huge = tmp / "huge"  # claims 4 MiB of KV per token: admission refuses it unloaded
+    shutil.copytree(tiny_model, huge)
+    config = json.loads((huge / "config.json").read_text())
+    (huge / "config.json").write_text(json.dumps({**config, "head_dim": 65536}))
+    (tmp / "policy.json").write_text(json.dumps({
+        "schemaVersion": 1, "host": "box", "totalRamGb": 64, "osFloorGb": 4,
+        "modes": {"standalone": {"maxLocalLlmGb": 1}, "clustered": {"maxLocalLlmGb": 1}},
+        "models": {MODEL: {"path": str(tiny_model), "context": CONTEXT,
+                           "maxTokens": MAX_TOKENS, "concurrency": 2},
+                   "huge": {"path": str(huge), "context": CONTEXT, "maxTokens": MAX_TOKENS}}}))
+    (tmp / "token").write_text("admin-secret\n")
+    try:
+        proxy = Proxy(["--policy", str(tmp / "policy.json"), "--admin-token-file",
+                       str(tmp / "token")], tmp / "serve.log",
+                      {"PLIMSOLL_CACHE": str(tmp / "cache")})
+    except BaseException:
+        worker.stop()
+        raise
+    s = Servers(worker, proxy, worker.wait_idle(), tmp / "worker.log")
+    try:
+        yield s
+    finally:
+        s.client.close()
+        left = proxy.stop()
+        worker.stop()
+        assert not left, f"workers outlived the proxy: {left}"
+
+
+# --- what every refusal must look like --------------------------------------------------------
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def assert_refused(r: httpx.Response, path: str, *statuses: int) -> dict[str, Any]:
+    """A 4xx (one of ``statuses`` when given) with a reason, in the route's error shape."""
+    assert r.status_code < 500, f"{r.status_code} on {path}: {r.text[:500]}"
+    assert r.status_code >= 400, f"{r.status_code} on {path}: {r.text[:300]}"
+    if statuses:
+        assert r.status_code in statuses, f"{r.status_code} on {path}: {r.text[:500]}"
+    body = r.json()
+    if is_anthropic(path):
+        assert body.get("type") == "error", body
+    err = body["error"]
+    assert isinstance(err["message"], str) and len(err["message"]) > 10, body
+    assert isinstance(err["type"], str) and err["type"], body
+    return err
+
+
+def assert_served_or_refused(r: httpx.Response, path: str) -> None:
+    """A valid request may be served; anything else is a reasoned 4xx."""
+    if r.status_code == 200:
+        if r.headers["content-type"].startswith("text/event-stream"):
+            assert "error" not in r.text.split("\n", 2)[0], r.text[:300]
+        else:
+            assert isinstance(r.json(), dict)
+        return
+    assert_refused(r, path, 400, 404)
+
+
+def mutate(obj: Any, path: tuple, value: Any) -> Any:
+    """``obj`` with the item at ``path`` replaced by ``value`` (parents created as needed)."""
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(obj, list) and isinstance(head, int) and head < len(obj):
+        return [mutate(x, rest, value) if i == head else x for i, x in enumerate(obj)]
+    if isinstance(obj, dict):
+        return {**obj, head: mutate(obj.get(head), rest, value)}
+    return value
+
+
+targets = st.sampled_from(["worker", "proxy"])
+routes = st.sampled_from(ROUTES)
+
+
+# --- malformed bodies -------------------------------------------------------------------------
+
+def _invalid_utf8(data: bytes) -> bytes:
+    body = json.dumps({"model": MODEL, "messages": MSG, "prompt": "x"}).encode()
+    cut = len(data) % len(body)
+    return body[:cut] + b"\xff" + data + body[cut:]
+
+
+malformed = st.one_of(
+    st.binary(max_size=300),
+    st.binary(max_size=40).map(_invalid_utf8),
+    st.text(max_size=200).map(str.encode),
+    st.sampled_from([b"", b" ", b"\n\t", b"null", b"1", b'"x"', b"[]", b"[{}]", b"true",
+                     b"{", b'{"model": ', b"{'model': 'tiny'}", b"NaN", b'{"max_tokens": NaN}',
+                     b'{"max_tokens": Infinity}', b"\xef\xbb\xbf", b"\x00" * 16]),
+    st.integers(1, 200_000).map(lambda n: b"[" * n + b"]" * n),
+    st.integers(1, 200_000).map(lambda n: b'{"a":' * n + b"1" + b"}" * n),
+    st.integers(4000, 20_000).map(lambda n: b'{"max_tokens": ' + b"9" * n + b"}"),
+    JSON_VALUES.filter(lambda v: not isinstance(v, dict)).map(lambda v: json.dumps(v).encode()),
+)
+
+
+@HTTP
+@given(target=targets, path=routes, body=malformed)
+@example(target="proxy", path="/v1/messages", body=b"[" * 100_000)
+@example(target="worker", path="/v1/completions", body=b'{"prompt": "\\ud800"}')
+def test_malformed_bodies_are_400_with_a_reason(servers, target, path, body):
+    r = servers.post(target, path, content=body, headers={"content-type": "application/json"})
+    assert_refused(r, path, 400, 404)  # 404: a parseable object naming no served model
+
+
+@HTTP
+@given(target=targets, path=routes, data=st.data())
+def test_lone_surrogates_anywhere_are_400_not_a_tokenizer_crash(servers, target, path, data):
+    field = data.draw(st.sampled_from([p for p in FIELDS[path]
+                                       if p[-1] in ("content", "prompt", "system", "user")]
+                                      or [("messages", 0, "content")]))
+    text = data.draw(st.text(max_size=5)) + "\ud800" + data.draw(st.text(max_size=5))
+    raw = json.dumps(mutate(BASES[path], field, text)).encode()  # ensure_ascii: "\ud800"
+    err = assert_refused(servers.post(target, path, content=raw), path, 400)
+    assert "surrogate" in err["message"]
+
+
+# --- wrong types, for every field -------------------------------------------------------------
+
+@settings(HTTP, max_examples=120)
+@given(target=targets, path=routes, data=st.data())
+def test_any_value_in_any_field_is_served_or_refused_with_a_reason(servers, target, path,
+                                                                   data):
+    field = data.draw(st.sampled_from(FIELDS[path]))
+    value = data.draw(JSON_VALUES)
+    r = servers.post(target, path, json=mutate(BASES[path], field, value))
+    assert_served_or_refused(r, path)
+
+
+WRONG_MAX_TOKENS = st.one_of(
+    st.integers(max_value=0), st.integers(min_value=MAX_TOKENS + 1, max_value=2**80),
+    st.floats(allow_nan=False, allow_infinity=False), st.booleans(), st.text(max_size=6),
+    st.lists(st.integers(1, 4), max_size=2), st.dictionaries(st.text(max_size=3), st.none(),
+                                                             max_size=1),
+)
+
+
+@HTTP
+@given(target=targets, path=routes, value=WRONG_MAX_TOKENS)
+@example(target="worker", path="/v1/chat/completions", value=10**30)
+@example(target="proxy", path="/v1/messages", value=-1)
+@example(target="worker", path="/v1/completions", value=2.0)
+@example(target="proxy", path="/v1/chat/completions", value=True)
+def test_huge_negative_zero_float_bool_max_tokens_are_400(servers, target, path, value):
+    r = servers.post(target, path, json={**BASES[path], "max_tokens": value})
+    err = assert_refused(r, path, 400)
+    assert "max_tokens" in err["message"], err
+
+
+@HTTP
+@given(target=targets, path=st.sampled_from(["/v1/chat/completions", "/v1/completions",
+                                             "/v1/messages"]),
+       prompt_tokens=st.integers(CONTEXT, 4 * CONTEXT), as_ids=st.booleans())
+def test_prompts_over_the_context_are_400_naming_the_figures(servers, target, path,
+                                                             prompt_tokens, as_ids):
+    if path == "/v1/completions" and as_ids:
+        body = {**BASES[path], "prompt": [5] * prompt_tokens}
+    else:
+        words = " ".join(["hello"] * prompt_tokens)  # ≥ 1 token per word
+        body = mutate(BASES[path], ("prompt",) if path == "/v1/completions"
+                      else ("messages", 0, "content"), words)
+    err = assert_refused(servers.post(target, path, json=body), path, 400)
+    assert f"allows {CONTEXT}" in err["message"] and "configured total context" in err["message"]
+
+
+@HTTP
+@given(target=targets, path=routes, model=st.text(min_size=1, max_size=40).filter(
+    lambda m: m != MODEL))
+@example(target="proxy", path="/v1/chat/completions", model="nope")
+@example(target="worker", path="/v1/messages", model=" tiny")
+def test_unknown_models_are_404_naming_the_served_ones(servers, target, path, model):
+    r = servers.post(target, path, json={**BASES[path], "model": model})
+    err = assert_refused(r, path, 404)
+    assert MODEL in err["message"], err
+
+
+@pytest.mark.parametrize("target", ["worker", "proxy"])
+def test_a_non_string_model_is_400(servers, target):
+    for path in ROUTES:
+        r = servers.post(target, path, json={**BASES[path], "model": ["tiny"]})
+        assert "model" in assert_refused(r, path, 400)["message"]
+
+
+@pytest.mark.parametrize("target", ["worker", "proxy"])
+def test_streamed_bad_requests_are_plain_400_json_not_a_broken_stream(servers, target):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/messages"):
+        r = servers.post(target, path, json={**BASES[path], "stream": True, "max_tokens": 0})
+        assert r.headers["content-type"].startswith("application/json")
+        assert_refused(r, path, 400)
+
+
+def test_the_proxys_own_refusals_speak_the_routes_protocol(servers):
+    """Admission's 503 for a model that cannot fit, made by the proxy itself (no worker):
+    Anthropic's shape and error type on /v1/messages*, OpenAI's elsewhere; both carry the
+    reason and the machine-readable code."""
+    for path in ROUTES:
+        r = servers.post("proxy", path, json={**BASES[path], "model": "huge"})
+        assert r.status_code == 503, r.text
+        body = r.json()
+        err = body["error"]
+        assert "huge" in err["message"] and err["code"], body
+        if is_anthropic(path):
+            assert body["type"] == "error" and err["type"] == "overloaded_error", body
+            assert "param" not in err, body
+        else:
+            assert "type" not in body and err["type"] == "server_error", body
+
+
+# --- content types, sizes, headers ------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["worker", "proxy"])
+def test_content_types(servers, target):
+    """The body decides, not the header: ``curl -d`` sends a form content type with JSON,
+    so JSON under any content type is served; a form or multipart body is a 400."""
+    for path in ROUTES:
+        body = {**BASES[path], "max_tokens": 1} if "max_tokens" in BASES[path] else BASES[path]
+        r = servers.post(target, path, content=json.dumps(body),
+                         headers={"content-type": "text/plain"})
+        assert r.status_code == 200, r.text
+        r = servers.post(target, path, data={"model": MODEL, "prompt": "hi"})
+        assert "not valid JSON" in assert_refused(r, path, 400)["message"]
+        r = servers.post(target, path, files={"f": ("a.json", b"{}")})
+        assert_refused(r, path, 400)
+
+
+@pytest.mark.parametrize("target", ["worker", "proxy"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_bodies_over_the_cap_are_413(servers, target, chunked):
+    size = BODY_CAP + 1024 * 1024
+
+    def chunks():
+        for _ in range(size // (1 << 20)):
+            yield b" " * (1 << 20)
+
+    for path in ROUTES:
+        with httpx.Client(timeout=120) as c:  # a fresh connection: the server may close it
+            try:
+                r = c.post(servers.url(target) + path,
+                           content=chunks() if chunked else b" " * size)
+            except httpx.TransportError:
+                # The server answered and closed while the rest was still being sent; that
+                # is allowed for a chunked body (it cannot be drained without reading it).
+                assert chunked
+                continue
+        err = assert_refused(r, path, 413)
+        assert str(BODY_CAP) in err["message"]
+
+
+@pytest.mark.parametrize("target", ["worker", "proxy"])
+def test_enormous_or_many_headers_are_refused_or_closed_never_a_5xx(servers, target):
+    cases = [{"x-big": "a" * 20_000}, {"x-big": "a" * (1 << 20)}, {"x-big": "a" * (8 << 20)},
+             [(f"x-h{i}", "v" * 16) for i in range(10_000)]]
+    for headers in cases:
+        with httpx.Client(timeout=60) as c:
+            try:
+                r = c.post(servers.url(target) + "/v1/completions", headers=headers,
+                           json={"model": MODEL})
+            except httpx.TransportError:
+                continue  # the connection was closed: refused, and nothing was served
+        assert 400 <= r.status_code < 500, (r.status_code, r.text[:200])
+
+
+RAW_REQUESTS = [
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\n" + b"x" * 100_000 + b"\r\n\r\n",
+    b"POST /v1/\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n",
+]
+
+
+@pytest.mark.parametrize("target", ["worker", "proxy"])
+def test_broken_http_framing_is_a_400_or_a_close(servers, target):
+    port = int(servers.url(target).rsplit(":", 1)[1])
+    for raw in RAW_REQUESTS:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            try:
+                s.sendall(raw)
+                s.shutdown(socket.SHUT_WR)
+                reply = s.recv(200)
+            except OSError:
+                continue  # reset: closed, never served
+        if reply:
+            status = int(reply.split(b" ", 2)[1])
+            assert 400 <= status < 500, (raw[:60], reply)
+
+
+# --- afterwards: alive, idle, pool at baseline, no traceback ----------------------------------
+
+def test_zz_everything_is_alive_idle_and_back_at_baseline(servers):
+    """Runs last in this file (pytest keeps file order): the sum of everything above."""
+    w, p = servers.worker, servers.proxy
+    assert w.proc.poll() is None and p.proc.poll() is None
+    now = w.wait_idle()
+    base = servers.baseline
+    assert now["pool"] == base["pool"], (now["pool"], base["pool"])
+    assert now["running"] == 0 and now["waiting"] == 0 and now["kv_bytes_held"] == 0
+    assert not now["tripped"]
+    assert not any(k.startswith("refused_") for k in now["counters"]), now["counters"]
+    served = next(x for x in p.running()["workers"] if x["model"] == MODEL)
+    assert served.get("pid"), served  # the proxy did start its worker, and it is still up
+    pool = served["memory"]["pool"]
+    assert pool["used"] == 0, pool
+    assert pool["free"] + pool["cached"] + pool["headroom"] == pool["total"], pool
+    for log in (Path(p.log).read_text(), servers.worker_log.read_text()):
+        assert "Traceback" not in log and "Exception" not in log, log[-3000:]
