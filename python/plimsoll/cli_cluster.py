@@ -23,17 +23,12 @@ GIB = 1 << 30
 
 def _parse_rank(text: str) -> tuple[int, int, int]:
     """``CEILING_GIB[:TOTAL_RAM_GIB[:BUDGET_GIB]]`` → bytes; total and budget default to ceiling."""
+    from .cluster.launch import parse_rank_figures
+
     try:
-        parts = [float(x) for x in text.split(":")]
-    except ValueError:
-        raise UsageFailure(f"--rank {text!r}: expected CEILING_GIB[:TOTAL_RAM_GIB[:BUDGET_GIB]]"
-                           ) from None
-    if not 1 <= len(parts) <= 3 or any(x <= 0 for x in parts):
-        raise UsageFailure(f"--rank {text!r}: one to three positive GiB figures")
-    ceiling = parts[0]
-    total = parts[1] if len(parts) > 1 else ceiling
-    budget = parts[2] if len(parts) > 2 else ceiling
-    return int(ceiling * GIB), int(total * GIB), int(budget * GIB)
+        return parse_rank_figures(text)
+    except ValueError as err:
+        raise UsageFailure(f"--rank {err}") from None
 
 
 _rank_option = click.option(

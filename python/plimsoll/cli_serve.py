@@ -43,8 +43,12 @@ from .cli_common import UsageFailure
 @click.option("--idle-ttl", "idle_ttls", multiple=True, metavar="[MODEL=]SECONDS",
               help="Unload a model idle this long (0: never). SECONDS sets the default "
                    "(300); MODEL=SECONDS one model's. Repeatable.")
+@click.option("--cluster-rank", "cluster_ranks", multiple=True,
+              metavar="CEILING_GIB[:TOTAL_GIB[:BUDGET_GIB]]",
+              help="One per rank, rank 0 first: in clustered mode, models marked sharded run "
+                   "split across these ranks on this host (`plimsoll cluster serve`).")
 def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_waiting,
-                  swap_hold, drain_timeout, release_timeout, idle_ttls) -> None:
+                  swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks) -> None:
     """Serve every model of the policy behind one OpenAI-compatible endpoint.
 
     Workers start on demand through load-time admission with live inputs; a swap stops
@@ -75,7 +79,7 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     default_ttl, per_model = parse_idle_ttls(idle_ttls, set(pol.models))
     settings = Settings(max_waiting=max_waiting, swap_hold_s=swap_hold, drain_s=drain_timeout,
                         release_timeout_s=release_timeout, default_idle_ttl_s=default_ttl,
-                        idle_ttl_s=per_model)
+                        idle_ttl_s=per_model, cluster_ranks=parse_cluster_ranks(cluster_ranks))
     app = make_app(pol, mode=mode, settings=settings, api_key=api_key, admin_token=token)
     host = host or pol.listen.host
     port = port or pol.listen.port
@@ -116,3 +120,13 @@ def parse_idle_ttls(values: tuple[str, ...], models: set[str]
         else:
             per_model.append((name, ttl))
     return default, tuple(per_model)
+
+
+def parse_cluster_ranks(values: tuple[str, ...]) -> tuple[tuple[int, int, int], ...]:
+    """``--cluster-rank`` figures in bytes; bad input is a usage error that says what to write."""
+    from .cluster.launch import parse_rank_figures
+
+    try:
+        return tuple(parse_rank_figures(v) for v in values)
+    except ValueError as err:
+        raise UsageFailure(f"--cluster-rank {err}") from None

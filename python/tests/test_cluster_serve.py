@@ -184,7 +184,7 @@ def test_status_reports_every_rank(cluster):
 
 
 def test_two_requests_at_once_each_get_their_solo_answer(cluster):
-    long_body, short_body = chat("tell me a long story", 300), chat("and a short one", 24)
+    long_body, short_body = chat("tell me a long story", 120), chat("and a short one", 24)
     solo_long, _ = stream_text(cluster.url, long_body)
     solo_short, _ = stream_text(cluster.url, short_body)
     order: list[str] = []
@@ -259,3 +259,46 @@ def test_a_refused_load_exits_3_with_every_ranks_reasons(ring_ok, tiny_model):  
     assert "refused by rank(s) [1]" in stderr
     assert "rank 0:" in stderr and "rank 1:" in stderr
     assert rank_processes(c.port) == []
+
+
+def test_the_proxy_serves_a_sharded_model_and_restarts_it_after_a_rank_dies(
+        ring_ok, tiny_model, tmp_path):  # noqa: F811
+    from test_proxy import Proxy, wait_for
+
+    (tmp_path / "policy.json").write_text(json.dumps({
+        "schemaVersion": 1, "host": "box", "totalRamGb": 64, "osFloorGb": 4,
+        "modes": {"standalone": {"maxLocalLlmGb": 1}, "clustered": {"maxLocalLlmGb": 2}},
+        "models": {"big": {"path": str(tiny_model), "context": 2048, "maxTokens": 256,
+                           "concurrency": 2, "sharded": True}}}))
+    p = Proxy(["--policy", str(tmp_path / "policy.json"), "--mode", "clustered",
+               "--cluster-rank", "4", "--cluster-rank", "4"], tmp_path / "serve.log",
+              {"PLIMSOLL_CACHE": str(tmp_path / "cache")})
+    body = {"model": "big", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    rank_pids: list[int] = []
+    try:
+        r = httpx.post(p.url + "/v1/chat/completions", json=body, timeout=180)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+        first = p.worker("big")
+        status = httpx.get(first["url"] + "/v1/plimsoll/status", timeout=10).json()
+        ranks = status["cluster"]["ranks"]
+        assert [x["layers"] for x in ranks] == [[0, 2], [2, 4]]  # one worker, two ranks
+        assert status["context"]["configured"] == 2048 and status["max_num_seqs"] == 2
+        rank_pids += [x["pid"] for x in ranks]
+        os.kill(rank_pids[1], signal.SIGKILL)
+        crashed = wait_for(lambda: (w := p.worker("big"))["state"] == "stopped"
+                           and w.get("last_exit") and w, 60, "the crash to be noticed")
+        assert crashed["last_exit"]["pid"] == first["pid"]
+        assert "exit status 4" in crashed["last_exit"]["exit"]  # a rank failed: torn down
+        assert any(e["kind"] == "crash" and e["model"] == "big" for e in p.events())
+        assert all(gone(pid) for pid in rank_pids)
+        again = httpx.post(p.url + "/v1/chat/completions", json=body, timeout=180)
+        assert again.status_code == 200, again.text
+        second = p.worker("big")
+        assert second["state"] == "ready" and second["pid"] != first["pid"]
+        status = httpx.get(second["url"] + "/v1/plimsoll/status", timeout=10).json()
+        rank_pids += [x["pid"] for x in status["cluster"]["ranks"]]
+    finally:
+        left = p.stop()
+    assert not left, f"workers outlived the proxy: {left}"
+    assert all(gone(pid) for pid in rank_pids)

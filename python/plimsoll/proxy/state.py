@@ -146,14 +146,18 @@ class Worker:
 
     # --- transitions --------------------------------------------------------------------
     async def start(self, cfg: WorkerConfig, decision: AdmissionDecision,
-                    timeout_s: float) -> Incarnation:
-        """Spawn through the launch wrapper (verified limits); raises LaunchError."""
+                    timeout_s: float, spawn: Callable[..., Any] | None = None) -> Incarnation:
+        """Spawn through the launch wrapper (verified limits); raises LaunchError.
+
+        ``spawn`` replaces :func:`~plimsoll.launch.start_worker` (same call, same result):
+        a sharded model starts as ``plimsoll cluster serve``, still one process here."""
         async with self._lock:
             self._set(State.STARTING)
             self.events.record("spawn", self.name, port=cfg.port,
                                footprint_bytes=decision.footprint_bytes)
             loop = asyncio.get_running_loop()
-            fut = loop.run_in_executor(None, lambda: start_worker(
+            launch = spawn or start_worker
+            fut = loop.run_in_executor(None, lambda: launch(
                 cfg, timeout_s, footprint_bytes=decision.footprint_bytes))
             try:
                 proc, status = await asyncio.shield(fut)

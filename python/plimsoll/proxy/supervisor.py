@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -62,6 +63,9 @@ class Settings:
     admin_deadline_s: float = 60.0  # a downshift makes room within this, else 409
     default_idle_ttl_s: float = 300.0  # models with no TTL of their own
     idle_ttl_s: tuple[tuple[str, float], ...] = ()  # (model, seconds) from the command line
+    # --cluster-rank: (ceiling, total RAM, budget) bytes per rank of a sharded model, rank 0
+    # first; in clustered mode a model with ``sharded: true`` runs as `plimsoll cluster serve`
+    cluster_ranks: tuple[tuple[int, int, int], ...] = ()
 
 
 class ProxyError(Exception):
@@ -143,8 +147,32 @@ class Supervisor:
                                     inc.inflight > 0))
         return out
 
+    def sharded(self, w: Worker) -> bool:
+        """Served across the cluster now: clustered mode, a sharded entry, ranks given."""
+        return self.mode == "clustered" and w.entry.sharded and bool(self.settings.cluster_ranks)
+
+    def spawner(self, w: Worker) -> Callable[..., Any] | None:
+        """How ``w`` starts: ``plimsoll cluster serve`` when sharded, else the default."""
+        if not self.sharded(w):
+            return None
+        from ..cluster.launch import sharded_request, start_cluster_worker
+
+        return functools.partial(start_cluster_worker, ranks=self.settings.cluster_ranks,
+                                 request=sharded_request(w.entry, self.policy))
+
     def admit(self, w: Worker, figures: MemoryFigures,
               resident: int = 0) -> tuple[ModelFacts, AdmissionDecision]:
+        if self.sharded(w):  # every rank's own figures; rank 0's share is accounted here
+            from ..cluster.launch import admit_sharded
+            from ..cluster.plan import ClusterPlanError
+
+            try:
+                facts, dec, _ = admit_sharded(Path(w.entry.path), w.entry, self.policy,
+                                              self.settings.cluster_ranks)
+            except (ModelInspectionError, ClusterPlanError) as err:
+                raise ProxyError(503, f"model {w.name!r} cannot be sharded: {err}",
+                                 "model_unreadable") from None
+            return facts, right_size(dec, facts.kv_layers)
         try:
             facts, _req, dec = plan(Path(w.entry.path), w.entry, self.policy, figures,
                                     Wanted(), resident_bytes=resident)
@@ -286,7 +314,7 @@ class Supervisor:
                                 port=free_port())
             self.check_pressure(f"loading model {w.name!r}")
             try:
-                await w.start(cfg, dec, self.settings.spawn_timeout_s)
+                await w.start(cfg, dec, self.settings.spawn_timeout_s, spawn=self.spawner(w))
             except LaunchError as err:
                 raise ProxyError(503, f"model {w.name!r} failed to start: {err}",
                                  "worker_start_failed") from None
