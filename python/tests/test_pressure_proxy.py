@@ -37,7 +37,7 @@ class Psi:
 @pytest.fixture(scope="module")
 def setup(tiny_model, tmp_path_factory) -> Iterator[tuple[Proxy, Psi]]:
     tmp = tmp_path_factory.mktemp("pressure-proxy")
-    small = {"context": 4096, "maxTokens": 512}
+    small = {"context": 4096, "maxTokens": 2048, "defaultMaxTokens": 256}
     (tmp / "policy.json").write_text(json.dumps({
         "schemaVersion": 1, "host": "box", "totalRamGb": 64, "osFloorGb": 4,
         "modes": {"standalone": {"maxLocalLlmGb": 1}, "clustered": {"maxLocalLlmGb": 1}},
@@ -166,3 +166,31 @@ def test_critical_cancels_the_queued_load_unloads_idle_workers_and_recovers(setu
     reply = chat(proxy.client(), "a")  # loads again and is served normally
     assert reply.model == "a" and reply.choices[0].message.content is not None
     assert proxy.worker("a")["pid"] != a_pid and proxy.running()["pressure"]["admitting"]
+
+
+def test_critical_unloads_the_idle_worker_first_and_lets_the_busy_ones_stream_finish(setup):
+    proxy, psi = setup
+    client = proxy.client()
+    chat(client, "b")
+    chat(client, "a")
+    pids = {m: proxy.worker(m)["pid"] for m in "ab"}
+    mark = proxy.last_seq()
+    stream = client.chat.completions.create(
+        model="a", messages=MSG, max_tokens=600, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = iter(stream)
+    next(chunks)  # a is busy; b is idle and was used before a
+    psi.set("psi_critical.txt")
+    rest = list(chunks)  # the admitted stream runs to its own end: nothing is cut
+    assert rest[-1].usage is not None and rest[-1].usage.completion_tokens >= 1
+    assert any(c.choices and c.choices[0].finish_reason for c in rest)
+    wait_for(lambda: all(proxy.worker(m)["state"] == "stopped" for m in "ab"), 120,
+             "the tripwire to unload b, then a")
+    ev = proxy.events(mark)
+    assert [e["model"] for e in ev if e["kind"] == "pressure-unload"] == ["b", "a"]
+    for e in (e for e in ev if e["kind"] == "exit"):
+        assert e["detail"]["cut_requests"] == 0 and e["detail"]["expected"] is True
+        assert e["detail"]["pid"] == pids[e["model"]]
+    assert not any(psutil.pid_exists(p) for p in pids.values())
+    calm_down(proxy, psi, mark)
+    assert chat(client, "b").model == "b"
