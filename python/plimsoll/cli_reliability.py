@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from .cli_common import UsageFailure
+from .verify_faults import FAULT_KINDS
 
 _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 
@@ -70,31 +71,52 @@ def calibrate_command(model_dir, concurrency, context, max_tokens, as_json) -> N
 @click.command("verify")
 @click.argument("model_dir", type=_DIR, required=False)
 @click.option("--limit-mib", type=click.IntRange(min=640), default=1024, show_default=True,
-              help="The worker's cgroup hard limit (stands in for the wired ceiling).")
+              help="The cgroup hard limit for the worker (and for mlx_lm.server in the "
+                   "contrast); it stands in for the wired ceiling.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--context", type=click.IntRange(min=64), default=2048, show_default=True)
-@click.option("--fault", "faults", multiple=True,
-              type=click.Choice(["first_inference", "long_prefill", "overload", "mlx_spike",
-                                 "numpy_spike"]),
-              help="Fault kinds to inject (repeatable; default: all).")
+@click.option("--fault", "faults", multiple=True, type=click.Choice(FAULT_KINDS),
+              help="Fault kinds to inject (repeatable; default: all, in this order: "
+                   + ", ".join(FAULT_KINDS) + ").")
+@click.option("--contrast/--no-contrast", default=None,
+              help="Also drive mlx_lm.server under the same limit and workload "
+                   "[default: on when mlx_lm is installed and a cgroup can be made].")
+@click.option("--mmap-mib", type=click.IntRange(min=1),
+              help="Size of the scratch file the prefetch fault maps [default: 1.5 × limit].")
+@click.option("--scratch-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the scratch file goes (a disk, not tmpfs: its pages must be "
+                   "reclaimable) [default: the system temp dir].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Where to write the JSON and text report (default: cache dir/verify).")
-def verify_command(model_dir, limit_mib, concurrency, context, faults, out_dir) -> None:
+              help="Where to write the JSON and Markdown report (default: cache dir/verify).")
+def verify_command(model_dir, limit_mib, concurrency, context, faults, contrast, mmap_mib,
+                   scratch_dir, out_dir) -> None:
     """Fault-inject a guarded worker and check it never crosses its line.
 
+    Each fault kind runs in turn (the last, several at once) while RSS, MLX active memory,
+    the cgroup's usage, fail count and OOM kills, page-outs and pressure are sampled; then
+    the same workload is driven against mlx_lm.server in its own cgroup with the same limit.
     Pass = zero OOM kills, zero page-outs, and every overload answered with a controlled
     503/429 (or a 400 naming the limit). Exit status 0 on pass, 1 on failure.
     """
     from .paths import cache_dir
     from .progress import progress
-    from .verify import FAULT_KINDS, run_verify, summary, write_report
+    from .verify import run_verify, summary, write_report
 
     model_dir = _model_or_demo(model_dir)
-    with progress("verify") as report:
-        result = run_verify(model_dir, limit_bytes=limit_mib << 20, concurrency=concurrency,
-                            context=context, kinds=tuple(faults) or FAULT_KINDS,
-                            report=report)
-    js, txt = write_report(result, out_dir or cache_dir() / "verify")
+    out_dir = out_dir or cache_dir() / "verify"
+    if scratch_dir is not None:
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with progress("verify") as report:
+            result = run_verify(model_dir, limit_bytes=limit_mib << 20,
+                                concurrency=concurrency, context=context,
+                                kinds=tuple(faults) or FAULT_KINDS, report=report,
+                                contrast=contrast, scratch_dir=scratch_dir,
+                                mmap_bytes=(mmap_mib << 20) if mmap_mib else None,
+                                log_dir=out_dir)
+    except (RuntimeError, ValueError, OSError) as err:
+        raise UsageFailure(f"verify could not run: {err}") from None
+    js, md = write_report(result, out_dir)
     click.echo(summary(result))
-    click.echo(f"report: {js}\n        {txt}")
+    click.echo(f"report: {js}\n        {md}")
     raise SystemExit(0 if result["passed"] else 1)

@@ -29,8 +29,9 @@ from pathlib import Path
 
 from .progress import Reporter
 from .units import MIB
-from .verify_faults import FAULT_KINDS, PHASES, Phase, Prompts, Target, Workload, make_scratch
+from .verify_faults import FAULT_KINDS, PHASES, Phase
 from .verify_probe import Sample, Sampler, probe_for
+from .verify_target import Prompts, Target, Workload, filesystem_of, make_scratch
 
 __all__ = ["FAULT_KINDS", "Sample", "Sampler", "run_verify", "summary", "write_report"]
 
@@ -92,6 +93,11 @@ def run_verify(model_dir: Path, *, limit_bytes: int = 1024 * MIB, concurrency: i
                     cfg.default_max_tokens, cfg.max_queue)
     scratch = None
     if any(k in kinds for k in MMAP_KINDS):
+        where = scratch_dir or Path(tempfile.gettempdir())
+        if filesystem_of(where) in ("tmpfs", "ramfs"):
+            raise ValueError(f"{where} is on {filesystem_of(where)}: its pages are not "
+                             "reclaimable page cache, so the prefetch fault would prove "
+                             "nothing; pass --scratch-dir on a disk")
         scratch = Path(tempfile.mkdtemp(prefix="plimsoll-verify-", dir=scratch_dir))
         size = mmap_bytes or (limit_bytes * 3) // 2
         report(f"writing a {size // MIB} MiB scratch file for the prefetch fault in {scratch}")

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .units import MIB
-from .verify_faults import PHASES, Prompts, Target, Workload
+from .verify_faults import PHASES
 from .verify_probe import Sampler, probe_for
+from .verify_target import Prompts, Target, Workload
 
 READY_TIMEOUT_S = 180.0
 

@@ -96,23 +96,30 @@ class LinuxProbe:
 
 
 class DarwinProbe:
-    """macOS: phys_footprint, vm_stat page-outs, the kernel's pressure level."""
+    """macOS: phys_footprint, vm_stat page-outs, the kernel's pressure level.
+
+    ``run`` and ``footprint`` default to :mod:`plimsoll.probes.darwin`'s real runners and
+    are parameters so recorded command output drives it on Linux CI."""
 
     pressure_name = "kern.memorystatus_vm_pressure_level"
 
-    def __init__(self, pid: int, cgroup=None):
+    def __init__(self, pid: int, cgroup=None, *, run=None, footprint=None):
+        from .probes import darwin
+
         self.pid, self.cgroup = pid, None
+        self._run = run or darwin.run_command
+        self._footprint = footprint or darwin.read_phys_footprint
 
     def sample(self) -> Sample:
         from .probes import darwin
 
         try:
-            fp = darwin.read_phys_footprint(self.pid)
+            fp = self._footprint(self.pid)
         except OSError:
             fp = 0
-        vm_text = darwin.run_command([darwin.VM_STAT])
+        vm_text = self._run([darwin.VM_STAT])
         vm = darwin.parse_vm_stat(vm_text) if vm_text else None
-        level = darwin.read_sysctl("kern.memorystatus_vm_pressure_level")
+        level = darwin.read_sysctl("kern.memorystatus_vm_pressure_level", self._run)
         return Sample(time.monotonic(), fp, fp, fp, 0, 0,
                       (vm.pageouts + vm.swapouts) if vm else 0,
                       None if level is None else float(level))
