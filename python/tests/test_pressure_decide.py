@@ -198,3 +198,28 @@ def test_waiters_race_the_closed_event():
         return await asyncio.wait_for(waiter, 5)
 
     assert asyncio.run(main()) is True
+
+
+def test_a_disabled_tripwire_never_refuses_and_the_supervisor_does_not_poll(tmp_path):
+    from plimsoll.policy import parse_policy
+    from plimsoll.proxy.supervisor import Supervisor
+
+    tw = Tripwire(Pressure(enabled=False), EventLog(), Reader())
+    tw.observe(psi(90.0, 50.0, t=1.0), [])
+    assert tw.refusal("x") is None and tw.snapshot()["enabled"] is False
+
+    def policy(enabled: bool):
+        return parse_policy({
+            "schemaVersion": 1, "host": "h", "totalRamGb": 16, "osFloorGb": 4,
+            "modes": {"standalone": {"maxLocalLlmGb": 8}, "clustered": {"maxLocalLlmGb": 8}},
+            "pressure": {"enabled": enabled}, "models": {}})
+
+    async def main(enabled: bool) -> bool:
+        sup = Supervisor(policy(enabled), "standalone", read_snapshot=lambda *a: None)
+        sup.start_background()
+        running = sup._pressure_task is not None
+        await sup.shutdown()
+        return running
+
+    assert asyncio.run(main(False)) is False
+    assert asyncio.run(main(True)) is True
