@@ -43,6 +43,27 @@ def private_cache(tmp_path_factory) -> Iterator[Path]:
         os.environ["PLIMSOLL_CACHE"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def calm_pressure(tmp_path_factory) -> Iterator[Path]:
+    """Proxies under test read a calm PSI file unless a test points them at another one.
+
+    The proxy's tripwire acts on system-wide PSI, which rises whenever any task stalls on
+    memory, including one reclaiming inside its own cgroup limit (another test's, or another
+    user's on a shared box). Only the tripwire's own tests drive pressure; the real
+    /proc/pressure/memory is read by tests that unset PLIMSOLL_PSI_PATH.
+    """
+    path = tmp_path_factory.mktemp("psi") / "memory"
+    path.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+                    "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    old = os.environ.get("PLIMSOLL_PSI_PATH")
+    os.environ["PLIMSOLL_PSI_PATH"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("PLIMSOLL_PSI_PATH", None)
+    else:
+        os.environ["PLIMSOLL_PSI_PATH"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from plimsoll.demo_model import build_demo_model
