@@ -99,12 +99,22 @@ def servers(tiny_model, tmp_path_factory) -> Iterator[Servers]:
     shutil.copytree(tiny_model, huge)
     config = json.loads((huge / "config.json").read_text())
     (huge / "config.json").write_text(json.dumps({**config, "head_dim": 65536}))
+    broken = tmp / "broken"  # a download that lost its config.json
+    shutil.copytree(tiny_model, broken)
+    (broken / "config.json").unlink()
+    untokenized = tmp / "untokenized"  # weights and config, but no tokenizer
+    shutil.copytree(tiny_model, untokenized)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (untokenized / name).unlink()
+    small = {"context": CONTEXT, "maxTokens": MAX_TOKENS}
     (tmp / "policy.json").write_text(json.dumps({
         "schemaVersion": 1, "host": "box", "totalRamGb": 64, "osFloorGb": 4,
         "modes": {"standalone": {"maxLocalLlmGb": 1}, "clustered": {"maxLocalLlmGb": 1}},
         "models": {MODEL: {"path": str(tiny_model), "context": CONTEXT,
                            "maxTokens": MAX_TOKENS, "concurrency": 2},
-                   "huge": {"path": str(huge), "context": CONTEXT, "maxTokens": MAX_TOKENS}}}))
+                   "huge": {"path": str(huge), **small},
+                   "broken": {"path": str(broken), **small},
+                   "untokenized": {"path": str(untokenized), **small}}}))
     (tmp / "token").write_text("admin-secret\n")
     try:
         proxy = Proxy(["--policy", str(tmp / "policy.json"), "--admin-token-file",
@@ -288,21 +298,25 @@ def test_streamed_bad_requests_are_plain_400_json_not_a_broken_stream(servers, t
         assert_refused(r, path, 400)
 
 
-def test_the_proxys_own_refusals_speak_the_routes_protocol(servers):
-    """Admission's 503 for a model that cannot fit, made by the proxy itself (no worker):
-    Anthropic's shape and error type on /v1/messages*, OpenAI's elsewhere; both carry the
-    reason and the machine-readable code."""
+@pytest.mark.parametrize(("model", "words"), [
+    ("huge", "huge"), ("broken", "config.json"), ("untokenized", "failed to start")])
+def test_the_proxys_own_refusals_speak_the_routes_protocol(servers, model, words):
+    """Refusals the proxy makes itself — admission's 503 for a model that cannot fit, a
+    model directory that cannot be read or served: Anthropic's shape and error type on
+    /v1/messages*, OpenAI's elsewhere; both carry the reason and the machine code."""
     for path in ROUTES:
-        r = servers.post("proxy", path, json={**BASES[path], "model": "huge"})
+        r = servers.post("proxy", path, json={**BASES[path], "model": model})
         assert r.status_code == 503, r.text
         body = r.json()
         err = body["error"]
-        assert "huge" in err["message"] and err["code"], body
+        assert words in err["message"] and err["code"], body
         if is_anthropic(path):
             assert body["type"] == "error" and err["type"] == "overloaded_error", body
             assert "param" not in err, body
         else:
             assert "type" not in body and err["type"] == "server_error", body
+    if model == "untokenized":  # the worker's own one-line reason is in the proxy's log
+        assert "has no tokenizer" in Path(servers.proxy.log).read_text()
 
 
 # --- content types, sizes, headers ------------------------------------------------------------
