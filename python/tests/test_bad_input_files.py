@@ -419,3 +419,21 @@ def test_any_mutated_policy_is_a_policy_or_a_policy_error_naming_a_field(edits, 
 
     assert "box" in policy_summary(pol, "fuzzed.json") or pol.host in policy_summary(
         pol, "fuzzed.json")
+
+
+@pytest.mark.parametrize("command", [["admit", "--budget-gib", "4"], ["launch", "x"],
+                                     ["doctor"], ["watch-link", "--once"]])
+def test_every_command_that_reads_a_policy_refuses_a_broken_one_by_name(tmp_path, command):
+    path = _write_policy(tmp_path / "policy.json", BAD_POLICIES["maxTokens over context"][0])
+    r = CliRunner().invoke(main, [*command, "--policy", str(path)])
+    assert r.exit_code == 2, r.output
+    assert "maxTokens" in r.output and str(path) in r.output, r.output
+    assert isinstance(r.exception, SystemExit), r.exception
+
+
+def test_serve_refuses_a_broken_policy_before_binding_anything(tmp_path):
+    path = _write_policy(tmp_path / "policy.json", BAD_POLICIES["Infinity budget"][0])
+    r = run_cli("serve", "--policy", str(path), "--port", "1", timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "totalRamGb" in r.stderr, r.stderr
+    no_traceback(r.stderr + r.stdout)
