@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,11 @@ def _root_with_cgroups() -> None:
         pytest.skip("verify's cgroup guard needs Linux and root")
     if reason := cgroups.unavailable_reason():
         pytest.skip(reason)
+
+
+def _say(message: str) -> None:
+    """Progress with timestamps, shown by pytest when a test fails (or with -s)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def _env() -> dict[str, str]:
@@ -95,7 +101,7 @@ def test_verify_every_fault_kind_is_controlled(tiny_model, tmp_path, monkeypatch
                         kinds=("long_prefill", "overload", "mlx_spike", "numpy_spike",
                                "mmap_prefetch", "load_spike", "together"),
                         env=_env(), contrast=False, mmap_bytes=limit * 5 // 4,
-                        scratch_dir=tmp_path)
+                        scratch_dir=tmp_path, report=_say)
     text = summary(result)
     assert result["passed"], text
     assert result["totals"]["oom_kills"] == 0 and result["totals"]["page_outs"] == 0
@@ -135,7 +141,7 @@ def test_contrast_mlx_lm_server_under_the_same_limit(tiny_model, tmp_path, monke
         pytest.skip(reason)
     monkeypatch.setenv("PLIMSOLL_CACHE", str(tmp_path / "cache"))
     result = run_verify(tiny_model, limit_bytes=768 << 20, concurrency=4, context=1024,
-                        kinds=("long_prefill",), env=_env(), contrast=True)
+                        kinds=("long_prefill",), env=_env(), contrast=True, report=_say)
     text = summary(result)
     assert result["passed"], text
     assert result["phases"][0]["answers"].get("400 context_length_exceeded") == 4
