@@ -1,19 +1,26 @@
-"""The ring's lockstep protocol: rank 0 broadcasts one op, then every rank runs it.
+"""The ring's lockstep protocol: rank 0 decides each op, every rank runs it in order.
 
-Why lockstep: the pipeline's sends, receives and the token's all-sum are collectives, so
-every rank must run the same op on the same slot in the same order. Rank 0 (the
-:class:`Leader`) decides what happens next — from HTTP through
-:class:`plimsoll.cluster.serve.RingScheduler`, or from stdin here — and broadcasts a
-fixed-size header of ints; the other ranks (:func:`follow`) only obey.
+Why lockstep: the pipeline's sends and receives pair up, so every rank must run the same
+op on the same slot in the same order. Rank 0 (the :class:`Leader`) decides what happens
+next — from HTTP through :class:`plimsoll.cluster.serve.RingScheduler`, or from stdin
+here — and the other ranks (:func:`follow`) only obey.
+
+Every op is one trip around the ring, neighbour to neighbour, with no all-to-all step:
+rank 0 sends a fixed header of ints right, each rank forwards it right before it works
+(so the next one is already waiting for its activations), the activations follow the
+same way, and the last rank sends one int back to rank 0 (its right neighbour): the
+sampled token, or 0 as the op's acknowledgement. Per token that is one header and one
+activation message per rank boundary plus the reply — the fewest messages a pipeline can
+use, which matters because a token of a small model is latency-bound.
 
 Ops (header ``[op, slot, n, max_tokens, temperature×1e6, top_p×1e6, seed+1]``):
 
-- ``NEW``: open ``slot`` with an ``n``-token prompt (broadcast next) reserved to
-  ``n + max_tokens``; prefill; the first token;
+- ``NEW``: open ``slot`` with an ``n``-token prompt reserved to ``n + max_tokens``;
+  prefill in chunks; the first token;
 - ``STEP``: the next token of ``slot``;
 - ``FREE``: close ``slot`` (its caches go on every rank);
-- ``PING``: nothing (an idle leader's liveness check: a dead peer fails the broadcast);
-- ``SHUTDOWN``: every rank exits 0.
+- ``PING``: nothing (an idle leader's liveness check: a dead peer fails the trip);
+- ``SHUTDOWN``: every rank exits 0 once the acknowledgement is back.
 
 Up to the committed concurrency of slots are open at once; rank 0 interleaves their
 steps (round-robin), so several requests are served at a time, each with its own caches.
@@ -36,20 +43,22 @@ SEED_MOD = (1 << 31) - 2  # seed + 1 must fit an int32
 
 def header(op: int, slot: int = 0, n: int = 0, max_tokens: int = 0, temperature: float = 0.0,
            top_p: float = 1.0, seed: int | None = None) -> list[int]:
-    """The broadcast header for one op (pure)."""
+    """The header for one op (pure)."""
     return [op, slot, n, max_tokens, round(temperature * MICRO), round(top_p * MICRO),
             0 if seed is None else seed % SEED_MOD + 1]
 
 
-def run_op(ring, stage, head: list[int], prompt: list[int] | None = None) -> int | None:
-    """Run one broadcast op on this rank; the token for NEW/STEP (the same on every rank)."""
+def run_op(stage, head: list[int], prompt: list[int] | None = None, y: int = 0) -> int | None:
+    """Run one op's work on this rank; the token (last rank only) for NEW/STEP.
+
+    Rank 0 passes the prompt (NEW) and the slot's last token (STEP); a follower needs only
+    the header (the prompt's length; it receives activations, never token ids)."""
     op, slot, n, max_tokens, temp, top_p, seed = head
     if op == OP_NEW:
-        prompt = ring.broadcast_ints(prompt if ring.rank == 0 else None, n)
-        return stage.new(slot, prompt, max_tokens, temp / MICRO, top_p / MICRO,
-                         seed - 1 if seed else None)
+        return stage.new(slot, prompt if prompt is not None else [0] * n, max_tokens,
+                         temp / MICRO, top_p / MICRO, seed - 1 if seed else None)
     if op == OP_STEP:
-        return stage.step(slot)
+        return stage.step(slot, y)
     if op == OP_FREE:
         stage.free(slot)
     return None
@@ -57,15 +66,20 @@ def run_op(ring, stage, head: list[int], prompt: list[int] | None = None) -> int
 
 def follow(ring, stage) -> int:
     """Ranks 1..n-1: obey rank 0's ops until SHUTDOWN (0) or the ring fails (raises)."""
+    last = ring.rank == ring.size - 1
     while True:
-        head = ring.broadcast_ints(None, HEADER)
+        head = ring.recv_ints(HEADER, ring.left)
+        if not last:
+            ring.send_ints(head, ring.right)
+        token = run_op(stage, head)
+        if last:
+            ring.send_ints([0 if token is None else token], ring.right)
         if head[0] == OP_SHUTDOWN:
             return EXIT_OK
-        run_op(ring, stage, head)
 
 
 class Leader:
-    """Rank 0's side: every verb broadcasts its op, then runs it here in lockstep.
+    """Rank 0's side: every verb sends its op around the ring and runs it here in lockstep.
 
     Any error in a verb leaves the ranks out of step, so it is raised as a
     :class:`~plimsoll.cluster.rank.RingFailure` (with the exit code) and the leader is
@@ -77,19 +91,26 @@ class Leader:
         self.ring, self.stage = ring, stage
         self.broken = None
         self.last_op = time.monotonic()
+        self.pending: dict[int, int] = {}  # slot → its last token (the next step's input)
 
     @property
     def world_size(self) -> int:
         return self.ring.size
 
-    def _do(self, head: list[int], prompt: list[int] | None = None) -> int | None:
+    def _do(self, head: list[int], prompt: list[int] | None = None, y: int = 0) -> int | None:
         if self.broken is not None:
             raise self.broken
+        ring = self.ring
         try:
-            self.ring.broadcast_ints(head, HEADER)
-            return run_op(self.ring, self.stage, head, prompt)
+            if ring.size > 1:
+                ring.send_ints(head, ring.right)
+            token = run_op(self.stage, head, prompt, y)
+            if ring.size > 1:
+                reply = ring.recv_ints(1, ring.left)[0]
+                token = reply if head[0] in (OP_NEW, OP_STEP) else None
+            return token
         except BaseException as err:
-            self.broken = as_failure(self.ring.rank, err)
+            self.broken = as_failure(ring.rank, err)
             raise self.broken from err
         finally:
             self.last_op = time.monotonic()
@@ -98,13 +119,18 @@ class Leader:
             top_p: float = 1.0, seed: int | None = None) -> int:
         if not prompt:
             raise ValueError("a sequence needs a non-empty prompt")
-        return self._do(header(OP_NEW, slot, len(prompt), max_tokens, temperature, top_p,
-                               seed), prompt)
+        token = self._do(header(OP_NEW, slot, len(prompt), max_tokens, temperature, top_p,
+                                seed), prompt)
+        self.pending[slot] = token
+        return token
 
     def step(self, slot: int) -> int:
-        return self._do(header(OP_STEP, slot))
+        token = self._do(header(OP_STEP, slot), y=self.pending[slot])
+        self.pending[slot] = token
+        return token
 
     def free(self, slot: int) -> None:
+        self.pending.pop(slot, None)
         self._do(header(OP_FREE, slot))
 
     def ping(self) -> None:

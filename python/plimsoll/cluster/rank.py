@@ -138,7 +138,10 @@ def _own_probe(args, rank: int):
 
 
 class Ring:
-    """The group and the few collectives the protocol needs (all bounded by the ring's peers)."""
+    """The group and the few collectives the protocol needs (all bounded by the ring's peers).
+
+    Admission all-gathers JSON; serving only ever talks to a neighbour: ``right`` (rank + 1)
+    and ``left`` (rank − 1), the last rank's right being rank 0."""
 
     def __init__(self, mx, group):
         self.mx, self.group = mx, group
@@ -163,22 +166,31 @@ class Ring:
             out.append(json.loads(bytes(rows[r, :n].tolist())))
         return out
 
-    def broadcast_ints(self, values: list[int] | None, n: int) -> list[int]:
-        """Rank 0's ``values`` (length ``n``) on every rank, by an all-sum of zeros elsewhere."""
+    @property
+    def right(self) -> int:
+        return (self.rank + 1) % self.size
+
+    @property
+    def left(self) -> int:
+        return (self.rank - 1) % self.size
+
+    def send_ints(self, values: list[int], dst: int) -> None:
+        """One message to a neighbour (no reply awaited: TCP buffers it)."""
         mx = self.mx
-        local = mx.array(values if self.rank == 0 else [0] * n, dtype=mx.int32)
-        if self.size == 1:
-            return local.tolist()
-        out = mx.distributed.all_sum(local, group=self.group)
-        mx.eval(out)
-        return out.tolist()
+        mx.eval(mx.distributed.send(mx.array(values, dtype=mx.int32), dst, group=self.group))
+
+    def recv_ints(self, n: int, src: int) -> list[int]:
+        mx = self.mx
+        got = mx.distributed.recv((n,), mx.int32, src, group=self.group)
+        mx.eval(got)
+        return got.tolist()
 
 
 class _Slot:
     """One live sequence on this rank: its own caches for this rank's layers."""
 
-    def __init__(self, caches: list, pending: int, temperature: float, top_p: float, key):
-        self.caches, self.pending = caches, pending
+    def __init__(self, caches: list, temperature: float, top_p: float, key):
+        self.caches = caches
         self.temperature, self.top_p, self.key = temperature, top_p, key
 
 
@@ -255,60 +267,60 @@ class Stage:
         return mx.random.categorical(row * (1 / slot.temperature), key=sub).astype(mx.int32)
 
     def _forward(self, tokens: list[int], slot: _Slot, want_token: bool) -> int | None:
+        """One pass of this stage over ``tokens`` (their count is all a follower needs).
+
+        Rank 0 embeds; the others receive the activations from their left neighbour; all but
+        the last send theirs right. The last samples: the token (an int) is returned there
+        only — the protocol carries it back to rank 0."""
         mx, ring, caches = self.mx, self.ring, slot.caches
         if self.first:
             h = self.inner.embed_tokens(mx.array([tokens]))
         else:
-            h = mx.distributed.recv((1, len(tokens), self.hidden), self.dtype, ring.rank - 1,
+            h = mx.distributed.recv((1, len(tokens), self.hidden), self.dtype, ring.left,
                                     group=ring.group)
         masks = self._masks(h, caches)
         for layer, mask, cache in zip(self.layers, masks, caches, strict=True):
             h = layer(h, mask, cache)
         if not self.last:
-            mx.eval(mx.distributed.send(h, ring.rank + 1, group=ring.group))
-            token = mx.array([0], dtype=mx.int32)
-        else:
-            if not want_token:
-                mx.eval([c.state for c in caches])
-                return None
-            h = self.inner.norm(h[:, -1:, :])
-            head = getattr(self.model, "lm_head", None)
-            logits = head(h) if head is not None else self.inner.embed_tokens.as_linear(h)
-            token = self._sample(logits[0, -1], slot)
-            mx.eval(token, [c.state for c in caches])
-        if not want_token:
+            mx.eval(mx.distributed.send(h, ring.right, group=ring.group))
             return None
-        if ring.size > 1:
-            token = mx.distributed.all_sum(token, group=ring.group)
-        mx.eval(token)
+        if not want_token:
+            mx.eval([c.state for c in caches])
+            return None
+        h = self.inner.norm(h[:, -1:, :])
+        head = getattr(self.model, "lm_head", None)
+        logits = head(h) if head is not None else self.inner.embed_tokens.as_linear(h)
+        token = self._sample(logits[0, -1], slot)
+        mx.eval(token, [c.state for c in caches])
         return int(token.item())
 
     # ------------------------------------------------------------ the protocol's verbs
 
     def new(self, slot: int, prompt: list[int], max_tokens: int, temperature: float = 0.0,
-            top_p: float = 1.0, seed: int | None = None) -> int:
-        """Open ``slot``: KV sized to ``prompt + max_tokens``, prefill, the first token."""
+            top_p: float = 1.0, seed: int | None = None) -> int | None:
+        """Open ``slot``: KV sized to ``prompt + max_tokens``, prefill, the first token (on the
+        last rank). A follower passes placeholders of the prompt's length: only rank 0 embeds."""
         if slot in self.slots:
             raise ValueError(f"slot {slot} is already open")
         capacity = math.ceil((len(prompt) + max_tokens) / self.block_tokens) * self.block_tokens
         key = self.mx.random.key(seed) if seed is not None and self.last else None
-        s = _Slot(self._new_caches(capacity), -1, temperature, top_p, key)
+        s = _Slot(self._new_caches(capacity), temperature, top_p, key)
         self.slots[slot] = s
         head = prompt[:-1]
         for i in range(0, len(head), self.chunk):
             self._forward(head[i:i + self.chunk], s, want_token=False)
         return self._decode(s, prompt[-1])
 
-    def step(self, slot: int) -> int:
-        """One more token of ``slot`` (its last token's KV written, the next sampled)."""
-        s = self.slots[slot]
-        return self._decode(s, s.pending)
+    def step(self, slot: int, y: int = 0) -> int | None:
+        """One more token of ``slot``: ``y`` (rank 0: the last token) in, the next out (last
+        rank)."""
+        return self._decode(self.slots[slot], y)
 
-    def _decode(self, s: _Slot, y: int) -> int:
+    def _decode(self, s: _Slot, y: int) -> int | None:
         self.check_memory()
-        s.pending = self._forward([y], s, want_token=True)
+        token = self._forward([y], s, want_token=True)
         self.steps += 1
-        return s.pending
+        return token
 
     def free(self, slot: int) -> None:
         s = self.slots.pop(slot, None)
