@@ -238,7 +238,7 @@ def test_killing_rank_1_mid_stream_tears_every_rank_down(ring_ok, tiny_model):  
         stderr = c.proc.stderr.read()
     finally:
         c.stop()
-    assert killed
+    assert killed and text  # tokens came through before the kill
     errors = [e["error"] for e in events if "error" in e]
     assert errors, f"no error event in the stream: {events[-3:]}"
     assert "torn down" in errors[0]["message"] and "lost a peer" in errors[0]["message"]
@@ -302,3 +302,53 @@ def test_the_proxy_serves_a_sharded_model_and_restarts_it_after_a_rank_dies(
         left = p.stop()
     assert not left, f"workers outlived the proxy: {left}"
     assert all(gone(pid) for pid in rank_pids)
+
+
+def test_under_mlx_launch_rank_0_serves_http(ring_ok, tiny_model):  # noqa: F811
+    """The multi-host recipe of the README, on one host: ``mlx.launch --backend ring`` starts
+    the rank module on every "host"; rank 0 serves the worker API on --serve-port; SIGTERM
+    to rank 0 shuts the ring down (every rank exits 0)."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    if not launcher.exists():
+        pytest.skip(f"no mlx.launch beside {sys.executable}")
+    port = free_port()
+    figures = [{"ceiling_bytes": 4 << 30, "total_ram_bytes": 4 << 30}] * 2
+    argv = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1,127.0.0.1",
+            "--starting-port", str(free_port()), "--", sys.executable, "-m",
+            "plimsoll.cluster.rank", "--model", str(tiny_model), "--figures-by-rank",
+            json.dumps(figures), "--serve-port", str(port), "--model-name", "tiny",
+            "--concurrency", "2", "--context", "1024", "--max-tokens", "256"]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=worker_env(),
+                            start_new_session=True)
+    events: list[dict] = []
+
+    def read() -> None:
+        for line in proc.stdout:  # mlx.launch relays every rank's output through one pipe
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not any(e.get("event") == "serving" for e in events):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        status = httpx.get(url + "/v1/plimsoll/status", timeout=10).json()
+        pids = [x["pid"] for x in status["cluster"]["ranks"]]
+        os.kill(pids[0], signal.SIGTERM)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session this test started, nothing else
+            proc.wait(10)
+    reader.join(10)
+    assert all(gone(pid) for pid in pids)
+    assert proc.stderr.read().count("exited with code") == 0  # both ranks exited 0
