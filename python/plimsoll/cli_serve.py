@@ -63,6 +63,7 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per relayed request
+    ranks = parse_cluster_ranks(cluster_ranks)  # bad input fails before anything loads
     if policy_file is not None:
         try:
             pol = load_policy(policy_file)
@@ -79,7 +80,7 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     default_ttl, per_model = parse_idle_ttls(idle_ttls, set(pol.models))
     settings = Settings(max_waiting=max_waiting, swap_hold_s=swap_hold, drain_s=drain_timeout,
                         release_timeout_s=release_timeout, default_idle_ttl_s=default_ttl,
-                        idle_ttl_s=per_model, cluster_ranks=parse_cluster_ranks(cluster_ranks))
+                        idle_ttl_s=per_model, cluster_ranks=ranks)
     app = make_app(pol, mode=mode, settings=settings, api_key=api_key, admin_token=token)
     host = host or pol.listen.host
     port = port or pol.listen.port
