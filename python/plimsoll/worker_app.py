@@ -1,9 +1,11 @@
 """The worker's HTTP edge: a Starlette app over one scheduler (OpenAI-compatible).
 
 ``make_app(cfg)`` is an app factory with a lifespan, as Starlette recommends: the
-lifespan loads the model (engine edge), applies and later restores the process-wide
-MLX limits, builds the pool from the flags and starts the scheduler thread; routes
-read ``request.app.state`` — no globals. Running out arrives from the scheduler as a
+lifespan opens a *backend* — by default :func:`local_backend`, which loads the model
+(engine edge), applies and later restores the process-wide MLX limits, builds the pool
+from the flags and starts the scheduler thread; in clustered mode rank 0 passes its ring
+scheduler instead (:mod:`plimsoll.cluster.serve`) and every route below is the same
+code. Routes read ``request.app.state`` — no globals. Running out arrives from the scheduler as a
 ``Refused`` event and leaves here as a 503 (with ``Retry-After``) in the OpenAI error
 shape; bad input is a 400 that says what to change.
 """
