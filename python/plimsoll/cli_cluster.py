@@ -173,8 +173,11 @@ class _Interrupted(Exception):
               help="Seconds a request may wait for a slot before a 503.")
 @click.option("--timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
               help="Seconds to wait for every rank to load and rank 0 to listen.")
+@click.option("--guard/--no-guard", default=True, show_default=True,
+              help="Each rank in its own memory cgroup (its admitted footprint + margin), "
+                   "where the memory controller is writable (root on Linux).")
 def serve_command(model, rank_figures, host, port, model_name, default_max_tokens, max_queue,
-                  max_wait, timeout, **request_kw) -> None:
+                  max_wait, timeout, guard, **request_kw) -> None:
     """Serve MODEL split across ranks on this host; rank 0 answers the worker's HTTP API.
 
     Stays in the foreground as the ranks' supervisor: SIGTERM/SIGINT shut every rank down
@@ -192,7 +195,7 @@ def serve_command(model, rank_figures, host, port, model_name, default_max_token
     name = model_name or model.name
     cluster = Cluster(model, specs, request, env=worker_env(), serve=ServeSpec(
         port=port, host=host, model_name=name, default_max_tokens=default_max_tokens,
-        max_queue=max_queue, max_wait_s=max_wait))
+        max_queue=max_queue, max_wait_s=max_wait), guard=guard)
     stop = threading.Event()
     starting = True
 
@@ -213,6 +216,8 @@ def serve_command(model, rank_figures, host, port, model_name, default_max_token
         click.echo(f"plimsoll cluster serve: {url}/v1 ready — model {name!r} on "
                    f"{len(specs)} ranks ({layers}); concurrency {decision.concurrency}, "
                    f"context {decision.context}", err=True)
+        if cluster.guard_note:
+            click.echo(f"plimsoll cluster serve: {cluster.guard_note}", err=True)
         click.echo(json.dumps({"event": "ready", "url": url, "model": name,
                                "pids": cluster.pids, "concurrency": decision.concurrency,
                                "context": decision.context,

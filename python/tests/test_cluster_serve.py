@@ -103,12 +103,23 @@ def rank_processes(port: int) -> list[int]:
     return found
 
 
+def rank_cgroups(pids: list[int]) -> list:
+    """The memory cgroup binding each rank, or [] where the runner could not make any."""
+    from plimsoll import cgroups
+
+    if cgroups.unavailable_reason() is not None:
+        return []
+    return [cgroups.own(pid) for pid in pids]
+
+
 @pytest.fixture(scope="module")
 def cluster(ring_ok, tiny_model):  # noqa: F811
     c = ClusterServe(tiny_model, "4", "4")
+    groups = rank_cgroups(c.pids)
     yield c
     assert c.stop() == 0  # SIGTERM: every rank shut down cleanly
     assert all(gone(pid) for pid in c.pids)
+    assert not any(g.path.exists() for g in groups if g is not None)  # cgroups removed
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +188,16 @@ def test_status_reports_every_rank(cluster):
         assert r["loaded_bytes"] == r["weights_bytes"] > 0
         assert 0 < r["footprint_bytes"] < r["allocation_limit_bytes"] <= r["ceiling_bytes"]
         assert r["memory_limit_applied_bytes"] == r["allocation_limit_bytes"]
-    # the ring's pool is the smallest any rank was admitted with; concurrency as committed
+    # each rank in its own memory cgroup: its admitted footprint + the guard's margin
+    from plimsoll.guard import guard_limit
+
+    groups = rank_cgroups(cluster.pids)
+    if groups:
+        assert len({g.path for g in groups}) == 2
+        assert [g.limit() for g in groups] == [guard_limit(r["footprint_bytes"])
+                                              for r in c["ranks"]]
+        assert s["cgroup"] is not None  # rank 0's scheduler watches its soft line
+        # the ring's pool is the smallest any rank was admitted with; concurrency as committed
     assert s["pool"]["total"] == min(r["pool_blocks"] for r in c["ranks"])
     assert s["max_num_seqs"] == c["decision"]["concurrency"] == 2
     assert s["context"]["configured"] == c["decision"]["context"] == 1024

@@ -17,6 +17,12 @@ not: ``mlx.launch`` exits 0 even when ranks fail, so this class watches every ra
 - :meth:`Cluster.close` shuts the ring down cleanly (stdin EOF, or SIGTERM to a serving
   rank 0, which drains HTTP then broadcasts the shutdown), then kills what is left.
 
+With ``guard`` (root and a writable memory controller, as for a worker) every rank runs in
+its own memory cgroup from its first instruction, limited to its own admitted footprint
+plus the guard's margin (:func:`plimsoll.guard.guard_limit`, from the same pure plan the
+ranks make); the cgroups are removed once the ranks have exited. Without them it logs why
+and goes on (the ranks still check their own memory before every token).
+
 Every wait is bounded; all traffic is on the addresses given (127.0.0.1 by default).
 This module does not import mlx. Ranks on other hosts (ssh) are out of scope here: for
 real hosts, use ``mlx.launch --hostfile`` with ``python -m plimsoll.cluster.rank``.
@@ -121,7 +127,8 @@ class Cluster:
     def __init__(self, model_dir: str | Path, ranks: list[RankSpec],
                  request: ClusterRequest | None = None, *, python: str = sys.executable,
                  env: dict[str, str] | None = None, workdir: str | Path | None = None,
-                 serve: ServeSpec | None = None):
+                 serve: ServeSpec | None = None, guard: bool = False,
+                 cgroup_parent: Path | None = None):
         if not ranks:
             raise ValueError("a cluster needs at least one rank")
         self.model_dir = Path(model_dir)
@@ -138,6 +145,9 @@ class Cluster:
         self.decision: ClusterDecision | None = None
         self.serve = serve
         self.serving: dict | None = None
+        self.guard, self.cgroup_parent = guard, cgroup_parent
+        self.guards: list = []  # plimsoll.guard.WorkerGuard per rank (when made)
+        self.guard_note = ""
 
     # ------------------------------------------------------------ processes
 
@@ -167,7 +177,55 @@ class Cluster:
                 self.events.put((rank, event))
         self.events.put((rank, None))
 
+    def _guard_limits(self) -> list[int] | None:
+        """Each rank's cgroup limit: its admitted footprint (the pure plan) + the margin."""
+        from plimsoll.cluster import plan as cp
+        from plimsoll.cluster.weights import read_config, tensor_bytes
+        from plimsoll.guard import guard_limit
+        from plimsoll.model_facts import inspect_model
+
+        if any(None in (s.ceiling_bytes, s.total_ram_bytes, s.budget_bytes)
+               for s in self.ranks):
+            self.guard_note = "a rank reads its own probe: no figures to size its cgroup by"
+            return None
+        probes = [cp.RankProbe(rank=r, ceiling_bytes=s.ceiling_bytes,
+                               total_ram_bytes=s.total_ram_bytes, budget_bytes=s.budget_bytes)
+                  for r, s in enumerate(self.ranks)]
+        facts = inspect_model(self.model_dir)
+        plans = cp.plan_cluster(read_config(self.model_dir), facts,
+                                tensor_bytes(self.model_dir), probes, self.request)
+        return [guard_limit(cp.preflight(p, pr, facts, self.request).decision.footprint_bytes)
+                for p, pr in zip(plans, probes, strict=True)]
+
+    def _make_guards(self) -> None:
+        from plimsoll.cluster.plan import ClusterPlanError
+        from plimsoll.guard import WorkerGuard
+        from plimsoll.model_facts import ModelInspectionError
+
+        try:
+            limits = self._guard_limits()
+        except (ClusterPlanError, ModelInspectionError) as err:  # the ranks will say it too
+            self.guard_note = f"no cgroups: {err}"
+            return
+        for rank, limit in enumerate(limits or []):
+            wg, why = WorkerGuard.create(f"rank{rank}", limit, self.cgroup_parent)
+            if wg is None:
+                self.guard_note = f"no cgroups: {why}"
+                self._release_guards()
+                return
+            self.guards.append(wg)
+        if self.guards:
+            self.guard_note = "; ".join(f"rank {r}: memory cgroup {g.cgroup.path} limit "
+                                        f"{g.limit_bytes} B" for r, g in enumerate(self.guards))
+
+    def _release_guards(self) -> None:
+        """Remove the ranks' cgroups (every rank has exited)."""
+        while self.guards:
+            self.guards.pop().close()
+
     def _spawn(self) -> None:
+        if self.guard:
+            self._make_guards()
         hostfile = self.workdir / "hostfile.json"
         if len(self.ranks) > 1:
             hostfile.write_text(ring_hostfile([(s.ip, free_port(s.ip)) for s in self.ranks]))
@@ -179,8 +237,11 @@ class Cluster:
                 env.pop("MLX_HOSTFILE", None)
             log = (self.workdir / f"rank{rank}.log").open("wb")
             stdin = subprocess.PIPE if rank == 0 and self.serve is None else subprocess.DEVNULL
+            argv = self._argv(rank, spec)
+            if self.guards:
+                argv = self.guards[rank].wrap(argv)
             proc = subprocess.Popen(
-                self._argv(rank, spec), env=env, stdin=stdin, stdout=subprocess.PIPE,
+                argv, env=env, stdin=stdin, stdout=subprocess.PIPE,
                 stderr=log, text=True, start_new_session=True)
             log.close()
             self.procs.append(proc)
@@ -259,6 +320,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        if all(p.poll() is not None for p in self.procs):
+            self._release_guards()
 
     # ------------------------------------------------------------ protocol
 
