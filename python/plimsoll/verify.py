@@ -35,6 +35,10 @@ from .verify_target import Prompts, Target, Workload, filesystem_of, make_scratc
 
 __all__ = ["FAULT_KINDS", "Sample", "Sampler", "run_verify", "summary", "write_report"]
 
+#: How long a queued request may wait: long enough that the first-inference fault really
+#: runs ``concurrency`` full-context prefills (one after another on a busy CPU), short
+#: enough that a stuck phase ends.
+MAX_WAIT_S = 180.0
 #: The contrast replays these (the spikes reuse plimsoll's sizes, so they run after it).
 MMAP_KINDS = ("mmap_prefetch", "together")
 
@@ -83,7 +87,7 @@ def run_verify(model_dir: Path, *, limit_bytes: int = 1024 * MIB, concurrency: i
         raise RuntimeError("admission refused the model under this limit: "
                            + "; ".join(decision.reasons))
     cfg = worker_config(model_dir, model_dir.name, facts, decision, None, None,
-                        port=free_port(), max_queue=4, max_wait_s=20.0)
+                        port=free_port(), max_queue=4, max_wait_s=MAX_WAIT_S)
     contrast_why = VC.unavailable_reason()
     if contrast is None:
         contrast = contrast_why is None

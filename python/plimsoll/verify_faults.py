@@ -253,6 +253,8 @@ def phase_together(t: Target, w: Workload, env: dict | None = None) -> Phase:
         ph.notes.append("skipped: the target has no cgroup of its own")
         ph.passed = True
         return ph
+    if w.mmap_path:
+        drop_cached(w.mmap_path)  # cold: the prefetch is charged to this target again
     spike = Helper(t, "numpy", env=env)
     mapper = Helper(t, "mmap", str(w.mmap_path)) if w.mmap_path else None
     got: Counter = Counter()
