@@ -73,6 +73,7 @@ class LinuxProbe:
     """A target process and (optionally) the memory cgroup that holds it."""
 
     pressure_name = "PSI some avg10"
+    interval_s = 0.05  # a few small /proc and cgroup files: cheap
 
     def __init__(self, pid: int, cgroup=None):
         self.pid, self.cgroup = pid, cgroup
@@ -102,6 +103,7 @@ class DarwinProbe:
     are parameters so recorded command output drives it on Linux CI."""
 
     pressure_name = "kern.memorystatus_vm_pressure_level"
+    interval_s = 0.5  # each sample runs vm_stat and sysctl
 
     def __init__(self, pid: int, cgroup=None, *, run=None, footprint=None):
         from .probes import darwin
@@ -139,17 +141,19 @@ def probe_for(pid: int, cgroup=None, platform: str = sys.platform):
 
 
 class Sampler(threading.Thread):
-    """Samples the probe every ``interval_s`` until stopped; :meth:`window` summarises a span.
+    """Samples the probe every ``interval_s`` (default: the probe's own cadence) until
+    stopped; :meth:`window` summarises a span.
 
     ``mlx_active`` (optional) asks the target for MLX's active bytes; it is an HTTP call
     that can stall while the engine works, so a second thread polls it on its own cadence
     and the memory sampling never waits for it.
     """
 
-    def __init__(self, probe, interval_s: float = 0.05,
+    def __init__(self, probe, interval_s: float | None = None,
                  mlx_active: Callable[[], int | None] | None = None):
         super().__init__(daemon=True, name="plimsoll-verify-sampler")
-        self.probe, self.interval_s = probe, interval_s
+        self.probe = probe
+        self.interval_s = interval_s or getattr(probe, "interval_s", 0.05)
         self.samples: list[Sample] = []
         self.mlx: list[tuple[float, int]] = []
         self._halt = threading.Event()
