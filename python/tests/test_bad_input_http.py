@@ -32,6 +32,8 @@ from hypothesis import strategies as st
 from test_proxy import Proxy
 
 MODEL = "tiny"
+KEY = "k3y"  # the proxy's API key; the worker ignores it
+AUTH = {"Authorization": f"Bearer {KEY}"}
 CONTEXT, MAX_TOKENS = 512, 8
 BODY_CAP = 8 * 1024 * 1024
 MSG = [{"role": "user", "content": "hi"}]
@@ -82,7 +84,7 @@ class Servers:
                  worker_log: Path) -> None:
         self.worker, self.proxy, self.baseline = worker, proxy, baseline
         self.worker_log = worker_log
-        self.client = httpx.Client(timeout=120)
+        self.client = httpx.Client(timeout=120, headers=AUTH)
 
     def url(self, target: str) -> str:
         return self.worker.url if target == "worker" else self.proxy.url
@@ -121,8 +123,8 @@ def servers(tiny_model, tmp_path_factory) -> Iterator[Servers]:
     (tmp / "token").write_text("admin-secret\n")
     try:
         proxy = Proxy(["--policy", str(tmp / "policy.json"), "--admin-token-file",
-                       str(tmp / "token")], tmp / "serve.log",
-                      {"PLIMSOLL_CACHE": str(tmp / "cache")})
+                       str(tmp / "token"), "--api-key", KEY], tmp / "serve.log",
+                      {"PLIMSOLL_CACHE": str(tmp / "cache")}, api_key=KEY)
     except BaseException:
         worker.stop()
         raise
@@ -348,6 +350,18 @@ def test_a_worker_lost_mid_stream_on_messages_ends_in_an_anthropic_error_event(s
     assert f"pid {pid}" in error["error"]["message"] and error["error"]["code"] == "worker_lost"
 
 
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
+                                     {"x-api-key": "wrong"}, {"Authorization": "k3y"}])
+def test_a_missing_or_wrong_api_key_is_401_in_the_routes_protocol(servers, headers):
+    for path in ROUTES:
+        r = httpx.post(servers.proxy.url + path, json=BASES[path], headers=headers, timeout=30)
+        err = assert_refused(r, path, 401)
+        assert "API key" in err["message"] and err["code"] == "unauthorized", err
+        assert err["type"] == "authentication_error"
+    assert httpx.post(servers.proxy.url + "/v1/messages/count_tokens", json=BASES[
+        "/v1/messages/count_tokens"], headers={"x-api-key": KEY}, timeout=60).status_code == 200
+
+
 # --- content types, sizes, headers ------------------------------------------------------------
 
 @pytest.mark.parametrize("target", ["worker", "proxy"])
@@ -375,7 +389,7 @@ def test_bodies_over_the_cap_are_413(servers, target, chunked):
             yield b" " * (1 << 20)
 
     for path in ROUTES:
-        with httpx.Client(timeout=120) as c:  # a fresh connection: the server may close it
+        with httpx.Client(timeout=120, headers=AUTH) as c:  # the server may close it
             try:
                 r = c.post(servers.url(target) + path,
                            content=chunks() if chunked else b" " * size)
@@ -393,7 +407,7 @@ def test_enormous_or_many_headers_are_refused_or_closed_never_a_5xx(servers, tar
     cases = [{"x-big": "a" * 20_000}, {"x-big": "a" * (1 << 20)},
              [(f"x-h{i}", "v" * 16) for i in range(500)]]  # 10,000: see RAW_REQUESTS
     for headers in cases:
-        with httpx.Client(timeout=60) as c:
+        with httpx.Client(timeout=60, headers=AUTH) as c:
             try:
                 r = c.post(servers.url(target) + "/v1/completions", headers=headers,
                            json={"model": MODEL})
@@ -402,34 +416,44 @@ def test_enormous_or_many_headers_are_refused_or_closed_never_a_5xx(servers, tar
         assert 400 <= r.status_code < 500, (r.status_code, r.text[:200])
 
 
-RAW_REQUESTS = [
+H = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k3y\r\n"
+RAW_REQUESTS = [  # each answered (or closed) without the client having to close first
     b"GARBAGE\r\n\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n{}",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
-    b"Transfer-Encoding: chunked\r\n\r\n{}",
-    b"POST /v1/completions HTTP/1.1\r\n" + b"x" * 100_000 + b"\r\n\r\n",
+    H + b"Content-Length: abc\r\n\r\n{}",
+    H + b"Content-Length: -1\r\n\r\n{}",
+    H + b"Content-Length: 99999999999\r\n\r\n{}",
+    H + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+    H + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}\r\n",
+    H + b"x" * 100_000 + b"\r\n\r\n",
     b"POST /v1/\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n",
     # 10,000 headers (raw: httpx itself takes seconds to send that many)
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+    H + b"Content-Length: 2\r\n"
     + b"".join(b"x-h%d: vvvvvvvvvvvvvvvv\r\n" % i for i in range(10_000)) + b"\r\n{}",
 ]
+CUT_SHORT = [  # the client closes its side before the body it announced is complete
+    H + b"Content-Length: 100\r\n\r\n{\"model\": ",
+    H + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n",
+]
+
+
+def _exchange(port: int, raw: bytes, half_close: bool) -> bytes | None:
+    """Send ``raw``; the server's first bytes, or None when it reset the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        try:
+            s.sendall(raw)
+            if half_close:
+                s.shutdown(socket.SHUT_WR)
+            return s.recv(200)
+        except OSError:
+            return None
 
 
 @pytest.mark.parametrize("target", ["worker", "proxy"])
 def test_broken_http_framing_is_a_400_or_a_close(servers, target):
     port = int(servers.url(target).rsplit(":", 1)[1])
-    for raw in RAW_REQUESTS:
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-            try:
-                s.sendall(raw)
-                s.shutdown(socket.SHUT_WR)
-                reply = s.recv(200)
-            except OSError:
-                continue  # reset: closed, never served
-        if reply:
+    for raw, half_close in [(r, False) for r in RAW_REQUESTS] + [(r, True) for r in CUT_SHORT]:
+        reply = _exchange(port, raw, half_close)
+        if reply:  # else closed or reset: never served
             status = int(reply.split(b" ", 2)[1])
             assert 400 <= status < 500, (raw[:60], reply)
 
