@@ -362,6 +362,21 @@ def test_a_missing_or_wrong_api_key_is_401_in_the_routes_protocol(servers, heade
         "/v1/messages/count_tokens"], headers={"x-api-key": KEY}, timeout=60).status_code == 200
 
 
+def test_unknown_paths_and_wrong_methods(servers):
+    """The proxy names what exists, in the path's protocol; the worker (reached only by the
+    proxy and plimsoll launch) answers Starlette's plain 404/405."""
+    c = servers.client
+    for path, method, status in [("/v1/nope", "POST", 404), ("/v1/chat/completions", "GET", 405),
+                                 ("/v1/messages", "GET", 405), ("/v1/messages/x", "POST", 404),
+                                 ("/v1/models", "POST", 405), ("/" + "a" * 5000, "GET", 404)]:
+        r = c.request(method, servers.proxy.url + path)
+        err = assert_refused(r, path, status)
+        assert (path[:40] in err["message"] if status == 404 else "POST" in err["message"]
+                or "GET" in err["message"]), err
+        r = c.request(method, servers.worker.url + path)
+        assert r.status_code == status, r.text
+
+
 # --- content types, sizes, headers ------------------------------------------------------------
 
 @pytest.mark.parametrize("target", ["worker", "proxy"])

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -283,6 +284,24 @@ async def unload(request: Request) -> Response:
     return JSONResponse(await sup.unload([name] if name else list(sup.workers)))
 
 
+async def no_route(request: Request, exc: Exception) -> Response:
+    """Unknown paths (404) and wrong methods (405) in the error shape of the path's protocol,
+    naming what exists, instead of Starlette's plain-text "Not Found"."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 404
+    path = request.url.path
+    if status == 405:
+        allowed = (exc.headers or {}).get("allow", "") if isinstance(exc, HTTPException) else ""
+        message = f"{request.method} is not allowed on {path}; use {allowed or 'another method'}"
+        code = "method_not_allowed"
+    else:
+        message = (f"no route {path}: this proxy serves POST /v1/chat/completions, "
+                   "/v1/completions, /v1/messages, /v1/messages/count_tokens and GET /v1/models")
+        code = "unknown_route"
+    headers = getattr(exc, "headers", None) if status == 405 else None
+    return JSONResponse(error_body(status, message, code, anthropic=is_anthropic(request)),
+                        status, headers=headers)
+
+
 def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | None = None,
              api_key: str | None = None, admin_token: str, read_snapshot=None) -> Starlette:
     """The proxy app for ``policy``. Workers are spawned only when a request needs them."""
@@ -327,4 +346,5 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
             Route("/dashboard.json", dash.data, methods=["GET"]),
         ],
         lifespan=lifespan,
+        exception_handlers={404: no_route, 405: no_route},
     )
