@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import EXIT_REFUSED, UsageFailure
+from .cli_common import EXIT_REFUSED, UsageFailure, invalid_figures
 from .live_admission import MemoryOverrides, Wanted, memory_figures, plan, resolve_model
 from .policy import PolicyError, load_policy
 
@@ -42,6 +42,8 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
     MemTotal)). Without MODEL, the embedded demo model is built once and used.
     Exit status: 0 admit or clamp, 3 refuse, 2 bad input.
     """
+    from pydantic import ValidationError
+
     from .model_facts import ModelInspectionError
     from .probes import read_snapshot
 
@@ -64,6 +66,8 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
         facts, _req, decision = plan(model_dir, entry, pol, figures, wanted)
     except ModelInspectionError as err:
         raise UsageFailure(str(err)) from None
+    except ValidationError as err:
+        raise invalid_figures(err) from None
     if as_json:
         out = decision.model_dump()
         out.update(kv_layers=facts.kv_layers, model_dir=str(model_dir), mode=mode,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .cli_common import EXIT_REFUSED, UsageFailure
+from .cli_common import EXIT_REFUSED, UsageFailure, invalid_figures
 
 
 @click.command("worker")
@@ -111,6 +111,8 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     concurrency then context loudly; fails (exit 1) if the worker reports limits other
     than those derived. Then stays in the foreground until the worker exits.
     """
+    from pydantic import ValidationError
+
     from .launch import LaunchError, free_port, start_worker, stop_worker, worker_config
     from .live_admission import MemoryOverrides, Wanted, memory_figures, plan, resolve_model
     from .model_facts import ModelInspectionError, check_servable
@@ -132,6 +134,8 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
         check_servable(model_dir)
     except ModelInspectionError as err:
         raise UsageFailure(str(err)) from None
+    except ValidationError as err:
+        raise invalid_figures(err) from None
     click.echo(admission_report(facts, decision, str(model_dir), mode, figures.source),
                err=True)
     if not decision.admitted:

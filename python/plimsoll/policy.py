@@ -59,6 +59,16 @@ class ModeBudget(_Strict):
         gt=0, description="GiB this mode may give to local LLM workers (weights + KV + reserve)."
     )
 
+    @model_validator(mode="after")
+    def _at_least_a_mebibyte(self) -> ModeBudget:
+        """A positive budget that rounds to (almost) no bytes is a typo, not a budget."""
+        if self.max_local_llm_gb < 1 / 1024:
+            raise ValueError(
+                f"maxLocalLlmGb ({self.max_local_llm_gb:g} GiB) is below 1 MiB: budgets are "
+                "GiB (e.g. 72 for 72 GiB); raise it"
+            )
+        return self
+
 
 class Modes(_Strict):
     standalone: ModeBudget

@@ -319,6 +319,9 @@ BAD_POLICIES = {
     "clustered below standalone": ({**VALID_POLICY, "modes": {
         "standalone": {"maxLocalLlmGb": 40}, "clustered": {"maxLocalLlmGb": 20}}}, "clustered"),
     "missing modes": ({k: v for k, v in VALID_POLICY.items() if k != "modes"}, "modes"),
+    "budget that rounds to nothing": ({**VALID_POLICY, "modes": {
+        "standalone": {"maxLocalLlmGb": 1e-18}, "clustered": {"maxLocalLlmGb": 48}}},
+        "below 1 MiB"),
     "reserve out of range": ({**VALID_POLICY, "transientReserve": 2}, "transientReserve"),
     "port out of range": ({**VALID_POLICY, "listen": {"port": 70000}}, "port"),
     "maxTokens over context": ({**VALID_POLICY, "models": {"m": {
@@ -412,9 +415,9 @@ def test_any_mutated_policy_is_a_policy_or_a_policy_error_naming_a_field(edits, 
         text = str(err)
         assert text.startswith("fuzzed.json"), text
         return
-    # A policy that parses is usable: every figure the runtime derives from it is finite.
+    # A policy that parses is usable: every budget is at least a MiB, every figure finite.
     for mode in ("standalone", "clustered"):
-        assert pol.budget_bytes(mode) > 0
+        assert pol.budget_bytes(mode) >= 1 << 20
     from plimsoll.report import policy_summary
 
     assert "box" in policy_summary(pol, "fuzzed.json") or pol.host in policy_summary(
@@ -428,6 +431,16 @@ def test_every_command_that_reads_a_policy_refuses_a_broken_one_by_name(tmp_path
     r = CliRunner().invoke(main, [*command, "--policy", str(path)])
     assert r.exit_code == 2, r.output
     assert "maxTokens" in r.output and str(path) in r.output, r.output
+    assert isinstance(r.exception, SystemExit), r.exception
+
+
+@pytest.mark.parametrize("flag", ["--budget-gib", "--total-ram-gib"])
+def test_admit_with_figures_that_round_to_zero_bytes_is_a_usage_error(tiny_model, flag):
+    figures = {"--budget-gib": "4", "--ceiling-mib": "8192", "--total-ram-gib": "16"}
+    figures[flag] = "1e-18"
+    r = CliRunner().invoke(main, ["admit", str(tiny_model), *sum(figures.items(), ())])
+    assert r.exit_code == 2, r.output
+    assert "got 0" in r.output and "bytes" in r.output, r.output
     assert isinstance(r.exception, SystemExit), r.exception
 
 
