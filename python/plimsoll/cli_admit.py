@@ -11,9 +11,15 @@ from .cli_common import EXIT_REFUSED, UsageFailure, invalid_figures
 from .live_admission import MemoryOverrides, Wanted, memory_figures, plan, resolve_model
 from .policy import PolicyError, load_policy
 
+PIB_IN_GIB = 1 << 20
+"""Memory overrides stop at 1 PiB: past it the byte figures overflow a float (1e300 GiB)."""
 
-def _positive(kind):
-    return click.FloatRange(min=0, min_open=True) if kind is float else click.IntRange(min=1)
+
+def _positive(kind, most: float):
+    """Positive, and at most ``most`` (the policy's own bounds; 1 PiB for memory)."""
+    if kind is float:
+        return click.FloatRange(min=0, min_open=True, max=most)
+    return click.IntRange(min=1, max=int(most))
 
 
 @click.command("admit")
@@ -22,14 +28,18 @@ def _positive(kind):
               help="Host policy (budgets, reserve, block size, model registry).")
 @click.option("--mode", type=click.Choice(["standalone", "clustered"]), default="standalone",
               show_default=True, help="Which mode's budget applies.")
-@click.option("--budget-gib", type=_positive(float), help="Override the mode budget (GiB).")
-@click.option("--ceiling-mib", type=_positive(int),
+@click.option("--budget-gib", type=_positive(float, PIB_IN_GIB),
+              help="Override the mode budget (GiB).")
+@click.option("--ceiling-mib", type=_positive(int, PIB_IN_GIB * 1024),
               help="Override the live ceiling (MiB, as iogpu.wired_limit_mb).")
-@click.option("--total-ram-gib", type=_positive(float), help="Override total RAM (GiB).")
-@click.option("--concurrency", type=_positive(int), help="Requested concurrent sequences.")
-@click.option("--context", type=_positive(int), help="Requested total context per sequence.")
-@click.option("--max-tokens", type=_positive(int), help="Output reservation per sequence.")
-@click.option("--block-tokens", type=_positive(int), help="Tokens per KV block.")
+@click.option("--total-ram-gib", type=_positive(float, PIB_IN_GIB),
+              help="Override total RAM (GiB).")
+@click.option("--concurrency", type=_positive(int, 1024), help="Requested concurrent sequences.")
+@click.option("--context", type=_positive(int, 4_194_304),
+              help="Requested total context per sequence.")
+@click.option("--max-tokens", type=_positive(int, 4_194_304),
+              help="Output reservation per sequence.")
+@click.option("--block-tokens", type=_positive(int, 4096), help="Tokens per KV block.")
 @click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
               help="KV cache dtype (default: the model's).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every figure.")
