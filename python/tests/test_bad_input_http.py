@@ -377,6 +377,18 @@ def test_unknown_paths_and_wrong_methods(servers):
         assert r.status_code == status, r.text
 
 
+def test_admin_mode_refuses_any_other_body_with_400(servers):
+    """The watcher's endpoint, with the admin token: any body but {"mode": ...} is a 400
+    (deep nesting and an oversized body included), and the mode does not change."""
+    url = servers.proxy.url + "/admin/mode"
+    admin = {"Authorization": "Bearer admin-secret"}
+    for body in [b"", b"x", b"[]", b'{"mode": 5}', b'{"mode": "x"}', b"[" * 100_000,
+                 b'{"mode": "clustered", "x": 1}', b" " * (BODY_CAP + 1)]:
+        r = httpx.post(url, content=body, headers=admin, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_mode", r.text
+    assert httpx.get(url, headers=admin, timeout=30).json()["mode"] == "standalone"
+
+
 # --- content types, sizes, headers ------------------------------------------------------------
 
 @pytest.mark.parametrize("target", ["worker", "proxy"])

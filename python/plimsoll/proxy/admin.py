@@ -25,7 +25,6 @@ The token is read from ``--admin-token-file`` at start, or generated into a user
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 import secrets
@@ -36,7 +35,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..protocol import error_body
+from ..http_body import read_body
+from ..protocol import decode_json_body, error_body
 from .evict import choose_evictions
 from .state import State
 from .supervisor import ProxyError, Supervisor
@@ -151,10 +151,8 @@ async def post_mode(request: Request) -> Response:
     state = request.app.state
     if not bearer_ok(request, state.admin_token):
         return unauthorized("admin token")
-    try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        data = None
+    raw = await read_body(request)  # bounded; any undecodable body is the 400 below
+    data = decode_json_body(raw) if isinstance(raw, bytes) else None
     mode = data.get("mode") if isinstance(data, dict) else None
     if mode not in MODES or set(data) != {"mode"}:
         return JSONResponse(error_body(400, 'the body must be {"mode": "standalone"} or '
