@@ -86,8 +86,10 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     port = port or pol.listen.port
     click.echo(f"plimsoll serve: http://{host}:{port}/v1 — {mode} mode, models: "
                f"{', '.join(sorted(pol.models))}; admin token in {token_path}", err=True)
+    # h11 whatever else is installed: its 16 KiB cap on an incomplete request head is what
+    # bounds enormous or endless headers (a 400 and a close) before the app sees them.
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
-                limit_concurrency=1024)
+                limit_concurrency=1024, http="h11")
 
 
 def embedded_default():
