@@ -190,10 +190,13 @@ class Scheduler:
             if req.cancelled.is_set():
                 self.counters["cancelled"] += 1
             elif now >= req.deadline:
+                # name what it waited for: blocks (the pool) or a sequence slot (the queue)
                 plan = self.pool.plan(req.prompt, req.max_tokens)
-                message = plan.message if isinstance(plan, Refusal) else "no free sequence slot"
+                blocks = isinstance(plan, Refusal)
+                message = plan.message if blocks else (
+                    f"all {self.limits.max_num_seqs} sequence slots stayed busy")
                 self._refuse(req, 503, f"waited {self.limits.max_wait_s:g} s: {message}",
-                             "pool_exhausted")
+                             "pool_exhausted" if blocks else "queue_timeout")
             else:
                 kept.append(req)
         self._waiting = kept

@@ -24,8 +24,19 @@ def parse_rss_anon(status_text: str) -> int | None:
     return None
 
 
-def held_bytes(pid: int) -> int:
-    """Memory ``pid`` holds that its exit releases; 0 if it is already gone."""
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and every process below it (a sharded worker's ranks are its children, and
+    its exit takes them along); empty if ``pid`` is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return {pid} | {c.pid for c in root.children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def _one_held(pid: int) -> int:
     if sys.platform.startswith("linux"):
         try:
             with open(f"/proc/{pid}/status") as f:
@@ -43,13 +54,21 @@ def held_bytes(pid: int) -> int:
         return 0
 
 
+def held_bytes(pid: int) -> int:
+    """Memory ``pid`` and its descendants hold that their exit releases; 0 if gone."""
+    return sum(_one_held(p) for p in process_tree(pid))
+
+
 def anon_bytes_except(pid: int) -> int:
-    """Anonymous memory of every visible process but ``pid`` (Linux; 0 elsewhere)."""
+    """Anonymous memory of every visible process outside ``pid``'s tree (Linux; 0
+    elsewhere): the release check must not count a sharded worker's ranks as other
+    tenants, or their memory would never be asked back."""
     if not sys.platform.startswith("linux"):
         return 0
+    mine = process_tree(pid) | {pid}
     total = 0
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == pid:
+        if not entry.name.isdigit() or int(entry.name) in mine:
             continue
         try:
             with open(f"/proc/{entry.name}/status") as f:
