@@ -112,8 +112,8 @@ def test_parse_psi_rejects_text_without_some() -> None:
         (0.0, 0.0, "normal"),
         (9.99, 4.99, "normal"),
         (10.0, 0.0, "warn"),
-        (39.99, 4.99, "warn"),
-        (40.0, 0.0, "critical"),
+        (24.99, 4.99, "warn"),
+        (25.0, 0.0, "critical"),
         (0.5, 5.0, "critical"),
         (3.0, None, "normal"),
     ],
@@ -360,3 +360,12 @@ def test_real_v1_child_limit_below_the_parent_binds() -> None:
         own, _ = snapshot_from_child_in(child_cg)
     assert own.ceiling_bytes == own.total_ram_bytes == 256 * MIB
     assert own.ceiling_source == f"cgroup v1 memory.limit_in_bytes of /{name}/worker"
+
+
+def test_snapshot_pressure_levels_are_the_tripwires_defaults() -> None:
+    from plimsoll.policy import Pressure
+
+    p = Pressure()
+    policy_lines = linux.PsiThresholds(p.some_avg10_warn, p.some_avg10_critical,
+                                       p.full_avg10_critical)
+    assert policy_lines == linux.DEFAULT_PSI_THRESHOLDS

@@ -48,11 +48,13 @@ class Psi(NamedTuple):
 class PsiThresholds(NamedTuple):
     """PSI avg10 percentages at which pressure is called warn or critical.
 
-    Any "full" stall means no task made progress, so its bar is the lowest.
+    Any "full" stall means no task made progress, so its bar is the lowest. The defaults
+    are the policy's ``pressure`` defaults (a test holds them equal), so ``plimsoll doctor``
+    and the snapshot call a level where the proxy's tripwire would.
     """
 
     warn_some: float = 10.0
-    critical_some: float = 40.0
+    critical_some: float = 25.0
     critical_full: float = 5.0
 
 
