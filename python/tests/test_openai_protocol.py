@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 openai_types = pytest.importorskip("openai.types")
@@ -364,6 +364,7 @@ FRAGMENTS = ["def f(x):", "\n", "  ", " return", " x", "END", "EN", "é✓", CAL
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(FRAGMENTS), max_size=12), st.booleans(), st.booleans())
+@example(["<tool_call>", "END", CALL], True, True)  # a stop inside markup that is not a call
 def test_streamed_deltas_always_concatenate_to_the_final_text(tok, parts, with_stop, with_tools):
     text = "".join(parts)
     a = TextAssembler(tok, stop=["END"] if with_stop else [], tools=[WEATHER] if with_tools

@@ -221,6 +221,9 @@ class TextAssembler:
                 out += self._tool_call(self._tool_buf[:end], closed=True)
                 self._pending = self._tool_buf[end + len(self._end):]
                 self._tool_buf, self._in_tool = "", False
+                if self._stopped:  # the markup was text after all, and held a stop string
+                    self._pending = ""
+                    return out
                 continue
             stop = self._first_stop()
             start = self._pending.find(self._start) if self._tooling else -1
@@ -256,8 +259,12 @@ class TextAssembler:
                                 and isinstance(c.get("arguments", {}), dict | str)
                                 for c in calls):
             self._after_tool = False
-            markup = self._start + body + (self._end if closed else "")
-            return self._text(self._ws_before + markup)
+            text = self._ws_before + self._start + body + (self._end if closed else "")
+            stops = [i for s in self._stop if (i := text.find(s)) >= 0]
+            if stops:  # markup that is not a call is text: a stop string in it ends the output
+                self._stopped = True
+                return self._text(text[:min(stops)])
+            return self._text(text)
         out: list[Delta] = []
         for c in calls:
             args = c.get("arguments", {})
