@@ -8,6 +8,7 @@ a newcomer's first command answers a chat request.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import click
@@ -113,8 +114,9 @@ def parse_idle_ttls(values: tuple[str, ...], models: set[str]
             ttl = float(secs)
         except ValueError:
             raise UsageFailure(f"--idle-ttl {value!r}: SECONDS must be a number") from None
-        if ttl < 0:
-            raise UsageFailure(f"--idle-ttl {value!r}: SECONDS must be 0 (never) or more")
+        if not 0 <= ttl < math.inf:  # NaN too
+            raise UsageFailure(f"--idle-ttl {value!r}: SECONDS must be a finite number, "
+                               "0 (never) or more")
         if not name:
             default = ttl
         elif name not in models:

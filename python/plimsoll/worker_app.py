@@ -33,6 +33,7 @@ from . import anthropic_routes
 from . import protocol as P
 from .guard import SelfGuard, memory_probe_with_guard
 from .http_body import read_body
+from .http_errors import no_route_handler
 from .kv_pool import KVPool
 from .scheduler import (
     Finished,
@@ -47,6 +48,9 @@ from .worker_config import WorkerConfig
 
 log = logging.getLogger("plimsoll.worker")
 DISCONNECT_POLL_S = 0.25
+NO_ROUTE = no_route_handler("this worker serves POST /v1/chat/completions, /v1/completions, "
+                            "/v1/messages, /v1/messages/count_tokens and GET /v1/models, "
+                            "/health, /v1/plimsoll/status")
 
 
 def error(status: int, message: str, *, code: str | None = None, param: str | None = None,
@@ -340,6 +344,7 @@ def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
             Route("/v1/plimsoll/status", status, methods=["GET"]),
             *anthropic_routes.ROUTES,  # POST /v1/messages, /v1/messages/count_tokens
         ],
+        exception_handlers={404: NO_ROUTE, 405: NO_ROUTE},
         lifespan=lifespan,
     )
 
@@ -349,6 +354,7 @@ def serve_worker(cfg: WorkerConfig) -> None:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # h11 whatever else is installed: its cap on a request head bounds enormous headers
     uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
                 timeout_graceful_shutdown=5, limit_concurrency=cfg.max_queue
-                + cfg.max_num_seqs + 16)
+                + cfg.max_num_seqs + 16, http="h11")

@@ -304,13 +304,12 @@ def test_streamed_bad_requests_are_plain_400_json_not_a_broken_stream(servers, t
 
 
 @pytest.mark.parametrize(("model", "words"), [
-    ("huge", "huge"), ("broken", "config.json"), ("untokenized", "failed to start")])
+    ("huge", "huge"), ("broken", "config.json"), ("untokenized", "has no tokenizer")])
 def test_the_proxys_own_refusals_speak_the_routes_protocol(servers, model, words):
     """Refusals the proxy makes itself — admission's 503 for a model that cannot fit, a
     model directory that cannot be read or served: Anthropic's shape and error type on
     /v1/messages*, OpenAI's elsewhere; both carry the reason and the machine code."""
-    # Each try at the unservable one spawns a worker that exits at once: two routes will do.
-    for path in ROUTES if model != "untokenized" else ["/v1/completions", "/v1/messages"]:
+    for path in ROUTES:
         r = servers.post("proxy", path, json={**BASES[path], "model": model})
         assert r.status_code == 503, r.text
         body = r.json()
@@ -321,8 +320,11 @@ def test_the_proxys_own_refusals_speak_the_routes_protocol(servers, model, words
             assert "param" not in err, body
         else:
             assert "type" not in body and err["type"] == "server_error", body
-    if model == "untokenized":  # the worker's own one-line reason is in the proxy's log
-        assert "has no tokenizer" in Path(servers.proxy.log).read_text()
+    if model == "untokenized":  # refused before any worker was spawned for it
+        running = servers.client.get(servers.proxy.url + "/running").json()
+        spawned = [e for e in running["events"]
+                   if e.get("model") == "untokenized" and e.get("kind") == "spawn"]
+        assert spawned == [], spawned
 
 
 def test_a_worker_lost_mid_stream_on_messages_ends_in_an_anthropic_error_event(servers):
@@ -363,8 +365,8 @@ def test_a_missing_or_wrong_api_key_is_401_in_the_routes_protocol(servers, heade
 
 
 def test_unknown_paths_and_wrong_methods(servers):
-    """The proxy names what exists, in the path's protocol; the worker (reached only by the
-    proxy and plimsoll launch) answers Starlette's plain 404/405."""
+    """The proxy and the worker name what exists, in the path's protocol (JSON, never
+    Starlette's plain text)."""
     c = servers.client
     for path, method, status in [("/v1/nope", "POST", 404), ("/v1/chat/completions", "GET", 405),
                                  ("/v1/messages", "GET", 405), ("/v1/messages/x", "POST", 404),
@@ -374,7 +376,8 @@ def test_unknown_paths_and_wrong_methods(servers):
         assert (path[:40] in err["message"] if status == 404 else "POST" in err["message"]
                 or "GET" in err["message"]), err
         r = c.request(method, servers.worker.url + path)
-        assert r.status_code == status, r.text
+        err = assert_refused(r, path, status)
+        assert err["code"] in {"unknown_route", "method_not_allowed"}, err
 
 
 def test_admin_mode_refuses_any_other_body_with_400(servers):

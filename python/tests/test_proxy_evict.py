@@ -151,7 +151,7 @@ def test_state_machine_draws_only_the_documented_transitions():
 def test_idle_ttl_flags():
     assert parse_idle_ttls(("600", "a=2.5"), {"a", "b"}) == (600.0, (("a", 2.5),))
     assert parse_idle_ttls((), {"a"}) == (300.0, ())
-    for bad in ("x", "-1", "zzz=3"):
+    for bad in ("x", "-1", "zzz=3", "nan", "a=inf"):
         with pytest.raises(UsageFailure):
             parse_idle_ttls((bad,), {"a"})
 

@@ -310,7 +310,7 @@ def serve_http(leader, cf: ClusterFacts, args) -> int:
     app = make_app(cfg, backend=ring_backend(sched, cf, leader, guard))
     server = uvicorn.Server(uvicorn.Config(
         app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5,
-        limit_concurrency=cfg.max_queue + cfg.max_num_seqs + 16))
+        limit_concurrency=cfg.max_queue + cfg.max_num_seqs + 16, http="h11"))
 
     def run_server() -> None:
         try:

@@ -23,13 +23,13 @@ from typing import Any
 
 import httpx
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import protocol as P
 from ..http_body import read_body
+from ..http_errors import error_body, is_anthropic, no_route_handler
 from ..policy import Mode, Policy
 from ..protocol import anthropic as A
 from . import admin
@@ -39,26 +39,9 @@ from .state import Lease, State, describe_exit
 from .supervisor import ProxyError, Settings, Supervisor
 
 EXIT_WAIT_S = 0.5
+NO_ROUTE = no_route_handler("this proxy serves POST /v1/chat/completions, /v1/completions, "
+                            "/v1/messages, /v1/messages/count_tokens and GET /v1/models")
 STATUS_TIMEOUT_S = 2.0
-
-
-def is_anthropic(request: Request) -> bool:
-    """True on the Anthropic routes (``/v1/messages``, ``/v1/messages/count_tokens``)."""
-    return request.url.path.startswith("/v1/messages")
-
-
-def error_body(status: int, message: str, code: str, *, anthropic: bool = False,
-               param: str | None = None, extra: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
-    """The proxy's error object in the route's protocol; ``code`` and ``extra`` ride inside
-    ``error`` in both (Anthropic's clients ignore fields they do not know)."""
-    if anthropic:
-        body = A.error_body(status, message)
-        body["error"]["code"] = code
-    else:
-        body = P.error_body(status, message, param=param, code=code)
-    body["error"].update(extra or {})
-    return body
 
 
 def error(status: int, message: str, code: str, *, param: str | None = None,
@@ -284,24 +267,6 @@ async def unload(request: Request) -> Response:
     return JSONResponse(await sup.unload([name] if name else list(sup.workers)))
 
 
-async def no_route(request: Request, exc: Exception) -> Response:
-    """Unknown paths (404) and wrong methods (405) in the error shape of the path's protocol,
-    naming what exists, instead of Starlette's plain-text "Not Found"."""
-    status = exc.status_code if isinstance(exc, HTTPException) else 404
-    path = request.url.path
-    if status == 405:
-        allowed = (exc.headers or {}).get("allow", "") if isinstance(exc, HTTPException) else ""
-        message = f"{request.method} is not allowed on {path}; use {allowed or 'another method'}"
-        code = "method_not_allowed"
-    else:
-        message = (f"no route {path}: this proxy serves POST /v1/chat/completions, "
-                   "/v1/completions, /v1/messages, /v1/messages/count_tokens and GET /v1/models")
-        code = "unknown_route"
-    headers = getattr(exc, "headers", None) if status == 405 else None
-    return JSONResponse(error_body(status, message, code, anthropic=is_anthropic(request)),
-                        status, headers=headers)
-
-
 def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | None = None,
              api_key: str | None = None, admin_token: str, read_snapshot=None) -> Starlette:
     """The proxy app for ``policy``. Workers are spawned only when a request needs them."""
@@ -346,5 +311,5 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
             Route("/dashboard.json", dash.data, methods=["GET"]),
         ],
         lifespan=lifespan,
-        exception_handlers={404: no_route, 405: no_route},
+        exception_handlers={404: NO_ROUTE, 405: NO_ROUTE},
     )

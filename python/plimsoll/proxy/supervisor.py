@@ -35,7 +35,7 @@ from typing import Any
 from ..admission import AdmissionDecision
 from ..launch import LaunchError, free_port, worker_config
 from ..live_admission import MemoryFigures, MemoryOverrides, Wanted, memory_figures, plan
-from ..model_facts import ModelFacts, ModelInspectionError
+from ..model_facts import ModelFacts, ModelInspectionError, check_servable
 from ..policy import Mode, Policy
 from ..probes.held import anon_bytes_except, held_bytes
 from ..probes.snapshot import MemorySnapshot
@@ -291,6 +291,11 @@ class Supervisor:
             _facts, alone = self.admit(w, figures)
             if not alone.admitted:
                 self._refuse(w, alone, figures)
+            try:  # before anything is evicted for it: can a worker serve this directory?
+                check_servable(w.entry.path)
+            except ModelInspectionError as err:
+                raise ProxyError(503, f"model {w.name!r} cannot be served: {err}",
+                                 "model_unreadable") from None
             env = self.envelope(figures)
             others = [x for x in self.workers.values() if x is not w]
             choice = choose_evictions(alone.footprint_bytes, self.residents(others), env)
