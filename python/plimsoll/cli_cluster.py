@@ -60,6 +60,15 @@ def _request(**kw):
     return ClusterRequest(**kw)
 
 
+def _exit_for(err: Exception) -> SystemExit:
+    """A cluster failure, said on stderr with every rank's reasons, as the command's exit:
+    4 when a rank failed (every rank torn down), 3 for a refusal or a refused request."""
+    from .cluster.runner import ClusterRankFailed
+
+    click.echo(str(err), err=True)
+    return SystemExit(EXIT_RANK_FAILED if isinstance(err, ClusterRankFailed) else EXIT_REFUSED)
+
+
 @click.group("cluster")
 def cluster_group() -> None:
     """Clustered mode: one model split across ranks on MLX's distributed runtime."""
@@ -125,7 +134,7 @@ def generate_command(model, rank_figures, prompt, n_tokens, timeout, **request_k
     """
     from tokenizers import Tokenizer
 
-    from .cluster.runner import Cluster, ClusterError, ClusterRankFailed, ClusterRefused, RankSpec
+    from .cluster.runner import Cluster, ClusterError, RankSpec
 
     specs = [RankSpec(ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b)
              for c, t, b in map(_parse_rank, rank_figures)]
@@ -136,15 +145,8 @@ def generate_command(model, rank_figures, prompt, n_tokens, timeout, **request_k
             decision = cluster.start(timeout=timeout)
             out = cluster.generate(ids, n_tokens, timeout=timeout)
             ready = cluster.ready
-    except ClusterRefused as err:
-        click.echo(str(err), err=True)
-        raise SystemExit(EXIT_REFUSED) from None
-    except ClusterRankFailed as err:
-        click.echo(str(err), err=True)
-        raise SystemExit(EXIT_RANK_FAILED) from None
     except ClusterError as err:
-        click.echo(str(err), err=True)
-        raise SystemExit(EXIT_REFUSED) from None
+        raise _exit_for(err) from None
     json.dump({"prompt_tokens": ids, "tokens": out.tokens, "text": tok.decode(out.tokens),
                "tokens_per_s": out.tokens_per_s, "concurrency": decision.concurrency,
                "context": decision.context,
@@ -186,7 +188,7 @@ def serve_command(model, rank_figures, host, port, model_name, default_max_token
     No rank outlives this process. For ranks on other hosts, see ``mlx.launch`` in the
     README.
     """
-    from .cluster.runner import Cluster, ClusterRankFailed, ClusterRefused, RankSpec, ServeSpec
+    from .cluster.runner import Cluster, ClusterError, RankSpec, ServeSpec
     from .launch import worker_env
 
     specs = [RankSpec(ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b)
@@ -224,12 +226,8 @@ def serve_command(model, rank_figures, host, port, model_name, default_max_token
                                "ranks": [cluster.ready[r] for r in sorted(cluster.ready)]}))
         sys.stdout.flush()
         cluster.watch(stop)
-    except ClusterRefused as err:
-        click.echo(str(err), err=True)
-        raise SystemExit(EXIT_REFUSED) from None
-    except ClusterRankFailed as err:
-        click.echo(str(err), err=True)
-        raise SystemExit(EXIT_RANK_FAILED) from None
+    except ClusterError as err:
+        raise _exit_for(err) from None
     except _Interrupted as why:
         click.echo(f"plimsoll cluster serve: {why} while loading; every rank torn down",
                    err=True)

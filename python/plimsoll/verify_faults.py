@@ -109,6 +109,21 @@ def _halfway_mib(t: Target) -> tuple[int, dict]:
     return mib, {"working_set_before": ws, "soft_bytes": soft, "limit_bytes": hard}
 
 
+def _spike_verdict(t: Target, ph: Phase, got: Counter, rc: int | None, what: str) -> Phase:
+    """A held spike passes when it was really held, every request meanwhile was answered in
+    a controlled way (at least one 503 memory_trip), and the target serves again after."""
+    ph.answers = dict(got)
+    trips = got.get("503 memory_trip", 0)
+    recovered = t.recovers()
+    f = ph.figures
+    ph.notes.append(f"{what} (held: {f['helper_held']}, helper exit {rc}) took the working set "
+                    f"from {f['working_set_before'] // MIB} to {f['working_set_during'] // MIB} "
+                    f"MiB; {trips} answered 503 memory_trip; served again after: {recovered}")
+    ph.passed = (controlled(got) and trips >= 1 and recovered and rc == 0
+                 and f["helper_held"])
+    return ph
+
+
 def phase_spike(t: Target, w: Workload, kind: str, env: dict | None = None) -> Phase:
     """An MLX or numpy allocation the scheduler did not plan, held while requests arrive."""
     ph = Phase(f"{kind}_spike")
@@ -137,17 +152,7 @@ def phase_spike(t: Target, w: Workload, kind: str, env: dict | None = None) -> P
         got = t.burst([t.prompts.text(256, 300 + i) for i in range(w.concurrency)], 8)
     finally:
         rc = helper.release()
-    ph.answers = dict(got)
-    trips = got.get("503 memory_trip", 0)
-    recovered = t.recovers()
-    f = ph.figures
-    ph.notes.append(f"{mib} MiB {kind} spike (held: {f['helper_held']}, helper exit {rc}) took "
-                    f"the working set from {f['working_set_before'] // MIB} to "
-                    f"{f['working_set_during'] // MIB} MiB; {trips} answered 503 memory_trip; "
-                    f"served again after release: {recovered}")
-    ph.passed = (controlled(got) and trips >= 1 and recovered and rc == 0
-                 and f["helper_held"])
-    return ph
+    return _spike_verdict(t, ph, got, rc, f"{mib} MiB {kind} spike")
 
 
 def phase_mmap_prefetch(t: Target, w: Workload) -> Phase:
@@ -232,17 +237,7 @@ def phase_load_spike(t: Target, w: Workload, env: dict | None = None) -> Phase:
         got = t.burst(texts, 8)
     finally:
         rc = helper.release()
-    ph.answers = dict(got)
-    trips = got.get("503 memory_trip", 0)
-    recovered = t.recovers()
-    f = ph.figures
-    ph.notes.append(f"{copies} more load(s) of the {wb // MIB} MiB model (done: "
-                    f"{f['helper_held']}, helper exit {rc}) took the working set from "
-                    f"{f['working_set_before'] // MIB} to {f['working_set_during'] // MIB} MiB;"
-                    f" {trips} answered 503 memory_trip; served again after: {recovered}")
-    ph.passed = (controlled(got) and trips >= 1 and recovered and rc == 0
-                 and f["helper_held"])
-    return ph
+    return _spike_verdict(t, ph, got, rc, f"{copies} more load(s) of the {wb // MIB} MiB model")
 
 
 def phase_together(t: Target, w: Workload, env: dict | None = None) -> Phase:
