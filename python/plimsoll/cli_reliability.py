@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from .cli_common import UsageFailure
-from .verify_faults import FAULT_KINDS
+from .verify.faults import FAULT_KINDS
 
 _DIR = click.Path(exists=True, file_okay=False, path_type=Path)
 

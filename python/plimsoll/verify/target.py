@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .units import MIB
+from ..units import MIB
 
 
 # --- prompts ------------------------------------------------------------------------------

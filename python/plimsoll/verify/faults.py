@@ -14,7 +14,7 @@ soft and hard lines (halfway between) and records the sizes in the workload; the
 reuses those absolute sizes.
 
 The things they drive (prompts, workload, target, helpers, the scratch file) live in
-:mod:`plimsoll.verify_target`.
+:mod:`plimsoll.verify.target`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .units import MIB
-from .verify_target import Helper, Prompts, Target, Workload, drop_cached
+from ..units import MIB
+from .target import Helper, Prompts, Target, Workload, drop_cached
 
 __all__ = ["FAULT_KINDS", "PHASES", "Phase", "Prompts", "Target", "Workload"]
 

@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .units import MIB
-from .verify_faults import PHASES
-from .verify_probe import Sampler, probe_for
-from .verify_target import Prompts, Target, Workload
+from ..units import MIB
+from .faults import PHASES
+from .probe import Sampler, probe_for
+from .target import Prompts, Target, Workload
 
 READY_TIMEOUT_S = 180.0
 
@@ -31,7 +31,7 @@ def unavailable_reason() -> str | None:
     """Why the contrast cannot run here, or None."""
     if importlib.util.find_spec("mlx_lm") is None:
         return "mlx_lm is not installed"
-    from . import cgroups
+    from .. import cgroups
 
     return cgroups.unavailable_reason()
 
@@ -53,7 +53,7 @@ def start_server(model_dir: Path, cgroup, env: dict[str, str] | None,
     ``/health``. Raises RuntimeError if it exits or is not ready in time."""
     import httpx
 
-    from .launch import free_port
+    from ..launch import free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "plimsoll.guard", "enter", str(cgroup.path), "--",
@@ -97,7 +97,7 @@ def run_contrast(w: Workload, prompts: Prompts, limit_bytes: int, kinds: tuple[s
                  env: dict[str, str] | None = None, log_path: Path | None = None,
                  report: Callable[[str], None] = lambda _m: None) -> dict:
     """Drive ``kinds`` against mlx_lm.server in a fresh cgroup limited to ``limit_bytes``."""
-    from .guard import WorkerGuard
+    from ..guard import WorkerGuard
 
     wg, why = WorkerGuard.create("contrast-mlx-lm", limit_bytes)
     if wg is None:

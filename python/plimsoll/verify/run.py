@@ -1,13 +1,13 @@
 """``plimsoll verify``: the cap-comprehensiveness run (DESIGN.md invariant 7).
 
 A real worker runs in its own memory cgroup whose hard limit stands in for the wired
-ceiling; each fault kind (:mod:`plimsoll.verify_faults`) is injected in turn, the last one
-several at once, while a sampler (:mod:`plimsoll.verify_probe`, one probe per OS) records
+ceiling; each fault kind (:mod:`plimsoll.verify.faults`) is injected in turn, the last one
+several at once, while a sampler (:mod:`plimsoll.verify.probe`, one probe per OS) records
 RSS, MLX active memory, the cgroup's usage, fail count and OOM kills, host page-outs and
 memory pressure. Pass = zero OOM kills, zero page-outs, the worker alive at the end, and
 every phase controlled (each overload answered 503/429, or 400 naming the limit, instead
 of growth past the line). The same run then drives ``mlx_lm.server`` under the same limit
-and workload (:mod:`plimsoll.verify_contrast`), so the report shows both side by side.
+and workload (:mod:`plimsoll.verify.contrast`), so the report shows both side by side.
 
 Fault kinds: ``first_inference`` (full concurrency × full context on a fresh worker),
 ``long_prefill`` (one prompt at the context, one past it), ``overload`` (more requests
@@ -27,11 +27,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .progress import Reporter
-from .units import MIB
-from .verify_faults import FAULT_KINDS, PHASES, Phase
-from .verify_probe import Sample, Sampler, probe_for
-from .verify_target import Prompts, Target, Workload, filesystem_of, make_scratch
+from ..progress import Reporter
+from ..units import MIB
+from .faults import FAULT_KINDS, PHASES, Phase
+from .probe import Sample, Sampler, probe_for
+from .target import Prompts, Target, Workload, filesystem_of, make_scratch
 
 __all__ = ["FAULT_KINDS", "Sample", "Sampler", "run_verify", "summary", "write_report"]
 
@@ -65,10 +65,10 @@ def run_verify(model_dir: Path, *, limit_bytes: int = 1024 * MIB, concurrency: i
                scratch_dir: Path | None = None, log_dir: Path | None = None) -> dict:
     """Start a guarded worker, inject each fault kind, then (``contrast``, default: when
     mlx_lm and a cgroup are available) replay it on mlx_lm.server; return the report."""
-    from . import guard as G
-    from . import live_admission as LA
-    from . import verify_contrast as VC
-    from .launch import free_port, start_worker, stop_worker, worker_config
+    from .. import guard as G
+    from .. import live_admission as LA
+    from ..launch import free_port, start_worker, stop_worker, worker_config
+    from . import contrast as VC
 
     unknown = [k for k in kinds if k not in PHASES]
     if unknown:

@@ -1,6 +1,6 @@
 """What ``plimsoll verify`` watches while it injects faults: one probe per OS, one sampler.
 
-The fault code (:mod:`plimsoll.verify_faults`) never reads a platform file itself; it asks
+The fault code (:mod:`plimsoll.verify.faults`) never reads a platform file itself; it asks
 a :class:`Sampler` for the figures of a time window, and the sampler asks a probe chosen
 per OS for one :class:`Sample` at a time:
 
@@ -106,14 +106,14 @@ class DarwinProbe:
     interval_s = 0.5  # each sample runs vm_stat and sysctl
 
     def __init__(self, pid: int, cgroup=None, *, run=None, footprint=None):
-        from .probes import darwin
+        from ..probes import darwin
 
         self.pid, self.cgroup = pid, None
         self._run = run or darwin.run_command
         self._footprint = footprint or darwin.read_phys_footprint
 
     def sample(self) -> Sample:
-        from .probes import darwin
+        from ..probes import darwin
 
         try:
             fp = self._footprint(self.pid)
