@@ -201,8 +201,8 @@ let
               numberChecks {
                 field = "maxLocalLlmGb.${mode}";
                 value = budget;
-                ok = v: v > 0;
-                range = "above 0 GiB";
+                ok = v: v >= 1.0 / 1024;  # as the Python side: budgets are whole MiB at least
+                range = "at least 1 MiB (0.0009765625 GiB)";
               }
             else [ ])
             ++ [
