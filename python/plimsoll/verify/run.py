@@ -110,9 +110,15 @@ def run_verify(model_dir: Path, *, limit_bytes: int = 1024 * MIB, concurrency: i
         result = _run_plimsoll(cfg, limit_bytes, work, prompts, kinds, report, env,
                                start_worker, stop_worker)
         if contrast and contrast_why is None:
-            result["contrast"] = VC.run_contrast(
-                work, prompts, limit_bytes, kinds, env=env, report=report,
-                log_path=(log_dir / "mlx_lm-server.log") if log_dir else None)
+            if log_dir is not None:
+                log_dir.mkdir(parents=True, exist_ok=True)
+            try:  # the contrast failing must not lose plimsoll's own figures
+                result["contrast"] = VC.run_contrast(
+                    work, prompts, limit_bytes, kinds, env=env, report=report,
+                    log_path=(log_dir / "mlx_lm-server.log") if log_dir else None)
+            except (OSError, RuntimeError, ValueError) as err:
+                result["contrast"] = {"ran": False, "reason": f"the contrast run failed: "
+                                      f"{type(err).__name__}: {err}"}
         else:
             result["contrast"] = {"ran": False,
                                   "reason": contrast_why or "turned off (--no-contrast)"}
