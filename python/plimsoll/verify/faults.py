@@ -101,11 +101,12 @@ def phase_overload(t: Target, w: Workload) -> Phase:
     return ph
 
 
-def _halfway_mib(t: Target) -> tuple[int, dict]:
-    """A spike that takes the working set halfway from the soft line to the hard one."""
+def _spike_mib(t: Target, share: float = 0.5) -> tuple[int, dict]:
+    """A spike that takes the working set ``share`` of the way from the soft line to the
+    hard one (past the soft line, so requests meanwhile must be refused)."""
     soft, hard = t.lines()
     ws = t.working_set()
-    mib = max(1, (soft + (hard - soft) // 2 - ws) // MIB)
+    mib = max(1, (soft + int((hard - soft) * share) - ws) // MIB)
     return mib, {"working_set_before": ws, "soft_bytes": soft, "limit_bytes": hard}
 
 
@@ -138,7 +139,7 @@ def phase_spike(t: Target, w: Workload, kind: str, env: dict | None = None) -> P
             ph.notes.append(f"the spike helper did not start (exit {helper.proc.poll()})")
             return ph
         if t.guarded:
-            mib, ph.figures = _halfway_mib(t)
+            mib, ph.figures = _spike_mib(t)
             w.spike_mib[kind] = mib
         else:
             mib = w.spike_mib.get(kind, 0)
@@ -215,7 +216,7 @@ def phase_load_spike(t: Target, w: Workload, env: dict | None = None) -> Phase:
             ph.notes.append(f"the load helper did not start (exit {helper.proc.poll()})")
             return ph
         if t.guarded:
-            mib, ph.figures = _halfway_mib(t)
+            mib, ph.figures = _spike_mib(t)
             copies = (mib * MIB) // wb
             if copies < 1:
                 ph.notes.append(f"skipped: one more copy ({wb // MIB} MiB) does not fit under "
@@ -260,7 +261,9 @@ def phase_together(t: Target, w: Workload, env: dict | None = None) -> Phase:
             ph.notes.append("a helper did not start")
             return ph
         if t.guarded:
-            mib, ph.figures = _halfway_mib(t)
+            # a quarter of the way only: the prefill and the requests already in flight
+            # grow the working set after it is measured, and the hard line must hold them
+            mib, ph.figures = _spike_mib(t, 0.25)
             w.spike_mib["together"] = mib
         else:
             mib = w.spike_mib.get("together", 0)
