@@ -21,10 +21,11 @@ or a writable memory controller the guard is skipped with the reason logged.
 Where no cgroup can bind the worker (macOS; Linux without a writable memory controller)
 the same lines are kept by the worker itself on its **whole-process footprint**: the
 launcher passes the hard line in ``PLIMSOLL_FOOTPRINT_LIMIT_BYTES``; the worker samples
-``phys_footprint`` (libproc ``proc_pid_rusage``, what jetsam counts) on macOS, or its RSS
-elsewhere. The soft line feeds the scheduler exactly as the cgroup's does; crossing the
-hard line ends the worker at once with exit status :data:`EXIT_FOOTPRINT` (fail closed: the
-proxy notices the exit and restarts it later) — before the OS is under pressure.
+``phys_footprint`` (libproc ``proc_pid_rusage``, what jetsam counts) on macOS, its
+anonymous resident memory (``RssAnon``) on Linux. The soft line feeds the scheduler exactly
+as the cgroup's does; crossing the hard line ends the worker at once with exit status
+:data:`EXIT_FOOTPRINT` (fail closed: the proxy notices the exit and restarts it later) —
+before the OS is under pressure.
 """
 
 from __future__ import annotations
@@ -187,12 +188,22 @@ class SelfGuard:
 
 def own_footprint_reader() -> tuple[Callable[[], int], str]:
     """This process's whole footprint and what it is: ``phys_footprint`` on macOS (what
-    jetsam and Activity Monitor count), the resident set elsewhere."""
+    jetsam and Activity Monitor count), anonymous resident memory (``RssAnon``) on Linux —
+    clean file pages (a safetensors file being read, shared libraries) are reclaimable and
+    never counted, as ``phys_footprint`` leaves them out — and the resident set elsewhere."""
     if sys.platform == "darwin":
         from .probes.darwin import read_phys_footprint
 
         pid = os.getpid()
         return (lambda: read_phys_footprint(pid)), "phys_footprint"
+    if sys.platform.startswith("linux"):
+        from .probes.held import parse_rss_anon
+
+        def rss_anon() -> int:
+            return parse_rss_anon(Path("/proc/self/status").read_text()) or 0
+
+        if rss_anon():
+            return rss_anon, "RssAnon"
     import psutil
 
     me = psutil.Process()
