@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -164,22 +165,10 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
             wg.close()
         raise
     proc.plimsoll_guard = wg
-    url = f"http://{cfg.host}:{cfg.port}/v1/plimsoll/status"
-    deadline = time.monotonic() + timeout_s
     try:
-        while True:
-            if proc.poll() is not None:
-                raise LaunchError(f"the worker exited with status {proc.returncode} "
-                                  "before it was ready (see its log above)")
-            try:
-                status = httpx.get(url, timeout=2.0).json()
-                if status.get("ready"):
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise LaunchError(f"the worker was not ready after {timeout_s:g} s")
-            time.sleep(0.2)
+        status = wait_ready(proc, cfg, timeout_s, "the worker",
+                            lambda: f"the worker exited with status {proc.returncode} before "
+                            "it was ready (see its log above)")
         bad = mismatches(cfg, status)
         if bad:
             raise LaunchError("the worker did not apply the derived limits: " + "; ".join(bad))
@@ -187,6 +176,26 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
         stop_worker(proc)
         raise
     return proc, status
+
+
+def wait_ready(proc: subprocess.Popen, cfg: WorkerConfig, timeout_s: float, what: str,
+               exited: Callable[[], str]) -> dict:
+    """Poll the worker's status until it says ready (bounded); LaunchError if the process
+    exits first (``exited()`` says why) or the time runs out. The caller stops it."""
+    url = f"http://{cfg.host}:{cfg.port}/v1/plimsoll/status"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise LaunchError(exited())
+        try:
+            status = httpx.get(url, timeout=2.0).json()
+            if status.get("ready"):
+                return status
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{what} was not ready after {timeout_s:g} s")
+        time.sleep(0.2)
 
 
 def stop_worker(proc: subprocess.Popen, grace_s: float = 10.0) -> int:

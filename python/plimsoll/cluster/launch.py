@@ -25,11 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
 from plimsoll.admission import AdmissionDecision
 from plimsoll.cluster import plan as cp
-from plimsoll.launch import LaunchError, stop_worker, worker_env
+from plimsoll.launch import LaunchError, stop_worker, wait_ready, worker_env
 from plimsoll.model_facts import ModelFacts, inspect_model
 from plimsoll.policy import ModelEntry, Policy
 from plimsoll.worker_config import WorkerConfig
@@ -155,24 +153,14 @@ def start_cluster_worker(cfg: WorkerConfig, timeout_s: float, stdout=None, *,
     tail: collections.deque[str] = collections.deque(maxlen=40)
     threading.Thread(target=_tee, args=(proc.stderr, tail), daemon=True,
                      name=f"cluster-{cfg.port}-stderr").start()
-    url = f"http://{cfg.host}:{cfg.port}/v1/plimsoll/status"
-    deadline = time.monotonic() + timeout_s
+
+    def exited() -> str:
+        time.sleep(0.2)  # let the tee take the last lines
+        return (f"plimsoll cluster serve exited with status {proc.returncode} before it was "
+                "ready: " + " | ".join(line.strip() for line in tail))
+
     try:
-        while True:
-            if proc.poll() is not None:
-                time.sleep(0.2)  # let the tee take the last lines
-                raise LaunchError(f"plimsoll cluster serve exited with status "
-                                  f"{proc.returncode} before it was ready: "
-                                  + " | ".join(line.strip() for line in tail))
-            try:
-                status = httpx.get(url, timeout=2.0).json()
-                if status.get("ready"):
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise LaunchError(f"the clustered worker was not ready after {timeout_s:g} s")
-            time.sleep(0.2)
+        status = wait_ready(proc, cfg, timeout_s, "the clustered worker", exited)
         bad = cluster_mismatches(cfg, status)
         if bad:
             raise LaunchError("the clustered worker did not apply what was admitted: "

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..units import MIB
-from .faults import PHASES
+from .faults import measured
 from .probe import Sampler, probe_for
 from .target import Prompts, Target, Workload
 
@@ -120,13 +120,7 @@ def run_contrast(w: Workload, prompts: Prompts, limit_bytes: int, kinds: tuple[s
                 target = Target("mlx_lm.server", url, _served_id(url, w.model_dir), proc, cg,
                                 prompts, guarded=False)
             report(f"contrast: {kind}")
-            sampler.reset_peak()
-            t0 = time.monotonic()
-            ph = PHASES[kind](target, w, env)
-            time.sleep(0.5)  # let an OOM kill land in the counters
-            ph.seconds = round(time.monotonic() - t0, 2)
-            ph.figures.update(sampler.window(t0, time.monotonic(), kernel_peak=True))
-            ph.target_alive = proc.poll() is None
+            ph = measured(kind, target, w, env, sampler, settle_s=0.5)
             ph.figures["exit_status"] = proc.returncode
             ph.passed = False  # not plimsoll's criterion: the record says what happened
             phases.append(_record(ph))

@@ -296,6 +296,20 @@ def phase_together(t: Target, w: Workload, env: dict | None = None) -> Phase:
     return ph
 
 
+def measured(kind: str, t: Target, w: Workload, env: dict | None, sampler,
+             settle_s: float) -> Phase:
+    """One fault kind on ``t`` with the sampler's figures for its window: the peak is reset
+    first, and ``settle_s`` lets a late event (an OOM kill) land in the counters."""
+    sampler.reset_peak()
+    t0 = time.monotonic()
+    ph = PHASES[kind](t, w, env)
+    time.sleep(settle_s)
+    ph.seconds = round(time.monotonic() - t0, 2)
+    ph.figures.update(sampler.window(t0, time.monotonic(), kernel_peak=True))
+    ph.target_alive = t.proc.poll() is None
+    return ph
+
+
 PHASES = {
     "first_inference": lambda t, w, env: phase_first_inference(t, w),
     "long_prefill": lambda t, w, env: phase_long_prefill(t, w),

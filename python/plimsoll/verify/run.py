@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..progress import Reporter
 from ..units import MIB
-from .faults import FAULT_KINDS, PHASES, Phase
+from .faults import FAULT_KINDS, PHASES, Phase, measured
 from .probe import Sample, Sampler, probe_for
 from .target import Prompts, Target, Workload, filesystem_of, make_scratch
 
@@ -154,13 +154,7 @@ def _run_plimsoll(cfg, limit_bytes: int, work: Workload, prompts: Prompts,
     try:
         for kind in kinds:
             report(f"fault: {kind}")
-            sampler.reset_peak()
-            t0 = time.monotonic()
-            ph = PHASES[kind](target, work, env)
-            time.sleep(0.3)  # let a late event land in the counters
-            ph.seconds = round(time.monotonic() - t0, 2)
-            ph.figures.update(sampler.window(t0, time.monotonic(), kernel_peak=True))
-            ph.target_alive = proc.poll() is None
+            ph = measured(kind, target, work, env, sampler, settle_s=0.3)
             phases.append(ph)
             report(f"{kind}: {'pass' if ph.passed else 'FAIL'} {ph.answers}")
             if not ph.target_alive:
