@@ -49,9 +49,9 @@ from pydantic import (
 
 from .assembler import Assembled, Delta, TextAssembler, TextDelta, ToolCallDelta
 from .errors import ProtocolError
-from .parse import _from_validation, decode_json_body
+from .parse import validate_body
 from .render import apply_template
-from .requests import MAX_TOKENS_LIMIT, _Strict
+from .requests import MAX_TOKENS_LIMIT, _Strict, text_parts
 
 MAX_STOP_SEQUENCES = 16
 """Stop sequences a request may send (each is checked against every decoded token)."""
@@ -131,16 +131,9 @@ class ToolResultBlock(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _text_content(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [{"type": "text", "text": value}]
-        if isinstance(value, list):
-            for block in value:
-                kind = block.get("type") if isinstance(block, dict) else None
-                if kind != "text":
-                    raise ValueError(f"tool_result content block type {kind!r} is not "
-                                     "supported; send a string or text blocks")
-            return value
-        raise ValueError("tool_result content must be a string or a list of text blocks")
+        return text_parts(value, "tool_result content block type {kind!r} is not supported; "
+                          "send a string or text blocks",
+                          "tool_result content must be a string or a list of text blocks")
 
     @property
     def text(self) -> str:
@@ -349,13 +342,7 @@ class _UntaggedErrors:
 
 
 def _parse(model: type[_Conversation], raw: bytes) -> Any:
-    obj = decode_json_body(raw)
-    if isinstance(obj, ProtocolError):
-        return obj
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        return _from_validation(_UntaggedErrors(e), model)  # type: ignore[arg-type]
+    return validate_body(model, raw, _UntaggedErrors)
 
 
 def parse_messages(raw: bytes) -> MessagesRequest | ProtocolError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
@@ -123,11 +124,17 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes) -> Request | 
     Returns the validated request, or a :class:`ProtocolError` (400, or 413 over
     :data:`MAX_BODY_BYTES`) whose message names the field and what to send instead.
     """
-    model = _MODELS[kind]
+    return validate_body(_MODELS[kind], raw)
+
+
+def validate_body(model: type[BaseModel], raw: bytes,
+                  errors: Callable[[ValidationError], Any] | None = None) -> Any:
+    """Decode ``raw`` and validate it as ``model``: the model, or the :class:`ProtocolError`
+    that names the field; ``errors`` may rewrite pydantic's error locations first."""
     obj = decode_json_body(raw)
     if isinstance(obj, ProtocolError):
         return obj
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        return _from_validation(e, model)
+        return _from_validation(errors(e) if errors else e, model)

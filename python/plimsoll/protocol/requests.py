@@ -68,6 +68,21 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
+def text_parts(value: Any, unsupported: str, not_text: str) -> Any:
+    """Text-only content, before validation: a string is one text part; a list must hold
+    only text parts (``unsupported`` names the first other ``{kind!r}``); anything else is
+    ``not_text``. Shared by OpenAI messages and Anthropic tool results."""
+    if isinstance(value, str):
+        return [{"type": "text", "text": value}]
+    if isinstance(value, list):
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(unsupported.format(kind=kind))
+        return value
+    raise ValueError(not_text)
+
+
 class ChatMessage(_Strict):
     """One message of any role; ``developer`` is treated as ``system``."""
 
@@ -85,16 +100,9 @@ class ChatMessage(_Strict):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [{"type": "text", "text": value}]
-        if isinstance(value, list):
-            for part in value:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(f"content part type {kind!r} is not supported; send a "
-                                     'string or a list of {"type": "text", "text": ...} parts')
-            return value
-        raise ValueError("content must be a string or a list of text parts")
+        return text_parts(value, "content part type {kind!r} is not supported; send a string "
+                          'or a list of {{"type": "text", "text": ...}} parts',
+                          "content must be a string or a list of text parts")
 
     @model_validator(mode="after")
     def _role_fields(self) -> ChatMessage:
