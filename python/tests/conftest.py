@@ -34,13 +34,9 @@ def free_port() -> int:
 def private_cache(tmp_path_factory) -> Iterator[Path]:
     """Tests never read or write the user's cache (calibration records change admission)."""
     path = tmp_path_factory.mktemp("plimsoll-cache")
-    old = os.environ.get("PLIMSOLL_CACHE")
-    os.environ["PLIMSOLL_CACHE"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("PLIMSOLL_CACHE", None)
-    else:
-        os.environ["PLIMSOLL_CACHE"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PLIMSOLL_CACHE", str(path))
+        yield path
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,13 +51,9 @@ def calm_pressure(tmp_path_factory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("psi") / "memory"
     path.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
                     "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
-    old = os.environ.get("PLIMSOLL_PSI_PATH")
-    os.environ["PLIMSOLL_PSI_PATH"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("PLIMSOLL_PSI_PATH", None)
-    else:
-        os.environ["PLIMSOLL_PSI_PATH"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PLIMSOLL_PSI_PATH", str(path))
+        yield path
 
 
 @pytest.fixture(scope="session")
