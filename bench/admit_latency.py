@@ -51,9 +51,9 @@ def timed(fn, repeat: int) -> list[float]:
 
 
 def main() -> None:
-    from plimsoll.admission import AdmissionRequest, admit
-    from plimsoll.model_facts import inspect_model
-    from plimsoll.units import GIB, MIB
+    from plimsoll.core.admission import AdmissionRequest, admit
+    from plimsoll.core.model_facts import inspect_model
+    from plimsoll.core.units import GIB, MIB
 
     tmp = Path(tempfile.mkdtemp(prefix="plimsoll-bench-"))
     try:

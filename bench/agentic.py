@@ -53,7 +53,7 @@ from harness_workload import (
     local_prompt_counter,
     single_decode,
 )
-from plimsoll.model_facts import inspect_model
+from plimsoll.core.model_facts import inspect_model
 
 HERE = Path(__file__).resolve().parent
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"

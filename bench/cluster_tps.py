@@ -224,7 +224,7 @@ def main() -> None:
         result = json.loads((args.out / "cluster_tps.json").read_text())
         (args.out / "cluster_tps.md").write_text(markdown(result))
         return
-    from plimsoll.demo_model import build_demo_model
+    from plimsoll.demo.model import build_demo_model
 
     result = {"host": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -408,7 +408,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args()
 
-    from plimsoll.demo_model import build_demo_model
+    from plimsoll.demo.model import build_demo_model
 
     res: dict = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "loadavg_start": loadavg(), "host": host_facts(),

@@ -2,8 +2,8 @@
 # policy attrset that /etc/plimsoll/policy.json holds out, plus the checks.
 #
 # This file is the Nix half of a contract whose Python half is
-# python/plimsoll/policy.py and the committed JSON Schema
-# python/plimsoll/policy.schema.json. Same field names (camelCase), same units
+# python/plimsoll/core/policy.py and the committed JSON Schema
+# python/plimsoll/core/policy.schema.json. Same field names (camelCase), same units
 # (every *Gb is GiB, × 1024³), same defaults, same rules:
 #   - each mode's budget leaves the OS floor free: totalRamGb − maxLocalLlmGb ≥ osFloorGb;
 #   - the clustered budget is at least the standalone one;
@@ -39,7 +39,7 @@ let
 
   schemaVersion = 1;
 
-  # Defaults: identical to the pydantic models' defaults (python/plimsoll/policy.py);
+  # Defaults: identical to the pydantic models' defaults (python/plimsoll/core/policy.py);
   # the Python test compares them field by field.
   defaults = {
     transientReserve = 0.05;

@@ -66,8 +66,8 @@ python3Packages.buildPythonApplication {
 
   pythonImportsCheck = [
     "plimsoll"
-    "plimsoll.policy"
-    "plimsoll.admission"
+    "plimsoll.core.policy"
+    "plimsoll.core.admission"
     "plimsoll.cli"
   ];
 

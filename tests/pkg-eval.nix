@@ -39,7 +39,7 @@ let
     (eq "x86_64-linux: no mlx, and mlx-lm dropped from the metadata" [ (builtins.elem "mlx" (depNames linux)) linux.pythonRemoveDeps ] [ false [ "mlx-lm" ] ])
     (eq "pythonImportsCheck covers the package and the CLI" (builtins.elem "plimsoll.cli" darwin.pythonImportsCheck) true)
     (eq "the source holds pyproject.toml and the package"
-      (map (p: builtins.pathExists "${darwin.src}/${p}") [ "pyproject.toml" "plimsoll/__init__.py" "plimsoll/policy.schema.json" ])
+      (map (p: builtins.pathExists "${darwin.src}/${p}") [ "pyproject.toml" "plimsoll/__init__.py" "plimsoll/core/policy.schema.json" ])
       [ true true true ])
     (eq "the meta names the CLI" darwin.meta.mainProgram "plimsoll")
     (eq "checkPhase: the whole suite with MLX, the pure core without; never the Nix test"

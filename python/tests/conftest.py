@@ -58,7 +58,7 @@ def calm_pressure(tmp_path_factory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from plimsoll.demo_model import build_demo_model
+    from plimsoll.demo.model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny")
 

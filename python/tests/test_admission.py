@@ -7,8 +7,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plimsoll.admission import AdmissionRequest, admit, blocks_for
-from plimsoll.units import GIB, KIB, MIB
+from plimsoll.core.admission import AdmissionRequest, admit, blocks_for
+from plimsoll.core.units import GIB, KIB, MIB
 
 QWEN3_30B_KV = 96 * KIB  # bytes per token, bf16 (48 layers × 4 heads × 128)
 

@@ -31,7 +31,7 @@ from anthropic.types import (  # noqa: E402
 )
 from anthropic.types.shared import ErrorResponse  # noqa: E402
 
-from plimsoll.demo_model import build_demo_model  # noqa: E402
+from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.protocol import MAX_BODY_BYTES, ProtocolError, TextDelta, ToolCallDelta  # noqa: E402
 from plimsoll.protocol import anthropic as A  # noqa: E402
 

@@ -24,15 +24,15 @@ from conftest import worker_env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plimsoll.cli import main
-from plimsoll.model_facts import (
+from plimsoll.cli.main import main
+from plimsoll.core.model_facts import (
     ModelFacts,
     ModelInspectionError,
     facts_from_config,
     inspect_model,
     read_safetensors_header,
 )
-from plimsoll.policy import Policy, PolicyError, load_policy, parse_policy
+from plimsoll.core.policy import Policy, PolicyError, load_policy, parse_policy
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,  # CI: the same examples
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -153,7 +153,7 @@ def test_not_a_directory_and_an_empty_directory(tmp_path):
 
 
 def test_a_missing_tokenizer_is_named_before_a_worker_starts(broken):
-    from plimsoll.model_facts import check_servable
+    from plimsoll.core.model_facts import check_servable
 
     check_servable(broken)  # the intact copy passes
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -196,7 +196,7 @@ def test_any_mutated_config_gives_facts_or_a_model_inspection_error(changes, dro
     length_delta=st.integers(-8, 8), data=st.binary(max_size=32))
 def test_any_safetensors_header_is_read_or_refused_by_name(tmp_path, header, length_delta,
                                                            data):
-    from plimsoll.model_facts import safetensors_tensor_bytes
+    from plimsoll.core.model_facts import safetensors_tensor_bytes
 
     path = tmp_path / "model.safetensors"
     path.write_bytes(safetensors_bytes(header, max(0, len(header) + length_delta), data))
@@ -421,7 +421,7 @@ def test_any_mutated_policy_is_a_policy_or_a_policy_error_naming_a_field(edits, 
     # A policy that parses is usable: every budget is at least a MiB, every figure finite.
     for mode in ("standalone", "clustered"):
         assert pol.budget_bytes(mode) >= 1 << 20
-    from plimsoll.report import policy_summary
+    from plimsoll.cli.report import policy_summary
 
     assert "box" in policy_summary(pol, "fuzzed.json") or pol.host in policy_summary(
         pol, "fuzzed.json")

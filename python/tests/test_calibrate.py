@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from conftest import OPENBLAS
 
-from plimsoll import calibrate as C
-from plimsoll import live_admission as LA
+from plimsoll.core.units import GIB
+from plimsoll.launch import live_admission as LA
 from plimsoll.probes import read_snapshot
-from plimsoll.units import GIB
+from plimsoll.reliability import calibrate as C
 
 # A small budget keeps the pool (and the test) small; the reserve fraction then matters.
 OVERRIDES = LA.MemoryOverrides(budget_gib=1.0, ceiling_mib=8192, total_ram_gib=8.0)

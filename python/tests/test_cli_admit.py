@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from plimsoll.cli import main
-from plimsoll.model_facts import inspect_model
-from plimsoll.units import GIB, MIB
+from plimsoll.cli.main import main
+from plimsoll.core.model_facts import inspect_model
+from plimsoll.core.units import GIB, MIB
 
 EXAMPLE_ARGS = ["--budget-gib", "8", "--ceiling-mib", "8192", "--total-ram-gib", "16",
                 "--concurrency", "4", "--context", "8192", "--max-tokens", "1024", "--json"]
@@ -29,7 +29,7 @@ REQUIRED_KEYS = {
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from plimsoll.demo_model import build_demo_model
+    from plimsoll.demo.model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("m") / "tiny", preset="tiny")
 

@@ -19,7 +19,7 @@ import pytest
 from plimsoll.watcher.run import parse_log_line
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux sysfs")
-CMD = "from plimsoll.cli_watch import watch_link_command; watch_link_command()"
+CMD = "from plimsoll.cli.watch import watch_link_command; watch_link_command()"
 
 
 # Budgets above this host's RAM: the in-use guard reads host-wide memory here, which other

@@ -17,7 +17,7 @@ from plimsoll.cluster.launch import (
     sharded_request,
 )
 from plimsoll.cluster.protocol import OP_NEW, header
-from plimsoll.policy import Policy
+from plimsoll.core.policy import Policy
 
 POLICY = {"schemaVersion": 1, "host": "box", "totalRamGb": 64, "osFloorGb": 4,
           "modes": {"standalone": {"maxLocalLlmGb": 1}, "clustered": {"maxLocalLlmGb": 2}}}
@@ -38,7 +38,7 @@ def test_rank_figures_parse_and_refuse_with_what_to_write():
 
 
 def test_bad_cluster_rank_flags_are_usage_errors():
-    from plimsoll.cli import main
+    from plimsoll.cli.main import main
 
     out = CliRunner().invoke(main, ["cluster", "serve", ".", "--rank", "four"])
     assert out.exit_code == 2 and "CEILING_GIB" in out.output
@@ -64,7 +64,7 @@ def test_the_proxy_admits_a_sharded_model_on_every_ranks_figures(tiny_model):
 
 
 def test_cluster_serve_argv_carries_every_figure(tiny_model):
-    from plimsoll.launch import worker_config
+    from plimsoll.launch.spawn import worker_config
 
     pol = policy(tiny_model)
     ranks = (parse_rank_figures("4"), parse_rank_figures("2.5:8:2"))
@@ -79,7 +79,7 @@ def test_cluster_serve_argv_carries_every_figure(tiny_model):
 
 
 def test_the_status_check_names_what_differs(tiny_model):
-    from plimsoll.launch import worker_config
+    from plimsoll.launch.spawn import worker_config
 
     pol = policy(tiny_model)
     facts, d0, _ = admit_sharded(tiny_model, pol.models["big"], pol, (parse_rank_figures("4"),))

@@ -18,8 +18,8 @@ from plimsoll.cluster.plan import (
     split_layers,
     weight_shares,
 )
-from plimsoll.demo_model import PRESETS
-from plimsoll.model_facts import facts_from_config
+from plimsoll.core.model_facts import facts_from_config
+from plimsoll.demo.model import PRESETS
 
 GIB = 1 << 30
 

@@ -68,7 +68,7 @@ def ring_ok(tmp_path_factory) -> None:
 
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory):
-    from plimsoll.demo_model import build_demo_model
+    from plimsoll.demo.model import build_demo_model
 
     # float32: mlx's CPU backend runs the MoE layers in float32 only
     return build_demo_model(tmp_path_factory.mktemp("models") / "hybrid", preset="hybrid")

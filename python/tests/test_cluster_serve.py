@@ -105,7 +105,7 @@ def rank_processes(port: int) -> list[int]:
 
 def rank_cgroups(pids: list[int]) -> list:
     """The memory cgroup binding each rank, or [] where the runner could not make any."""
-    from plimsoll import cgroups
+    from plimsoll.guard import cgroups
 
     if cgroups.unavailable_reason() is not None:
         return []
@@ -189,7 +189,7 @@ def test_status_reports_every_rank(cluster):
         assert 0 < r["footprint_bytes"] < r["allocation_limit_bytes"] <= r["ceiling_bytes"]
         assert r["memory_limit_applied_bytes"] == r["allocation_limit_bytes"]
     # each rank in its own memory cgroup: its admitted footprint + the guard's margin
-    from plimsoll.guard import guard_limit
+    from plimsoll.guard.process import guard_limit
 
     groups = rank_cgroups(cluster.pids)
     if groups:

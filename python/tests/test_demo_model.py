@@ -21,9 +21,9 @@ mlx_lm = pytest.importorskip("mlx_lm")
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache  # noqa: E402
 
-from plimsoll import tokenizer_build  # noqa: E402
-from plimsoll.demo_model import MARKER, build_demo_model  # noqa: E402
-from plimsoll.model_facts import inspect_model  # noqa: E402
+from plimsoll.core.model_facts import inspect_model  # noqa: E402
+from plimsoll.demo import tokenizer as tokenizer_build  # noqa: E402
+from plimsoll.demo.model import MARKER, build_demo_model  # noqa: E402
 
 PROMPT_TOKENS = 100
 TOOLS = [{"type": "function", "function": {

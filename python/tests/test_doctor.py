@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from plimsoll.admission import AdmissionRequest, admit
-from plimsoll.cli_doctor import ask_proxy, doctor_command
-from plimsoll.doctor import (
+from plimsoll.cli.doctor import ask_proxy, doctor_command
+from plimsoll.core.admission import AdmissionRequest, admit
+from plimsoll.core.policy import parse_policy
+from plimsoll.core.units import GIB, MIB
+from plimsoll.probes import MemorySnapshot, read_snapshot
+from plimsoll.reliability.doctor import (
     Line,
     ModelCheck,
     ProxyView,
@@ -26,9 +29,6 @@ from plimsoll.doctor import (
     parse_running,
     render,
 )
-from plimsoll.policy import parse_policy
-from plimsoll.probes import MemorySnapshot, read_snapshot
-from plimsoll.units import GIB, MIB
 
 DEFAULT_SOURCE = "MLX max_recommended_working_set_size (wired limit 0: macOS default)"
 
@@ -241,7 +241,7 @@ def test_parse_running_shapes():
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> Path:
-    from plimsoll.demo_model import build_demo_model
+    from plimsoll.demo.model import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("doctor") / "tiny", preset="tiny")
 

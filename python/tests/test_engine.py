@@ -17,7 +17,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 from mlx_lm.generate import generate_step  # noqa: E402
 
-from plimsoll.demo_model import build_demo_model  # noqa: E402
+from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import CapacityError, Engine  # noqa: E402
 
 BLOCK = 16

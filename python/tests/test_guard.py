@@ -18,11 +18,11 @@ import httpx
 import pytest
 from conftest import OPENBLAS, free_port
 
-from plimsoll import cgroups
-from plimsoll import guard as G
-from plimsoll.launch import start_worker, stop_worker
-from plimsoll.units import MIB
-from plimsoll.worker_config import WorkerConfig
+from plimsoll.core.units import MIB
+from plimsoll.guard import cgroups
+from plimsoll.guard import process as G
+from plimsoll.launch.spawn import start_worker, stop_worker
+from plimsoll.worker.config import WorkerConfig
 
 
 def test_guard_limit_puts_the_soft_line_a_margin_above_the_admitted() -> None:
@@ -207,7 +207,7 @@ def test_without_a_cgroup_the_launcher_hands_the_worker_its_footprint_line(
         tiny_model, monkeypatch) -> None:
     monkeypatch.setattr(G.WorkerGuard, "create",
                         classmethod(lambda cls, *a, **k: (None, "no controller here")))
-    from plimsoll.launch import start_guard
+    from plimsoll.launch.spawn import start_guard
 
     wg, env = start_guard(_cfg(tiny_model), limit_bytes=768 * MIB)
     assert wg is None and env == {G.FOOTPRINT_ENV: str(768 * MIB)}
@@ -237,7 +237,7 @@ def test_a_worker_guarding_its_own_footprint_refuses_over_the_soft_line(tiny_mod
 def test_a_worker_over_its_footprint_hard_line_fails_closed(tiny_model) -> None:
     """A hard line under what loading needs: the worker ends itself (status 70) and the
     launcher reports it instead of a worker that grew past its line."""
-    from plimsoll.launch import LaunchError
+    from plimsoll.launch.spawn import LaunchError
 
     cfg = _cfg(tiny_model)
     with pytest.raises(LaunchError, match=f"status {G.EXIT_FOOTPRINT}"):

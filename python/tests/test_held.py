@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from plimsoll.core.units import MIB
 from plimsoll.probes.held import anon_bytes_except, held_bytes, process_tree
-from plimsoll.units import MIB
 
 CHILD = "import sys; x = bytearray(96 << 20); x[::4096] = b'x' * len(x[::4096]); " \
         "print('ready', flush=True); sys.stdin.read()"

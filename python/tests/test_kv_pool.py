@@ -6,7 +6,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from plimsoll.kv_pool import KVPool, Plan, Refusal
+from plimsoll.engine.pool import KVPool, Plan, Refusal
 
 
 def pool(total=100, block=16, cap=50, **kw) -> KVPool:

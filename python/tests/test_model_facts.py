@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 from safetensors.numpy import save_file
 
-from plimsoll.model_facts import (
+from plimsoll.core.model_facts import (
     ModelFacts,
     ModelInspectionError,
     facts_from_config,

@@ -24,8 +24,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from plimsoll.policy import SCHEMA_PATH, Policy, PolicyError, parse_policy
-from plimsoll.units import GIB, MIB
+from plimsoll.core.policy import SCHEMA_PATH, Policy, PolicyError, parse_policy
+from plimsoll.core.units import GIB, MIB
 
 REPO = Path(__file__).resolve().parents[2]
 NIX_INSTANTIATE = shutil.which("nix-instantiate")

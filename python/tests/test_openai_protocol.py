@@ -24,7 +24,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 from openai.types import Completion, Model  # noqa: E402
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
-from plimsoll.demo_model import build_demo_model  # noqa: E402
+from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.protocol import (  # noqa: E402
     MAX_BODY_BYTES,
     SSE_DONE,

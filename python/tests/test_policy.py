@@ -10,15 +10,15 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from plimsoll.cli import main
-from plimsoll.policy import (
+from plimsoll.cli.main import main
+from plimsoll.core.policy import (
     PolicyError,
     committed_schema,
     load_policy,
     parse_policy,
     policy_json_schema,
 )
-from plimsoll.units import GIB
+from plimsoll.core.units import GIB
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "policy.json"
 
@@ -30,8 +30,8 @@ def example() -> dict:
 
 def test_committed_schema_matches_models():
     assert committed_schema() == policy_json_schema(), (
-        "python/plimsoll/policy.schema.json drifted from the models: regenerate it with "
-        "`plimsoll policy schema > python/plimsoll/policy.schema.json`"
+        "python/plimsoll/core/policy.schema.json drifted from the models: regenerate it with "
+        "`plimsoll policy schema > python/plimsoll/core/policy.schema.json`"
     )
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from plimsoll.policy import Policy, PolicyError, Pressure, parse_policy
+from plimsoll.core.policy import Policy, PolicyError, Pressure, parse_policy
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "policy.json"
 

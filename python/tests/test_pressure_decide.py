@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plimsoll.policy import Pressure
+from plimsoll.core.policy import Pressure
 from plimsoll.probes.pressure import PressureReading
 from plimsoll.proxy.events import EventLog
 from plimsoll.proxy.evict import Resident
@@ -201,7 +201,7 @@ def test_waiters_race_the_closed_event():
 
 
 def test_a_disabled_tripwire_never_refuses_and_the_supervisor_does_not_poll(tmp_path):
-    from plimsoll.policy import parse_policy
+    from plimsoll.core.policy import parse_policy
     from plimsoll.proxy.supervisor import Supervisor
 
     tw = Tripwire(Pressure(enabled=False), EventLog(), Reader())

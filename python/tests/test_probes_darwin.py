@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from plimsoll import probes
+from plimsoll.core.units import GIB, MIB
 from plimsoll.probes import MemorySnapshot, darwin
-from plimsoll.units import GIB, MIB
 
 FIXTURES = Path(__file__).parent / "fixtures" / "darwin"
 HOSTS = ("m2_ultra_128g_default", "m2_max_96g_limited_warn", "intel_16g_no_iogpu_critical")

@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from plimsoll.core.units import GIB, KIB, MIB
 from plimsoll.probes import MemorySnapshot, linux, read_snapshot
-from plimsoll.units import GIB, KIB, MIB
 
 FIXTURES = Path(__file__).parent / "fixtures" / "linux"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
@@ -363,7 +363,7 @@ def test_real_v1_child_limit_below_the_parent_binds() -> None:
 
 
 def test_snapshot_pressure_levels_are_the_tripwires_defaults() -> None:
-    from plimsoll.policy import Pressure
+    from plimsoll.core.policy import Pressure
 
     p = Pressure()
     policy_lines = linux.PsiThresholds(p.some_avg10_warn, p.some_avg10_critical,

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from plimsoll.progress import progress
+from plimsoll.core.progress import progress
 
 PLAIN = re.compile(r"^\[\s*\d+\.\ds\] [^\x1b\r]+$")
 

@@ -113,7 +113,7 @@ def wait_for(pred, timeout: float, what: str):
 
 @pytest.fixture(scope="module")
 def models(tiny_model, tmp_path_factory) -> dict[str, Path]:
-    from plimsoll.demo_model import build_demo_model
+    from plimsoll.demo.model import build_demo_model
 
     root = tmp_path_factory.mktemp("proxy-models")
     b = build_demo_model(root / "tiny-b", preset="tiny", seed=1)

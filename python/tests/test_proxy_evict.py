@@ -6,12 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plimsoll.admission import AdmissionRequest, admit
-from plimsoll.cli_common import UsageFailure
-from plimsoll.cli_serve import parse_idle_ttls
-from plimsoll.probes.held import parse_rss_anon
-from plimsoll.proxy.evict import Resident, choose_evictions, eviction_order
-from plimsoll.proxy.sizing import (
+from plimsoll.cli.common import UsageFailure
+from plimsoll.cli.serve import parse_idle_ttls
+from plimsoll.core.admission import AdmissionRequest, admit
+from plimsoll.core.sizing import (
     RELEASE_TOLERANCE_FLOOR,
     ReleaseCheck,
     envelope_bytes,
@@ -19,8 +17,10 @@ from plimsoll.proxy.sizing import (
     release_tolerance,
     right_size,
 )
+from plimsoll.core.units import GIB, MIB
+from plimsoll.probes.held import parse_rss_anon
+from plimsoll.proxy.evict import Resident, choose_evictions, eviction_order
 from plimsoll.proxy.state import TRANSITIONS, State
-from plimsoll.units import GIB, MIB
 
 
 def r(name, admitted, observed=0, last_used=0.0, busy=False):
@@ -160,7 +160,7 @@ def test_an_unverified_release_refuses_the_next_load_with_the_figures():
     """The edge around the pure check: polled, recorded, pending until memory comes back."""
     import asyncio
 
-    from plimsoll.policy import parse_policy
+    from plimsoll.core.policy import parse_policy
     from plimsoll.probes.snapshot import MemorySnapshot
     from plimsoll.proxy.supervisor import ProxyError, Settings, Supervisor
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import OPENBLAS
 
-from plimsoll import cgroups
-from plimsoll.verify import Sample, Sampler, run_verify, summary, write_report
-from plimsoll.verify.probe import DarwinProbe, LinuxProbe, probe_for
-from plimsoll.verify.target import Prompts, filesystem_of
+from plimsoll.guard import cgroups
+from plimsoll.reliability.verify import Sample, Sampler, run_verify, summary, write_report
+from plimsoll.reliability.verify.probe import DarwinProbe, LinuxProbe, probe_for
+from plimsoll.reliability.verify.target import Prompts, filesystem_of
 
 DARWIN = Path(__file__).parent / "fixtures" / "darwin" / "m2_max_96g_limited_warn"
 
@@ -135,7 +135,7 @@ def test_contrast_mlx_lm_server_under_the_same_limit(tiny_model, tmp_path, monke
     """4 prompts of ~4× the context at once: plimsoll answers 400 at admission; mlx_lm.server
     prefills them together and its cgroup OOM-kills it (the host is untouched)."""
     _root_with_cgroups()
-    from plimsoll.verify import contrast as verify_contrast
+    from plimsoll.reliability.verify import contrast as verify_contrast
 
     if reason := verify_contrast.unavailable_reason():
         pytest.skip(reason)

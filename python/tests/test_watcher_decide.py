@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plimsoll.units import GIB, MIB
+from plimsoll.core.units import GIB, MIB
 from plimsoll.watcher.decide import (
     Hold,
     Observation,
@@ -56,7 +56,7 @@ def obs(up, ceiling, in_use=SMALL, proxy=True, proxy_mode=None, answer=None):
 
 
 def test_targets_are_exact_mib_of_the_gib_budgets():
-    from plimsoll.policy import parse_policy
+    from plimsoll.core.policy import parse_policy
 
     pol = parse_policy({"schemaVersion": 1, "host": "m", "totalRamGb": 96, "osFloorGb": 8,
                         "modes": {"standalone": {"maxLocalLlmGb": 72},

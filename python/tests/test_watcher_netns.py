@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from plimsoll.units import GIB, MIB
+from plimsoll.core.units import GIB, MIB
 from plimsoll.watcher.run import parse_log_line
 
 IP = shutil.which("ip")
@@ -349,10 +349,10 @@ def ns_http(pair: Pair, method: str, path: str, token: str | None = None,
 @pytest.fixture
 def proxy(netns, tmp_path, tiny_model) -> Iterator[tuple[str, Path]]:
     """``plimsoll serve`` in namespace A and the cgroup, a demo model in its policy."""
-    cli_serve = pytest.importorskip("plimsoll.cli_serve",
+    cli_serve = pytest.importorskip("plimsoll.cli.serve",
                                     reason="the proxy (plimsoll serve) has not landed")
     if not hasattr(cli_serve, "serve_command"):
-        pytest.skip("plimsoll.cli_serve has no serve_command")
+        pytest.skip("plimsoll.cli.serve has no serve_command")
     from conftest import worker_env
 
     token_file = tmp_path / "admin-token"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from plimsoll.units import MIB
+from plimsoll.core.units import MIB
 from plimsoll.watcher.proxy_client import answer_from_response, check_local_url, read_token
 from plimsoll.watcher.sysctl import (
     MLX_CHECK,

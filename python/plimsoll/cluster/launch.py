@@ -25,12 +25,12 @@ import threading
 import time
 from pathlib import Path
 
-from plimsoll.admission import AdmissionDecision
 from plimsoll.cluster import plan as cp
-from plimsoll.launch import LaunchError, stop_worker, wait_ready, worker_env
-from plimsoll.model_facts import ModelFacts, inspect_model
-from plimsoll.policy import ModelEntry, Policy
-from plimsoll.worker_config import WorkerConfig
+from plimsoll.core.admission import AdmissionDecision
+from plimsoll.core.model_facts import ModelFacts, inspect_model
+from plimsoll.core.policy import ModelEntry, Policy
+from plimsoll.launch.spawn import LaunchError, stop_worker, wait_ready, worker_env
+from plimsoll.worker.config import WorkerConfig
 
 GIB = 1 << 30
 RankFigures = tuple[int, int, int]  # ceiling, total RAM, clustered budget (bytes)

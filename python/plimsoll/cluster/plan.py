@@ -32,8 +32,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from plimsoll.admission import AdmissionDecision, AdmissionRequest, admit
-from plimsoll.model_facts import DTYPE_BYTES, ModelFacts, _layer_kinds, _lookup
+from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
+from plimsoll.core.model_facts import DTYPE_BYTES, ModelFacts, _layer_kinds, _lookup
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EMBED_KEYS = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")

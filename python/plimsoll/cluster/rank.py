@@ -116,13 +116,13 @@ def _own_probe(args, rank: int):
         figures["total_ram_bytes"] = figures["total_ram_bytes"] or snap.total_ram_bytes
     if figures["budget_bytes"] is None:
         if args.policy:
-            from plimsoll.policy import load_policy
+            from plimsoll.core.policy import load_policy
 
             pol = load_policy(args.policy)
             figures["budget_bytes"] = pol.budget_bytes("clustered")
             sources.append(f"budget: policy {pol.host} clustered")
         elif snap is not None:
-            from plimsoll.defaults import default_policy
+            from plimsoll.launch.defaults import default_policy
 
             figures["budget_bytes"] = default_policy(snap).budget_bytes("clustered")
             sources.append("budget: default clustered policy")
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from plimsoll.cluster import plan as cp
     from plimsoll.cluster.weights import read_config, tensor_bytes
-    from plimsoll.model_facts import inspect_model
+    from plimsoll.core.model_facts import inspect_model
 
     try:
         if os.environ.get("MLX_HOSTFILE"):

@@ -181,8 +181,8 @@ class Cluster:
         """Each rank's cgroup limit: its admitted footprint (the pure plan) + the margin."""
         from plimsoll.cluster import plan as cp
         from plimsoll.cluster.weights import read_config, tensor_bytes
-        from plimsoll.guard import guard_limit
-        from plimsoll.model_facts import inspect_model
+        from plimsoll.core.model_facts import inspect_model
+        from plimsoll.guard.process import guard_limit
 
         if any(None in (s.ceiling_bytes, s.total_ram_bytes, s.budget_bytes)
                for s in self.ranks):
@@ -199,8 +199,8 @@ class Cluster:
 
     def _make_guards(self) -> None:
         from plimsoll.cluster.plan import ClusterPlanError
-        from plimsoll.guard import WorkerGuard
-        from plimsoll.model_facts import ModelInspectionError
+        from plimsoll.core.model_facts import ModelInspectionError
+        from plimsoll.guard.process import WorkerGuard
 
         try:
             limits = self._guard_limits()

@@ -42,9 +42,9 @@ from starlette.concurrency import run_in_threadpool
 
 from plimsoll.cluster.plan import cache_limit_mib
 from plimsoll.cluster.rank import EXIT_OK, EXIT_OTHER, RingFailure, emit
-from plimsoll.kv_pool import KVPool
-from plimsoll.scheduler import Scheduler, SchedulerLimits
-from plimsoll.worker_config import WorkerConfig
+from plimsoll.engine.pool import KVPool
+from plimsoll.worker.config import WorkerConfig
+from plimsoll.worker.scheduler import Scheduler, SchedulerLimits
 
 log = logging.getLogger("plimsoll.cluster")
 PING_S = 2.0
@@ -290,8 +290,8 @@ def serve_http(leader, cf: ClusterFacts, args) -> int:
     import psutil
     import uvicorn
 
-    from plimsoll.guard import SelfGuard, memory_probe_with_guard
-    from plimsoll.worker_app import make_app
+    from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
+    from plimsoll.worker.app import make_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = ring_worker_config(cf, model_name=args.model_name, host=args.serve_host,

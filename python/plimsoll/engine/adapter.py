@@ -67,9 +67,9 @@ from mlx_lm.models import base as _mlx_base
 from mlx_lm.models.cache import ArraysCache, KVCache, create_attention_mask
 from mlx_lm.sample_utils import apply_top_p
 
+from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.engine import plan
 from plimsoll.engine.plan import AddResult, CapacityError, Prefix
-from plimsoll.model_facts import ModelFacts, inspect_model
 
 _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from plimsoll.kv_pool import reusable_tokens  # noqa: F401  (one definition, shared with the pool)
+from plimsoll.engine.pool import reusable_tokens  # noqa: F401  (one definition, shared with the pool)
 
 
 class CapacityError(RuntimeError):

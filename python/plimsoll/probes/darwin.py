@@ -20,8 +20,8 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
+from plimsoll.core.units import GIB, mib_to_bytes
 from plimsoll.probes.snapshot import MemorySnapshot, PressureLevel
-from plimsoll.units import GIB, mib_to_bytes
 
 # Absolute paths: a launchd daemon's PATH has no /usr/sbin.
 SYSCTL = "/usr/sbin/sysctl"

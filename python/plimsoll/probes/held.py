@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..units import KIB
+from plimsoll.core.units import KIB
 
 
 def parse_rss_anon(status_text: str) -> int | None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+from plimsoll.core.units import KIB
 from plimsoll.probes.snapshot import MemorySnapshot, PressureLevel
-from plimsoll.units import KIB
 
 # cgroup v1 writes "no limit" as PAGE_COUNTER_MAX × PAGE_SIZE, rounded down to a page:
 # 9223372036854771712 with 4 KiB pages, other values with 16/64 KiB pages. Anything this

@@ -35,7 +35,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..http_body import read_body
+from plimsoll.web.body import read_body
+
 from ..protocol import decode_json_body, error_body
 from .evict import choose_evictions
 from .state import State

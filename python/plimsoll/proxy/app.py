@@ -27,10 +27,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from plimsoll.core.policy import Mode, Policy
+from plimsoll.web.body import read_body
+from plimsoll.web.errors import error_body, is_anthropic, no_route_handler
+
 from .. import protocol as P
-from ..http_body import read_body
-from ..http_errors import error_body, is_anthropic, no_route_handler
-from ..policy import Mode, Policy
 from ..protocol import anthropic as A
 from . import admin
 from . import dashboard as dash  # GET /, GET /dashboard.json

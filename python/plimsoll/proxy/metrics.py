@@ -38,8 +38,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..policy import Policy
-from ..units import gib_to_bytes
+from plimsoll.core.policy import Policy
+from plimsoll.core.units import gib_to_bytes
+
 from .events import Event, EventLog
 from .state import State
 

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..policy import Pressure
+from plimsoll.core.policy import Pressure
+
 from ..probes.pressure import PressureReading
 from .evict import Resident, eviction_order
 

@@ -27,13 +27,14 @@ from enum import StrEnum
 from subprocess import Popen
 from typing import Any
 
-from ..admission import AdmissionDecision
-from ..guard import EXIT_FOOTPRINT
-from ..launch import release_guard, start_worker, stop_worker
-from ..policy import ModelEntry
-from ..worker_config import WorkerConfig
+from plimsoll.core.admission import AdmissionDecision
+from plimsoll.core.policy import ModelEntry
+from plimsoll.core.sizing import ReleaseCheck, release_tolerance
+from plimsoll.guard.process import EXIT_FOOTPRINT
+from plimsoll.launch.spawn import release_guard, start_worker, stop_worker
+from plimsoll.worker.config import WorkerConfig
+
 from .events import EventLog
-from .sizing import ReleaseCheck, release_tolerance
 
 WATCH_INTERVAL_S = 0.1
 SAMPLE_EVERY = 5  # an in-use sample every 0.5 s (a probe read costs ~1-2 ms)

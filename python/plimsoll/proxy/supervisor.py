@@ -32,17 +32,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..admission import AdmissionDecision
-from ..launch import LaunchError, free_port, worker_config
-from ..live_admission import MemoryFigures, MemoryOverrides, Wanted, memory_figures, plan
-from ..model_facts import ModelFacts, ModelInspectionError, check_servable
-from ..policy import Mode, Policy
+from plimsoll.core.admission import AdmissionDecision
+from plimsoll.core.model_facts import ModelFacts, ModelInspectionError, check_servable
+from plimsoll.core.policy import Mode, Policy
+from plimsoll.core.sizing import ReleaseCheck, envelope_bytes, right_size
+from plimsoll.core.units import fmt_bytes
+from plimsoll.launch.live_admission import (
+    MemoryFigures,
+    MemoryOverrides,
+    Wanted,
+    memory_figures,
+    plan,
+)
+from plimsoll.launch.spawn import LaunchError, free_port, worker_config
+
 from ..probes.held import anon_bytes_except, held_bytes
 from ..probes.snapshot import MemorySnapshot
-from ..units import fmt_bytes
 from .events import EventLog, log
 from .evict import Resident, choose_evictions
-from .sizing import ReleaseCheck, envelope_bytes, right_size
 from .state import Lease, State, Worker
 from .tripwire import Tripwire, watch
 

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..policy import Pressure
+from plimsoll.core.policy import Pressure
+
 from ..probes.pressure import PressureReading, read_pressure
 from .events import EventLog, log
 from .evict import Resident

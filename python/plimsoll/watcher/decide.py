@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from plimsoll.policy import Mode, Policy
-from plimsoll.units import bytes_to_mib_floor, fmt_bytes, mib_to_bytes
+from plimsoll.core.policy import Mode, Policy
+from plimsoll.core.units import bytes_to_mib_floor, fmt_bytes, mib_to_bytes
 
 Direction = Literal["raise", "lower"]
 ProxyStatus = Literal["ok", "refused", "timeout", "unreachable", "unauthorized", "rejected"]

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from plimsoll.policy import Mode
+from plimsoll.core.policy import Mode
 from plimsoll.watcher.decide import ProxyAnswer
 
 MODES = ("standalone", "clustered")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from plimsoll.units import mib_to_bytes
+from plimsoll.core.units import mib_to_bytes
 from plimsoll.watcher.decide import (
     Hold,
     Observation,

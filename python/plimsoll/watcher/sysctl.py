@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from plimsoll.core.units import mib_to_bytes
 from plimsoll.probes.darwin import SYSCTL, parse_sysctl_int
-from plimsoll.units import mib_to_bytes
 
 OID = "iogpu.wired_limit_mb"
 # Run in a fresh interpreter: see the module docstring.

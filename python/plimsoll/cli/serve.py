@@ -1,0 +1,137 @@
+"""``plimsoll serve``: the swapping proxy in front of every model of the policy.
+
+With no ``--policy`` it serves the embedded default: a demo model built once under the
+cache directory (with progress) and a policy sized from this machine's live probes, so
+a newcomer's first command answers a chat request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import click
+
+from plimsoll.cli.common import UsageFailure
+
+
+@click.command("serve")
+@click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Host policy (JSON). Default: the embedded demo model and a policy sized "
+                   "from this machine's live memory figures.")
+@click.option("--host", help="Bind address (default: the policy's listen.host, 127.0.0.1).")
+@click.option("--port", type=click.IntRange(1, 65535),
+              help="Port (default: the policy's listen.port, 8080).")
+@click.option("--api-key", envvar="PLIMSOLL_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1/*, /running and /unload.")
+@click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True,
+              path_type=Path), help="The admin token for /admin/* (default: generated at "
+              "start into a user-only file under the cache directory).")
+@click.option("--mode", type=click.Choice(["standalone", "clustered"]), default="standalone",
+              show_default=True, help="The mode whose budget binds at start.")
+@click.option("--max-waiting", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Requests per model that may wait for it to load; beyond: 429.")
+@click.option("--swap-hold", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="Seconds a model in use keeps its slot after loading before it can be "
+                   "swapped out (stops two clients alternating two models from thrashing).")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds in-flight requests may finish before their worker is stopped.")
+@click.option("--release-timeout", type=click.FloatRange(min=0), default=10.0,
+              show_default=True,
+              help="Seconds a stopped worker's memory has to come back before a load is "
+                   "refused with 503.")
+@click.option("--idle-ttl", "idle_ttls", multiple=True, metavar="[MODEL=]SECONDS",
+              help="Unload a model idle this long (0: never). SECONDS sets the default "
+                   "(300); MODEL=SECONDS one model's. Repeatable.")
+@click.option("--cluster-rank", "cluster_ranks", multiple=True,
+              metavar="CEILING_GIB[:TOTAL_GIB[:BUDGET_GIB]]",
+              help="One per rank, rank 0 first: in clustered mode, models marked sharded run "
+                   "split across these ranks on this host (`plimsoll cluster serve`).")
+def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_waiting,
+                  swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks) -> None:
+    """Serve every model of the policy behind one OpenAI-compatible endpoint.
+
+    Workers start on demand through load-time admission with live inputs; a swap stops
+    the old worker and verifies its memory came back before the new one starts.
+    """
+    import uvicorn
+
+    from plimsoll.core.paths import cache_dir
+    from plimsoll.core.policy import PolicyError, load_policy
+    from plimsoll.proxy import Settings, make_app
+    from plimsoll.proxy.admin import load_or_create_token
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per relayed request
+    ranks = parse_cluster_ranks(cluster_ranks)  # bad input fails before anything loads
+    if policy_file is not None:
+        try:
+            pol = load_policy(policy_file)
+        except PolicyError as err:
+            raise UsageFailure(str(err)) from None
+    else:
+        pol = embedded_default()
+    if not pol.models:
+        raise UsageFailure(f"{policy_file}: the policy lists no models: add one under 'models'")
+    try:
+        token, token_path = load_or_create_token(admin_token_file, cache_dir() / "admin-token")
+    except (OSError, ValueError) as err:
+        raise UsageFailure(f"admin token: {err}") from None
+    default_ttl, per_model = parse_idle_ttls(idle_ttls, set(pol.models))
+    settings = Settings(max_waiting=max_waiting, swap_hold_s=swap_hold, drain_s=drain_timeout,
+                        release_timeout_s=release_timeout, default_idle_ttl_s=default_ttl,
+                        idle_ttl_s=per_model, cluster_ranks=ranks)
+    app = make_app(pol, mode=mode, settings=settings, api_key=api_key, admin_token=token)
+    host = host or pol.listen.host
+    port = port or pol.listen.port
+    click.echo(f"plimsoll serve: http://{host}:{port}/v1 — {mode} mode, models: "
+               f"{', '.join(sorted(pol.models))}; admin token in {token_path}", err=True)
+    # h11 whatever else is installed: its 16 KiB cap on an incomplete request head is what
+    # bounds enormous or endless headers (a 400 and a close) before the app sees them.
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
+                limit_concurrency=1024, http="h11")
+
+
+def embedded_default():
+    """The demo model (built once, with progress) and a policy from the live probes."""
+    from plimsoll.core.progress import progress
+    from plimsoll.launch.defaults import default_policy, ensure_demo_model
+    from plimsoll.probes import read_snapshot
+
+    with progress("Preparing the demo model") as report:
+        model_dir = ensure_demo_model(report=report)
+    return default_policy(read_snapshot(), model_dir)
+
+
+def parse_idle_ttls(values: tuple[str, ...], models: set[str]
+                    ) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """``("600", "big=60")`` → ``(600.0, (("big", 60.0),))``; bad input is a usage error."""
+    default, per_model = 300.0, []
+    for value in values:
+        name, _, secs = value.rpartition("=")
+        try:
+            ttl = float(secs)
+        except ValueError:
+            raise UsageFailure(f"--idle-ttl {value!r}: SECONDS must be a number") from None
+        if not 0 <= ttl < math.inf:  # NaN too
+            raise UsageFailure(f"--idle-ttl {value!r}: SECONDS must be a finite number, "
+                               "0 (never) or more")
+        if not name:
+            default = ttl
+        elif name not in models:
+            raise UsageFailure(f"--idle-ttl {value!r}: no model {name!r} in the policy "
+                               f"(models: {', '.join(sorted(models))})")
+        else:
+            per_model.append((name, ttl))
+    return default, tuple(per_model)
+
+
+def parse_cluster_ranks(values: tuple[str, ...]) -> tuple[tuple[int, int, int], ...]:
+    """``--cluster-rank`` figures in bytes; bad input is a usage error that says what to write."""
+    from plimsoll.cluster.launch import parse_rank_figures
+
+    try:
+        return tuple(parse_rank_figures(v) for v in values)
+    except ValueError as err:
+        raise UsageFailure(f"--cluster-rank {err}") from None

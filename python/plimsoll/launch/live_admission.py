@@ -1,0 +1,159 @@
+"""Gather admission's inputs from the live machine (or overrides) and run it.
+
+This is the edge around the pure :func:`plimsoll.admission.admit`: it reads the
+memory probe (only when an override does not already give the figure), inspects
+the model directory (headers only) and picks per-model settings from the policy.
+The launch wrapper and ``plimsoll admit`` share it, so both derive the same caps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
+from plimsoll.core.model_facts import ModelFacts, inspect_model
+from plimsoll.core.policy import Mode, ModelEntry, Policy
+from plimsoll.core.units import gib_to_bytes, mib_to_bytes
+from plimsoll.probes.snapshot import MemorySnapshot
+from plimsoll.reliability.calibrate import lookup, reserve_fraction
+
+DEFAULT_CONTEXT = 8192
+DEFAULT_MAX_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class MemoryOverrides:
+    """Figures given on the command line; ``None`` means read the live probe."""
+
+    budget_gib: float | None = None
+    ceiling_mib: int | None = None
+    total_ram_gib: float | None = None
+
+    @property
+    def complete(self) -> bool:
+        return None not in (self.budget_gib, self.ceiling_mib, self.total_ram_gib)
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    ceiling_bytes: int
+    total_ram_bytes: int
+    budget_bytes: int
+    source: str
+
+
+def memory_figures(
+    policy: Policy | None,
+    mode: Mode,
+    overrides: MemoryOverrides,
+    read_snapshot: Callable[[], MemorySnapshot],
+) -> MemoryFigures:
+    """Ceiling, total RAM and budget in bytes; the probe is read only if something is missing."""
+    snap = None if overrides.complete else read_snapshot()
+    sources = []
+    if overrides.ceiling_mib is not None:
+        ceiling = mib_to_bytes(overrides.ceiling_mib)
+        sources.append("ceiling: --ceiling-mib")
+    else:
+        ceiling = snap.ceiling_bytes
+        sources.append(f"ceiling: {snap.ceiling_source}")
+    if overrides.total_ram_gib is not None:
+        total = gib_to_bytes(overrides.total_ram_gib)
+        sources.append("total RAM: --total-ram-gib")
+    else:
+        total = snap.total_ram_bytes
+        sources.append(f"total RAM: {snap.platform} probe")
+    if overrides.budget_gib is not None:
+        budget = gib_to_bytes(overrides.budget_gib)
+        sources.append("budget: --budget-gib")
+    elif policy is not None:
+        budget = policy.budget_bytes(mode)
+        sources.append(f"budget: policy {policy.host} {mode}")
+    else:
+        from .defaults import default_policy
+
+        budget = default_policy(snap).budget_bytes(mode)
+        sources.append("budget: default (total RAM less the OS floor)")
+    return MemoryFigures(ceiling, total, budget, "; ".join(sources))
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What the caller asks for; ``None`` takes the policy entry's value, then a default."""
+
+    concurrency: int | None = None
+    context: int | None = None
+    max_tokens: int | None = None
+    block_tokens: int | None = None
+    kv_dtype: str | None = None
+
+
+def resolve_model(model: str, policy: Policy | None) -> tuple[Path, ModelEntry | None]:
+    """MODEL is a directory, or the name of a model in the policy's registry."""
+    if policy is not None and model in policy.models:
+        entry = policy.models[model]
+        return Path(entry.path), entry
+    path = Path(model)
+    if policy is not None:
+        for entry in policy.models.values():
+            if Path(entry.path) == path:
+                return path, entry
+    return path, None
+
+
+def plan(
+    model_dir: Path,
+    entry: ModelEntry | None,
+    policy: Policy | None,
+    figures: MemoryFigures,
+    wanted: Wanted,
+    resident_bytes: int = 0,
+    *,
+    calibrated: bool = True,
+    calibration_root: Path | None = None,
+) -> tuple[ModelFacts, AdmissionRequest, AdmissionDecision]:
+    """Inspect the model, assemble the request from wanted → entry → policy → defaults, admit.
+
+    With ``calibrated`` (the default), a ``plimsoll calibrate`` record for this model, engine
+    and KV dtype raises the transient reserve to the measured unknown (never lowers it),
+    so the admitted footprint is at least the measured peak.
+    """
+    kv_dtype = wanted.kv_dtype or (entry.kv_dtype if entry else None)
+    facts = inspect_model(model_dir, kv_dtype=None if kv_dtype in (None, "auto") else kv_dtype)
+    context = wanted.context or (entry.context if entry else None)
+    if context is None:
+        context = min(facts.native_max_context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
+    max_tokens = wanted.max_tokens or (entry.max_tokens if entry else None)
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_MAX_TOKENS, context // 4)
+
+    def knob(name: str):
+        return getattr(policy, name) if policy else Policy.model_fields[name].default
+
+    concurrency = wanted.concurrency or (entry.concurrency if entry else 1)
+    reserve = knob("transient_reserve")
+    if calibrated:
+        measured = lookup(model_dir, facts.kv_dtype, concurrency, context, calibration_root)
+        reserve = reserve_fraction(reserve, measured, figures.budget_bytes)
+
+    req = AdmissionRequest(
+        ceiling_bytes=figures.ceiling_bytes,
+        total_ram_bytes=figures.total_ram_bytes,
+        budget_bytes=figures.budget_bytes,
+        resident_bytes=resident_bytes,
+        weights_bytes=facts.weights_bytes,
+        kv_bytes_per_token=facts.kv_bytes_per_token,
+        per_sequence_fixed_bytes=facts.per_sequence_fixed_bytes,
+        native_max_context=facts.native_max_context,
+        transient_reserve=reserve,
+        trip_offset=knob("trip_offset"),
+        u_margin=knob("u_margin"),
+        block_tokens=wanted.block_tokens or knob("block_tokens"),
+        concurrency=concurrency,
+        context=context,
+        max_tokens=max_tokens,
+        min_context=knob("min_context"),
+    )
+    return facts, req, admit(req)

@@ -1,0 +1,219 @@
+"""The admission wrapper: derive a worker's caps from live figures, start it, verify them.
+
+Passing a flag is not proof it took effect: after the model loads, the worker reports
+the limits it actually applied (``GET /v1/plimsoll/status``), and :func:`mismatches`
+compares them with what admission derived. Any difference stops the worker.
+Spawning uses an argument list, never a shell.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from plimsoll.core.admission import AdmissionDecision
+from plimsoll.core.model_facts import ModelFacts
+from plimsoll.core.policy import ModelEntry, Policy
+from plimsoll.core.units import MIB
+from plimsoll.guard import process as G
+from plimsoll.worker.config import WorkerConfig
+
+READY_TIMEOUT_S = 300.0
+log = logging.getLogger("plimsoll.launch")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wired_bytes(choice: str, decision: AdmissionDecision) -> int:
+    """What the worker may wire: its admitted footprint, only the weights, or nothing."""
+    return {"footprint": decision.footprint_bytes, "weights": decision.weights_bytes,
+            "none": 0}[choice]
+
+
+def worker_config(
+    model_dir: Path, name: str, facts: ModelFacts, decision: AdmissionDecision,
+    entry: ModelEntry | None, policy: Policy | None, *, port: int, host: str = "127.0.0.1",
+    cache_memory_mb: int | None = None, max_queue: int = 64, max_wait_s: float = 30.0,
+) -> WorkerConfig:
+    """The worker's flags from an admitted decision (never from a refused one)."""
+    if not decision.admitted:
+        raise ValueError("a refused decision has no worker configuration")
+    wire = policy.wire if policy else Policy.model_fields["wire"].default
+    default_max = entry.default_max_tokens if entry else min(512, decision.output_reservation)
+    return WorkerConfig(
+        model_dir=model_dir, model_name=name,
+        max_cache_blocks=decision.pool_blocks,
+        gpu_memory_utilization=decision.gpu_memory_utilization,
+        cache_memory_mb=(decision.pool_bytes // MIB if cache_memory_mb is None
+                         else cache_memory_mb),
+        max_num_seqs=decision.concurrency, context=decision.context,
+        block_tokens=decision.block_tokens, max_tokens=decision.output_reservation,
+        default_max_tokens=min(default_max, decision.output_reservation),
+        max_queue=max_queue, max_wait_s=max_wait_s,
+        ceiling_bytes=decision.ceiling_bytes, total_ram_bytes=decision.total_ram_bytes,
+        trip_offset=policy.trip_offset if policy else Policy.model_fields["trip_offset"].default,
+        mlx_cache_mb=max(1, decision.transient_reserve_bytes // 2 // MIB),
+        wired_limit_bytes=wired_bytes(wire, decision), host=host, port=port,
+    )
+
+
+def worker_argv(cfg: WorkerConfig) -> list[str]:
+    """``plimsoll worker`` with every cap as an explicit flag."""
+    return [
+        sys.executable, "-m", "plimsoll.cli", "worker",
+        "--model", str(cfg.model_dir), "--model-name", cfg.model_name,
+        "--max-cache-blocks", str(cfg.max_cache_blocks),
+        "--gpu-memory-utilization", repr(cfg.gpu_memory_utilization),
+        "--cache-memory-mb", str(cfg.cache_memory_mb),
+        "--max-num-seqs", str(cfg.max_num_seqs), "--context", str(cfg.context),
+        "--block-tokens", str(cfg.block_tokens), "--max-tokens", str(cfg.max_tokens),
+        "--default-max-tokens", str(cfg.default_max_tokens),
+        "--max-queue", str(cfg.max_queue), "--max-wait", repr(cfg.max_wait_s),
+        "--ceiling-bytes", str(cfg.ceiling_bytes), "--total-ram-bytes", str(cfg.total_ram_bytes),
+        "--trip-offset", repr(cfg.trip_offset), "--mlx-cache-mb", str(cfg.mlx_cache_mb),
+        "--wired-limit-bytes", str(cfg.wired_limit_bytes),
+        "--host", cfg.host, "--port", str(cfg.port),
+    ]
+
+
+#: Allocations at or above this go straight to mmap and back to the OS on free, instead of
+#: sitting in a glibc heap (setting it also stops glibc's dynamic threshold from growing).
+MALLOC_MMAP_THRESHOLD = 1 << 20
+
+
+def worker_env() -> dict[str, str]:
+    """The worker's environment: glibc arenas capped so RSS tracks MLX's own figure."""
+    env = dict(os.environ)
+    env.setdefault("MALLOC_ARENA_MAX", "2")
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD))
+    return env
+
+
+def mismatches(cfg: WorkerConfig, status: dict) -> list[str]:
+    """Differences between what admission derived and what the worker reports applying."""
+    lim = status.get("limits", {})
+    wanted = {
+        "max_cache_blocks": (cfg.max_cache_blocks, status.get("pool", {}).get("total")),
+        "memory limit": (cfg.allocation_limit_bytes, lim.get("memory_limit_applied_bytes")),
+        "MLX cache limit": (cfg.mlx_cache_bytes, lim.get("cache_limit_applied_bytes")),
+        "trip": (cfg.trip_bytes, lim.get("trip_bytes")),
+        "context": (cfg.context, status.get("context", {}).get("configured")),
+        "max_num_seqs": (cfg.max_num_seqs, status.get("max_num_seqs")),
+    }
+    return [f"{name}: derived {want}, worker reports {got}"
+            for name, (want, got) in wanted.items() if want != got]
+
+
+class LaunchError(RuntimeError):
+    """The worker did not come up with the derived limits; the message has the figures."""
+
+
+def start_guard(cfg: WorkerConfig, footprint_bytes: int | None = None,
+                cgroup_parent: Path | None = None,
+                limit_bytes: int | None = None) -> tuple[G.WorkerGuard | None, dict[str, str]]:
+    """The worker's guard: its own memory cgroup (admitted footprint + margin) and no extra
+    environment, or — where no cgroup can be made (macOS, no root) — no cgroup and the
+    environment that makes the worker keep the same lines on its own footprint.
+
+    Without a footprint the allocation limit stands in (it bounds the footprint);
+    ``limit_bytes`` sets the hard line outright (tests, ``plimsoll verify``)."""
+    if limit_bytes is None:
+        limit_bytes = G.guard_limit(cfg.allocation_limit_bytes if footprint_bytes is None
+                                    else footprint_bytes)
+    guard, why = G.WorkerGuard.create(f"worker-{cfg.port}", limit_bytes, cgroup_parent)
+    if guard is not None:
+        log.info("memory guard for %s: %s", cfg.model_name, why)
+        return guard, {}
+    log.warning("memory guard for %s: no cgroup (%s); the worker guards its own footprint "
+                "with a hard line of %d B", cfg.model_name, why, limit_bytes)
+    return None, {G.FOOTPRINT_ENV: str(limit_bytes)}
+
+
+def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
+                 stdout=None, *, footprint_bytes: int | None = None,
+                 cgroup_parent: Path | None = None, cgroup_limit_bytes: int | None = None,
+                 guard: bool = True, env: dict[str, str] | None = None
+                 ) -> tuple[subprocess.Popen, dict]:
+    """Spawn the worker, wait until it reports its status, verify its limits, or stop it.
+
+    With ``guard`` (and root and a writable memory controller) the worker runs in its own
+    cgroup, created under ``cgroup_parent``; ``proc.plimsoll_guard`` holds it and
+    :func:`stop_worker` removes it. Without them the worker guards its own footprint
+    (:class:`plimsoll.guard.FootprintGuard`) against the same hard line.
+    """
+    wg, guard_env = (start_guard(cfg, footprint_bytes, cgroup_parent, cgroup_limit_bytes)
+                     if guard else (None, {}))
+    argv = wg.wrap(worker_argv(cfg)) if wg else worker_argv(cfg)
+    try:
+        proc = subprocess.Popen(argv, env=worker_env() | guard_env | (env or {}), stdout=stdout,
+                                start_new_session=True)
+    except BaseException:
+        if wg:
+            wg.close()
+        raise
+    proc.plimsoll_guard = wg
+    try:
+        status = wait_ready(proc, cfg, timeout_s, "the worker",
+                            lambda: f"the worker exited with status {proc.returncode} before "
+                            "it was ready (see its log above)")
+        bad = mismatches(cfg, status)
+        if bad:
+            raise LaunchError("the worker did not apply the derived limits: " + "; ".join(bad))
+    except BaseException:
+        stop_worker(proc)
+        raise
+    return proc, status
+
+
+def wait_ready(proc: subprocess.Popen, cfg: WorkerConfig, timeout_s: float, what: str,
+               exited: Callable[[], str]) -> dict:
+    """Poll the worker's status until it says ready (bounded); LaunchError if the process
+    exits first (``exited()`` says why) or the time runs out. The caller stops it."""
+    url = f"http://{cfg.host}:{cfg.port}/v1/plimsoll/status"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise LaunchError(exited())
+        try:
+            status = httpx.get(url, timeout=2.0).json()
+            if status.get("ready"):
+                return status
+        except (httpx.HTTPError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{what} was not ready after {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def stop_worker(proc: subprocess.Popen, grace_s: float = 10.0) -> int:
+    """SIGTERM, then SIGKILL after ``grace_s``; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    release_guard(proc)
+    return proc.returncode
+
+
+def release_guard(proc: subprocess.Popen) -> None:
+    """Remove the exited worker's cgroup (once; a no-op for unguarded workers)."""
+    wg = getattr(proc, "plimsoll_guard", None)
+    if wg is not None and proc.poll() is not None:
+        wg.close()
+        proc.plimsoll_guard = None

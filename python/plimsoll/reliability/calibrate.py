@@ -1,0 +1,259 @@
+"""Measured-peak calibration (DESIGN.md invariant 2): admit on what a first run really held.
+
+The formula counts weights, the KV pool and a transient reserve; a real process also
+holds activations of a full-context prefill at full concurrency, MLX's buffer cache,
+tokenizer and interpreter state, glibc arenas. ``plimsoll calibrate`` loads the model in a
+real worker (through the launch wrapper, in its own cgroup where it can), sends
+``concurrency`` concurrent requests whose prompts fill the configured context, and records
+the observed peak: MLX's peak, the RSS high-water mark (``VmHWM``) and, on Linux, the
+cgroup's ``max_usage``. Everything above the weights and the KV actually held is
+*unknown* and becomes reserve — never free capacity:
+
+    measured_reserve = max(peaks) − weights − kv_bytes_peak
+
+Admission then takes ``transient_reserve = max(policy fraction, measured_reserve / budget)``,
+so its footprint (weights + reserve + pool) is ``≥ max(formula, measured peak)``.
+
+Records live in ``cache_dir()/calibration/<key>.json``; the key is the weights hash
+(SHA-256 of the safetensors *headers*: fast, and it changes with any tensor's name, shape,
+dtype or offset), the engine version (mlx + mlx-lm) and the KV dtype.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import random
+import struct
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+from plimsoll.core.model_facts import ModelFacts
+from plimsoll.core.paths import cache_dir
+from plimsoll.core.progress import Reporter
+
+
+# --- the key ------------------------------------------------------------------------------
+def weights_hash(model_dir: Path) -> str:
+    """SHA-256 over every ``*.safetensors`` file's name and header (not the tensor bytes)."""
+    h = hashlib.sha256()
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files to calibrate")
+    for path in files:
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ValueError(f"{path}: too short to be a safetensors file")
+            (n,) = struct.unpack("<Q", head)
+            h.update(path.name.encode() + b"\0" + head + f.read(min(n, 100 << 20)))
+    return h.hexdigest()
+
+
+def engine_version() -> str:
+    """``mlx=<v>;mlx-lm=<v>`` from package metadata (mlx itself is never imported here)."""
+    parts = []
+    for dist in ("mlx", "mlx-lm"):
+        try:
+            parts.append(f"{dist}={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist}=absent")
+    return ";".join(parts)
+
+
+def calibration_key(model_dir: Path, kv_dtype: str) -> str:
+    raw = f"{weights_hash(model_dir)}|{engine_version()}|{kv_dtype}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def calibration_path(key: str, root: Path | None = None) -> Path:
+    return (root or cache_dir()) / "calibration" / f"{key}.json"
+
+
+# --- the record ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Measurement:
+    """One calibration run; every figure in bytes unless named otherwise."""
+
+    concurrency: int
+    context: int
+    prompt_tokens: int
+    max_tokens: int
+    weights_bytes: int
+    kv_bytes_peak: int
+    mlx_peak_bytes: int
+    rss_hwm_bytes: int
+    cgroup_max_usage_bytes: int | None
+    peak_bytes: int
+    reserve_bytes: int
+    formula_footprint_bytes: int
+    requests_ok: int
+    seconds: float
+    at: str
+
+    @staticmethod
+    def derive(weights: int, kv_peak: int, mlx_peak: int, rss_hwm: int,
+               cgroup_peak: int | None) -> tuple[int, int]:
+        """(peak, reserve): the largest observed figure; all of it above the weights and the
+        KV actually held is unknown, so reserve."""
+        peak = max(mlx_peak, rss_hwm, cgroup_peak or 0)
+        return peak, max(0, peak - weights - kv_peak)
+
+
+def load_records(key: str, root: Path | None = None) -> list[dict]:
+    path = calibration_path(key, root)
+    if not path.is_file():
+        return []
+    return json.loads(path.read_text()).get("runs", [])
+
+
+def save_measurement(key: str, facts: ModelFacts, model_dir: Path, m: Measurement,
+                     root: Path | None = None) -> Path:
+    path = calibration_path(key, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    runs = [r for r in load_records(key, root)
+            if (r["concurrency"], r["context"]) != (m.concurrency, m.context)]
+    doc = {"key": key, "model_dir": str(model_dir), "weights_hash": weights_hash(model_dir),
+           "engine": engine_version(), "kv_dtype": facts.kv_dtype,
+           "runs": sorted([*runs, asdict(m)], key=lambda r: (r["concurrency"], r["context"]))}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What admission needs from the records: the measured unknown, as reserve bytes."""
+
+    reserve_bytes: int
+    peak_bytes: int
+    covers: bool  # a run at ≥ the wanted concurrency and context exists
+    runs: int
+    path: str
+
+
+def lookup(model_dir: Path, kv_dtype: str, concurrency: int, context: int,
+           root: Path | None = None) -> Calibration | None:
+    """The measured reserve for this model/engine/dtype, or None if never calibrated.
+
+    Runs at or above the wanted concurrency and context are preferred; if none covers it,
+    the largest reserve recorded is used (and ``covers`` says it is an extrapolation).
+    """
+    try:
+        key = calibration_key(model_dir, kv_dtype)
+    except (OSError, ValueError):
+        return None
+    runs = load_records(key, root)
+    if not runs:
+        return None
+    covering = [r for r in runs if r["concurrency"] >= concurrency and r["context"] >= context]
+    pick = min(covering, key=lambda r: r["reserve_bytes"]) if covering else \
+        max(runs, key=lambda r: r["reserve_bytes"])
+    return Calibration(pick["reserve_bytes"], pick["peak_bytes"], bool(covering), len(runs),
+                       str(calibration_path(key, root)))
+
+
+def reserve_fraction(policy_fraction: float, calibration: Calibration | None,
+                     budget_bytes: int) -> float:
+    """The transient reserve admission uses: the larger of policy and measurement."""
+    if calibration is None:
+        return policy_fraction
+    return min(1.0, max(policy_fraction, calibration.reserve_bytes / budget_bytes))
+
+
+# --- the run ------------------------------------------------------------------------------
+def vmhwm(pid: int) -> int:
+    """The RSS high-water mark of ``pid`` (Linux ``VmHWM``), else its current RSS."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def first_requests(url: str, model_name: str, concurrency: int, prompt_tokens: int,
+                   max_tokens: int, vocab: int, timeout_s: float = 600.0) -> list[int]:
+    """``concurrency`` simultaneous completions with prompts of ``prompt_tokens`` ids."""
+    import httpx
+
+    def one(i: int) -> int:
+        rng = random.Random(i)
+        prompt = [rng.randrange(10, vocab) for _ in range(prompt_tokens)]
+        r = httpx.post(f"{url}/v1/completions", timeout=timeout_s,
+                       json={"model": model_name, "prompt": prompt, "max_tokens": max_tokens,
+                             "temperature": 0.0})
+        return r.status_code
+
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        return list(ex.map(one, range(concurrency)))
+
+
+def calibrate(model_dir: Path, *, concurrency: int | None = None, context: int | None = None,
+              max_tokens: int = 16, report: Reporter = lambda _msg: None,
+              root: Path | None = None, policy=None, figures=None,
+              env: dict[str, str] | None = None) -> tuple[Path, Measurement]:
+    """Load, run the first requests at full context and concurrency, record the peak."""
+    import httpx
+
+    from plimsoll.launch import live_admission as LA
+    from plimsoll.launch.spawn import free_port, start_worker, stop_worker, worker_config
+    from plimsoll.probes import read_snapshot
+
+    model_dir = Path(model_dir)
+    if figures is None:
+        figures = LA.memory_figures(policy, "standalone", LA.MemoryOverrides(), read_snapshot)
+    report("inspecting the model and admitting it on the formula")
+    facts, _, decision = LA.plan(model_dir, None, policy, figures,
+                                   LA.Wanted(concurrency=concurrency, context=context,
+                                             max_tokens=max_tokens), calibrated=False)
+    if not decision.admitted:
+        raise RuntimeError("admission refused the model on the formula alone: "
+                           + "; ".join(decision.reasons))
+    cfg = worker_config(model_dir, model_dir.name, facts, decision, None, policy,
+                        port=free_port())
+    prompt_tokens = decision.context - decision.output_reservation
+    report(f"loading in a worker (concurrency {decision.concurrency}, context "
+           f"{decision.context}, pool {decision.pool_blocks} blocks)")
+    t0 = time.monotonic()
+    proc, status = start_worker(cfg, footprint_bytes=decision.footprint_bytes, env=env)
+    try:
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        report(f"first inference: {decision.concurrency} × {prompt_tokens}-token prompts "
+               f"+ {decision.output_reservation} output tokens")
+        codes = first_requests(f"http://{cfg.host}:{cfg.port}", cfg.model_name,
+                               decision.concurrency, prompt_tokens,
+                               decision.output_reservation, vocab)
+        status = httpx.get(f"http://{cfg.host}:{cfg.port}/v1/plimsoll/status", timeout=10).json()
+        rss_hwm = vmhwm(proc.pid)
+    finally:
+        stop_worker(proc)
+    if any(c != 200 for c in codes):
+        raise RuntimeError(f"calibration requests were not all served: {codes}; the peak "
+                           "would be an underestimate")
+    cg = status.get("cgroup") or {}
+    mlx_peak = status["mlx"]["peak_bytes"]
+    peak, reserve = Measurement.derive(facts.weights_bytes, status["kv_bytes_peak"], mlx_peak,
+                                       rss_hwm, cg.get("max_usage_bytes"))
+    m = Measurement(
+        concurrency=decision.concurrency, context=decision.context,
+        prompt_tokens=prompt_tokens, max_tokens=decision.output_reservation,
+        weights_bytes=facts.weights_bytes, kv_bytes_peak=status["kv_bytes_peak"],
+        mlx_peak_bytes=mlx_peak, rss_hwm_bytes=rss_hwm,
+        cgroup_max_usage_bytes=cg.get("max_usage_bytes"), peak_bytes=peak,
+        reserve_bytes=reserve, formula_footprint_bytes=decision.footprint_bytes,
+        requests_ok=codes.count(200), seconds=round(time.monotonic() - t0, 2),
+        at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    path = save_measurement(calibration_key(model_dir, facts.kv_dtype), facts, model_dir, m,
+                            root)
+    report(f"peak {peak} B (MLX {mlx_peak}, RSS high-water {rss_hwm}, cgroup "
+           f"{cg.get('max_usage_bytes')}); measured reserve {reserve} B → {path}")
+    return path, m

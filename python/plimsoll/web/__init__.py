@@ -1,0 +1,8 @@
+"""The HTTP edge shared by the worker and the proxy (Starlette): bounded request bodies and
+error answers in the route's own protocol.
+
+Owns: :mod:`.body` (reading a body under the size limit), :mod:`.errors` (OpenAI- or
+Anthropic-shaped error JSON, the 404/405 handler).
+
+May import: :mod:`plimsoll.protocol`, :mod:`plimsoll.core`.
+"""

@@ -1,0 +1,361 @@
+"""The worker's HTTP edge: a Starlette app over one scheduler (OpenAI-compatible).
+
+``make_app(cfg)`` is an app factory with a lifespan, as Starlette recommends: the
+lifespan opens a *backend* — by default :func:`local_backend`, which loads the model
+(engine edge), applies and later restores the process-wide MLX limits, builds the pool
+from the flags and starts the scheduler thread; in clustered mode rank 0 passes its ring
+scheduler instead (:mod:`plimsoll.cluster.serve`) and every route below is the same
+code. Routes read ``request.app.state`` — no globals. Running out arrives from the scheduler as a
+``Refused`` event and leaves here as a 503 (with ``Retry-After``) in the OpenAI error
+shape; bad input is a 400 that says what to change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from plimsoll import protocol as P
+from plimsoll.engine.pool import KVPool
+from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
+from plimsoll.web.body import read_body
+from plimsoll.web.errors import no_route_handler
+from plimsoll.worker.config import WorkerConfig
+
+from . import anthropic_routes
+from .scheduler import (
+    Finished,
+    GenRequest,
+    Refused,
+    Scheduler,
+    SchedulerLimits,
+    Started,
+    Token,
+)
+
+log = logging.getLogger("plimsoll.worker")
+DISCONNECT_POLL_S = 0.25
+NO_ROUTE = no_route_handler("this worker serves POST /v1/chat/completions, /v1/completions, "
+                            "/v1/messages, /v1/messages/count_tokens and GET /v1/models, "
+                            "/health, /v1/plimsoll/status")
+
+
+def error(status: int, message: str, *, code: str | None = None, param: str | None = None,
+          retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(P.error_body(status, message, param=param, code=code), status,
+                        headers=headers)
+
+
+def protocol_error(err: P.ProtocolError) -> JSONResponse:
+    return JSONResponse(err.body(), err.status)
+
+
+# --- the request path (shared by the OpenAI and Anthropic routes) ---------------------------
+def check_reservation(state: Any, prompt_tokens: int, max_tokens: int,
+                      prompt_param: str) -> P.ProtocolError | None:
+    """400 when the output reservation or prompt + reservation is over what was admitted."""
+    cfg: WorkerConfig = state.cfg
+    if max_tokens > cfg.max_tokens:
+        return P.ProtocolError(400, f"max_tokens {max_tokens} exceeds this worker's output "
+                               f"reservation limit of {cfg.max_tokens}: lower max_tokens",
+                               param="max_tokens", code="max_tokens_too_large")
+    return P.context_overflow(state.native_max_context, cfg.context, prompt_tokens, max_tokens,
+                              prompt_param=prompt_param)
+
+
+async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
+                 top_p: float, seed: int | None = None
+                 ) -> tuple[Started | Refused | None, asyncio.Queue, GenRequest]:
+    """Hand a request to the scheduler; wait for admission (Started) or a Refused.
+
+    ``None`` means the client left while waiting (the request is then cancelled).
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    gen = GenRequest(prompt=prompt, max_tokens=max_tokens,
+                     sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+                     temperature=temperature, top_p=top_p, seed=seed)
+    request.app.state.scheduler.submit(gen)
+    return await next_event(queue, request, gen), queue, gen
+
+
+async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest):
+    """Wait for the scheduler's next event; a client that left cancels its request."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                gen.cancelled.set()
+                request.app.state.scheduler.wake()
+                return None
+
+
+async def generate(request: Request, kind: P.Kind) -> Response:
+    state = request.app.state
+    cfg: WorkerConfig = state.cfg
+    raw = await read_body(request)
+    if isinstance(raw, P.ProtocolError):
+        return protocol_error(raw)
+    req = P.parse_request(kind, raw)
+    if isinstance(req, P.ProtocolError):
+        return protocol_error(req)
+    if err := P.check_model(req.model, cfg.model_name):
+        return protocol_error(err)
+    render = P.render_chat if kind == "chat" else P.render_completion
+    try:
+        prompt = await run_in_threadpool(render, state.tokenizer, req)
+    except P.ProtocolError as err:
+        return protocol_error(err)
+    max_tokens = req.max_output_tokens or cfg.default_max_tokens
+    if err := check_reservation(state, len(prompt), max_tokens,
+                                "messages" if kind == "chat" else "prompt"):
+        return protocol_error(err)
+    first, queue, gen = await submit(request, prompt, max_tokens, temperature=req.temperature,
+                                     top_p=req.top_p, seed=req.seed)
+    if first is None:
+        return Response(status_code=499)
+    if isinstance(first, Refused):
+        return error(first.status, first.message, code=first.code, retry_after=first.retry_after)
+    assembler = P.TextAssembler.for_request(state.tokenizer, req, max_tokens)
+    meta = P.ResponseMeta.new(kind, cfg.model_name)
+    stream = events(queue, request, gen, assembler)
+    if req.stream:
+        return StreamingResponse(_sse(meta, req, first, stream, assembler),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    failure = None
+    async for item in stream:
+        if isinstance(item, Refused):
+            failure = item
+    if failure is not None:
+        return error(failure.status, failure.message, code=failure.code)
+    if not assembler.done:  # the client left
+        return Response(status_code=499)
+    return JSONResponse(P.response(meta, assembler.result(), _usage(first, assembler)))
+
+
+def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
+    return P.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
+
+
+async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
+                  assembler: P.TextAssembler) -> AsyncIterator[list[P.Delta] | Refused]:
+    """Deltas until the assembler is done (then the sequence is cancelled), or a Refused."""
+    try:
+        while not assembler.done:
+            ev = await next_event(queue, request, gen)
+            if ev is None:
+                return
+            if isinstance(ev, Token):
+                yield assembler.feed(ev.token_id)
+            elif isinstance(ev, Finished):
+                yield assembler.close("stop" if ev.reason == "eos" else "length")
+            elif isinstance(ev, Refused):
+                yield ev
+                return
+    finally:
+        if not gen.cancelled.is_set():  # stop string, tool call, or client gone
+            gen.cancelled.set()
+            request.app.state.scheduler.wake()
+
+
+async def _sse(meta: P.ResponseMeta, req: P.Request, first: Started,
+               stream: AsyncIterator, assembler: P.TextAssembler) -> AsyncIterator[bytes]:
+    for chunk in P.first_chunks(meta):
+        yield P.sse(chunk)
+    async for item in stream:
+        if isinstance(item, Refused):
+            yield P.sse(P.error_body(item.status, item.message, code=item.code))
+            yield P.SSE_DONE
+            return
+        for chunk in P.delta_chunks(meta, item):
+            yield P.sse(chunk)
+    if not assembler.done:
+        return
+    usage = _usage(first, assembler) if req.include_usage else None
+    for chunk in P.final_chunks(meta, assembler.result(), usage):
+        yield P.sse(chunk)
+    yield P.SSE_DONE
+
+
+# --- the other routes -------------------------------------------------------------------
+async def chat_completions(request: Request) -> Response:
+    return await generate(request, "chat")
+
+
+async def completions(request: Request) -> Response:
+    return await generate(request, "completion")
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse(P.models_list([request.app.state.cfg.model_name]))
+
+
+async def health(request: Request) -> Response:
+    sched: Scheduler = request.app.state.scheduler
+    ok = not sched.tripped
+    return JSONResponse({"status": "ok" if ok else "tripped"}, 200 if ok else 503)
+
+
+async def status(request: Request) -> Response:
+    return JSONResponse(status_report(request.app.state))
+
+
+def status_report(state: Any) -> dict[str, Any]:
+    cfg: WorkerConfig = state.cfg
+    stats = dict(state.scheduler.stats)
+    mem = state.engine_memory()
+    return {
+        "ready": True,
+        "model": cfg.model_name,
+        "pid": os.getpid(),
+        "block_tokens": cfg.block_tokens,
+        "block_bytes": state.block_bytes,
+        "kv_bytes_per_token": state.kv_bytes_per_token,
+        "kv_bytes_bound": cfg.max_cache_blocks * state.block_bytes,
+        "max_num_seqs": cfg.max_num_seqs,
+        **stats,
+        "mlx": {"active_bytes": mem["active"], "peak_bytes": mem["peak"],
+                "cache_bytes": mem["cache"]},
+        "rss_bytes": state.rss(),
+        "cgroup": state.guard.status() if isinstance(state.guard, SelfGuard) else None,
+        "guard": state.guard.status() if state.guard else None,
+        "context": {"native_max": state.native_max_context, "configured": cfg.context,
+                    "max_tokens": cfg.max_tokens, "default_max_tokens": cfg.default_max_tokens},
+        "limits": {
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "allocation_limit_bytes": cfg.allocation_limit_bytes,
+            **state.applied_limits,
+            "trip_bytes": cfg.trip_bytes,
+            "ceiling_bytes": cfg.ceiling_bytes,
+            "total_ram_bytes": cfg.total_ram_bytes,
+        },
+        "uptime_s": round(time.monotonic() - state.started, 3),
+        **(extra() if (extra := getattr(state, "status_extra", None)) else {}),
+    }
+
+
+def make_pool(cfg: WorkerConfig, eng: Any) -> KVPool:
+    """The pool the flags describe, sized against the loaded model's real figures."""
+    facts = eng.facts
+    block_bytes = facts.kv_bytes_per_token * cfg.block_tokens
+    pool = KVPool(
+        total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
+        cache_cap_blocks=min(cfg.prefix_cache_bytes // block_bytes, cfg.max_cache_blocks),
+        fixed_blocks_per_seq=math.ceil(facts.per_sequence_fixed_bytes / block_bytes),
+        headroom=eng.move_headroom_blocks(cfg.context),
+        whole_prefix_only=facts.kv_layers < facts.num_layers,
+    )
+    if pool.blocks_for(cfg.context) > pool.total - pool.headroom:
+        raise SystemExit(
+            f"--max-cache-blocks {cfg.max_cache_blocks} cannot hold one sequence of "
+            f"--context {cfg.context} ({pool.blocks_for(cfg.context)} blocks with "
+            f"{pool.fixed_blocks_per_seq} fixed, plus {pool.headroom} headroom): "
+            "raise the pool or lower the context")
+    return pool
+
+
+#: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
+#: block_bytes, kv_bytes_per_token, applied_limits, engine_memory, rss, guard, and
+#: optionally ``status_extra`` (a callable whose dict is merged into the status report).
+Backend = Callable[[WorkerConfig], AbstractAsyncContextManager[dict[str, Any]]]
+
+
+@contextlib.asynccontextmanager
+async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
+    """This process's own engine: load it on the scheduler thread, stop it at exit."""
+    import psutil
+
+    proc = psutil.Process()
+    loaded: dict[str, Any] = {}
+
+    def setup(stack: contextlib.ExitStack):
+        """On the scheduler thread: load, apply limits (restored at exit), size the pool."""
+        from plimsoll import engine as E  # the engine edge: the only place mlx is imported
+
+        eng = E.Engine.load(cfg.model_dir, cfg.block_tokens)
+        loaded["applied"] = stack.enter_context(E.process_limits(
+            cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
+        loaded["active_memory"] = E.active_memory
+        return eng, make_pool(cfg, eng)
+
+    def memory_probe() -> dict[str, int]:
+        return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
+
+    self_guard = SelfGuard.find()  # the cgroup limit that binds us, if any
+    sched = Scheduler(setup, SchedulerLimits(cfg.max_num_seqs, cfg.max_queue,
+                                             cfg.max_wait_s, cfg.trip_bytes),
+                      memory_probe_with_guard(memory_probe, self_guard))
+    sched.start()
+    await run_in_threadpool(sched.ready.wait)
+    if sched.setup_error is not None:
+        raise sched.setup_error
+    eng = sched.engine
+    try:
+        yield {"scheduler": sched, "tokenizer": eng.tokenizer,
+               "native_max_context": eng.facts.native_max_context,
+               "block_bytes": eng.facts.kv_bytes_per_token * cfg.block_tokens,
+               "kv_bytes_per_token": eng.facts.kv_bytes_per_token,
+               "applied_limits": loaded["applied"], "engine_memory": eng.memory,
+               "rss": lambda: proc.memory_info().rss, "guard": self_guard}
+    finally:
+        await run_in_threadpool(sched.stop)
+
+
+def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
+    """The worker's routes over ``backend`` (default: this process's own engine).
+
+    A clustered load passes its own backend (rank 0's ring scheduler): the routes,
+    protocol parsing, streaming, chat templates and error shapes are this same code.
+    """
+    open_backend = backend or local_backend
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        async with open_backend(cfg) as parts:
+            app.state.cfg = cfg
+            for name, value in parts.items():
+                setattr(app.state, name, value)
+            app.state.started = time.monotonic()
+            log.info("PLIMSOLL_READY %s", json.dumps(status_report(app.state)))
+            yield
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/plimsoll/status", status, methods=["GET"]),
+            *anthropic_routes.ROUTES,  # POST /v1/messages, /v1/messages/count_tokens
+        ],
+        exception_handlers={404: NO_ROUTE, 405: NO_ROUTE},
+        lifespan=lifespan,
+    )
+
+
+def serve_worker(cfg: WorkerConfig) -> None:
+    """Run the worker under uvicorn until SIGTERM/SIGINT; limits are restored on exit."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # h11 whatever else is installed: its cap on a request head bounds enormous headers
+    uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
+                timeout_graceful_shutdown=5, limit_concurrency=cfg.max_queue
+                + cfg.max_num_seqs + 16, http="h11")

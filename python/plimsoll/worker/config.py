@@ -1,0 +1,59 @@
+"""A worker's caps, as passed on its command line by the launch wrapper.
+
+The flag names and meanings are the seed's (vllm-mlx's), with one change that is the
+point of the project: ``max_cache_blocks`` is the hard cap on the *global live KV pool*,
+not a bound on a prefix store. The derived figures (allocation limit, trip) follow
+DESIGN.md's two knobs with their two denominators.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from plimsoll.core.admission import trip_fraction
+from plimsoll.core.units import MIB
+
+
+class WorkerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_dir: Path
+    model_name: str
+    max_cache_blocks: int = Field(gt=0, description="Hard cap on the global live KV pool.")
+    #: u: the allocation cap is u × ceiling; the trip is min(u + offset, 0.99) × total RAM.
+    gpu_memory_utilization: float = Field(gt=0, lt=1)
+    cache_memory_mb: int = Field(ge=0, description="Prefix-cache cap, inside the pool (MiB).")
+    max_num_seqs: int = Field(gt=0)
+    context: int = Field(gt=1, description="Configured total context per sequence.")
+    block_tokens: int = Field(default=16, gt=0)
+    max_tokens: int = Field(gt=0, description="Largest output reservation a request may ask.")
+    default_max_tokens: int = Field(gt=0)
+    max_queue: int = Field(default=64, ge=0)
+    max_wait_s: float = Field(default=30.0, ge=0)
+    ceiling_bytes: int = Field(gt=0)
+    total_ram_bytes: int = Field(gt=0)
+    trip_offset: float = 0.05
+    mlx_cache_mb: int = Field(default=256, ge=0, description="MLX buffer-cache cap (MiB).")
+    wired_limit_bytes: int = Field(default=0, ge=0, description="0: wire nothing.")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8081, ge=0, le=65535)
+
+    @property
+    def allocation_limit_bytes(self) -> int:
+        return math.floor(self.gpu_memory_utilization * self.ceiling_bytes)
+
+    @property
+    def trip_bytes(self) -> int:
+        return math.floor(trip_fraction(self.gpu_memory_utilization, self.trip_offset)
+                          * self.total_ram_bytes)
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self.cache_memory_mb * MIB
+
+    @property
+    def mlx_cache_bytes(self) -> int:
+        return self.mlx_cache_mb * MIB
