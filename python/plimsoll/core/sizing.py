@@ -1,4 +1,4 @@
-"""Pure arithmetic the proxy adds around admission: envelope, right-sized pools, release.
+"""Pool sizing, pure: the shared envelope, move headroom, right-sized pools, release checks.
 
 **Right-sized pools.** Admission's pool fills whatever the envelope leaves (DESIGN.md),
 which is right for one worker alone but means a single worker claims the whole
@@ -11,7 +11,7 @@ right-sizing only ever shrinks it.
 **Verified release.** After a worker's process exits, the in-use figure must come back
 down by what the process held before a replacement may start:
 ``in_use_now ≤ in_use_before_stop − held + tolerance``. ``held`` is what the exit gives
-back (anonymous resident memory on Linux, phys_footprint on macOS; see :mod:`.held`),
+back (anonymous resident memory on Linux, phys_footprint on macOS; see :mod:`plimsoll.probes.held`),
 read together with ``in_use_before_stop`` while the process was still alive. The in-use
 figure is the binding cgroup's usage, or macOS's wired memory; where it is host-wide
 (Linux with no cgroup limit: ``MemTotal − MemAvailable``) every *other* process's
@@ -43,7 +43,7 @@ def envelope_bytes(ceiling: int, total_ram: int, budget: int, trip_offset: float
     """What all co-resident workers may hold together: admission's envelope, resident = 0.
 
     ``min(floor((u − margin) × ceiling), budget)`` with ``u = ceiling / total − offset −
-    margin`` (the same figure :func:`plimsoll.admission.admit` fills its pool up to).
+    margin`` (the same figure :func:`plimsoll.core.admission.admit` fills its pool up to).
     """
     ceiling = min(ceiling, total_ram)
     u = max(ceiling / total_ram - trip_offset - u_margin, 0.0)
@@ -51,7 +51,12 @@ def envelope_bytes(ceiling: int, total_ram: int, budget: int, trip_offset: float
 
 
 def move_headroom_blocks(prefix_tokens: int, kv_layers: int, block_tokens: int) -> int:
-    """The worker's move headroom (same formula as ``plimsoll.engine.plan``, without mlx)."""
+    """Blocks held twice while a prefix of ``prefix_tokens`` moves: one array of it.
+
+    A move copies one layer's K (then its V) at a time and frees the source at
+    once, so the excess is one array: ``1 / (2 × kv_layers)`` of the prefix. The one
+    definition: the engine (:mod:`plimsoll.engine.plan`) and the proxy's right-sizing share it.
+    """
     if kv_layers <= 0 or prefix_tokens <= 0:
         return 0
     tokens = math.ceil(prefix_tokens / block_tokens) * block_tokens

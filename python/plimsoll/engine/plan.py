@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from plimsoll.core.sizing import move_headroom_blocks  # noqa: F401  (one definition, in core)
 from plimsoll.engine.pool import reusable_tokens  # noqa: F401  (one definition, shared with the pool)
 
 
@@ -40,15 +41,3 @@ class AddResult:
 def capacity_tokens(prompt_tokens: int, max_tokens: int, block_tokens: int) -> int:
     """Tokens of KV a sequence holds: its reservation rounded up to whole blocks."""
     return math.ceil((prompt_tokens + max_tokens) / block_tokens) * block_tokens
-
-
-def move_headroom_blocks(prefix_tokens: int, kv_layers: int, block_tokens: int) -> int:
-    """Blocks held twice while a prefix of ``prefix_tokens`` moves: one array of it.
-
-    A move copies one layer's K (then its V) at a time and frees the source at
-    once, so the excess is one array: ``1 / (2 × kv_layers)`` of the prefix.
-    """
-    if kv_layers <= 0 or prefix_tokens <= 0:
-        return 0
-    tokens = math.ceil(prefix_tokens / block_tokens) * block_tokens
-    return math.ceil(tokens / (2 * kv_layers * block_tokens))
