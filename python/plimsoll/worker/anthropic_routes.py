@@ -1,6 +1,6 @@
 """The worker's Anthropic Messages API: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
 
-The same request path as the OpenAI routes of :mod:`plimsoll.worker_app` — body limit,
+The same request path as the OpenAI routes of :mod:`plimsoll.worker.app` — body limit,
 model check, chat template, the output-reservation and context checks, one
 ``GenRequest`` to the scheduler, admission or a refusal — with Anthropic's shapes at both
 ends (:mod:`plimsoll.protocol.anthropic`). Admission is the same: a request reserves
@@ -8,8 +8,8 @@ ends (:mod:`plimsoll.protocol.anthropic`). Admission is the same: a request rese
 ``Retry-After`` whose body is Anthropic's ``overloaded_error``; bad input is a 400
 ``invalid_request_error`` that says what to change.
 
-``worker_app`` is imported as a module, not by name, so it may import :data:`ROUTES` from
-here at its top without an import cycle.
+The shared request path (:mod:`.submit`) is its own module, so :mod:`.app` imports
+:data:`ROUTES` from here and nothing here imports :mod:`.app`: no import cycle.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from starlette.routing import Route
 from plimsoll import protocol as P
 from plimsoll.protocol import anthropic as A
 from plimsoll.web.body import read_body
-from plimsoll.worker import app as W
+from plimsoll.worker import submit as W
 
 from .scheduler import Refused, Started
 
