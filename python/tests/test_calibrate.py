@@ -10,9 +10,10 @@ import pytest
 from conftest import OPENBLAS
 
 from plimsoll.core.units import GIB
+from plimsoll.launch import calibration as C
 from plimsoll.launch import live_admission as LA
 from plimsoll.probes import read_snapshot
-from plimsoll.reliability import calibrate as C
+from plimsoll.reliability.calibrate import calibrate
 
 # A small budget keeps the pool (and the test) small; the reserve fraction then matters.
 OVERRIDES = LA.MemoryOverrides(budget_gib=1.0, ceiling_mib=8192, total_ram_gib=8.0)
@@ -59,7 +60,7 @@ def test_calibrate_the_tiny_model_then_admission_uses_it(tiny_model, tmp_path,
     assert C.lookup(tiny_model, "float32", 2, 1024) is None
 
     lines: list[str] = []
-    path, m = C.calibrate(tiny_model, concurrency=2, context=1024, report=lines.append,
+    path, m = calibrate(tiny_model, concurrency=2, context=1024, report=lines.append,
                           figures=figures(), env=env)
     assert path.is_relative_to(tmp_path / "calibration")
     assert any("first inference" in line for line in lines)  # progress was reported

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import click
 
-from plimsoll.cli.common import EXIT_REFUSED, UsageFailure
+from plimsoll.cli.common import EXIT_RANK_FAILED, EXIT_REFUSED, UsageFailure
 
-EXIT_RANK_FAILED = 4
 GIB = 1 << 30
 
 

@@ -6,7 +6,8 @@ from typing import Any
 
 import click
 
-EXIT_REFUSED = 3
+EXIT_REFUSED = 3  # admission refused (admit, launch, cluster plan)
+EXIT_RANK_FAILED = 4  # a cluster rank failed (cluster run)
 
 
 class UsageFailure(click.ClickException):

@@ -33,7 +33,7 @@ import json
 import sys
 import time
 
-from plimsoll.cluster.rank import EXIT_OK, as_failure, emit
+from plimsoll.cluster.exits import EXIT_OK, as_failure, emit
 
 OP_NEW, OP_STEP, OP_FREE, OP_PING, OP_SHUTDOWN = 1, 2, 3, 4, 5
 HEADER = 7
@@ -82,7 +82,7 @@ class Leader:
     """Rank 0's side: every verb sends its op around the ring and runs it here in lockstep.
 
     Any error in a verb leaves the ranks out of step, so it is raised as a
-    :class:`~plimsoll.cluster.rank.RingFailure` (with the exit code) and the leader is
+    :class:`~plimsoll.cluster.exits.RingFailure` (with the exit code) and the leader is
     ``broken``: every later verb fails at once with the same reason. Not thread-safe:
     one owner (the ring loop) calls it.
     """

@@ -45,35 +45,14 @@ import threading
 import time
 from pathlib import Path
 
-from plimsoll.cluster.stage import RanOut, Ring, load_stage
-
-EXIT_OK, EXIT_INIT, EXIT_ROLLBACK, EXIT_PEER, EXIT_OTHER, EXIT_RAN_OUT = 0, 2, 3, 4, 5, 6
-
-
-
-class RingFailure(RuntimeError):
-    """The ring cannot go on (a peer lost, this rank ran out, an op failed half-way): the
-    rank must exit with ``code`` so every peer is torn down. ``reason`` says why."""
-
-    def __init__(self, code: int, reason: str):
-        super().__init__(reason)
-        self.code, self.reason = code, reason
-
-
-def as_failure(rank: int, err: BaseException) -> RingFailure:
-    """Any error inside a ring op leaves the ranks out of lockstep: classify it for the exit."""
-    if isinstance(err, RingFailure):
-        return err
-    if isinstance(err, RanOut):
-        return RingFailure(EXIT_RAN_OUT, f"{err}; tearing down")
-    if isinstance(err, RuntimeError) and "[ring]" in str(err):
-        return RingFailure(EXIT_PEER, f"rank {rank} lost a peer: {err}; tearing down")
-    return RingFailure(EXIT_OTHER, f"rank {rank}: {type(err).__name__}: {err}; tearing down")
-
-
-def emit(event: str, **fields) -> None:
-    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
+from plimsoll.cluster.exits import (
+    EXIT_INIT,
+    EXIT_OTHER,
+    EXIT_ROLLBACK,
+    as_failure,
+    emit,
+)
+from plimsoll.cluster.stage import Ring, load_stage
 
 
 def _parent_watchdog(period: float = 0.5) -> None:

@@ -45,11 +45,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from plimsoll.cluster.exits import EXIT_NAMES, EXIT_PEER
 from plimsoll.cluster.plan import ClusterDecision, ClusterRequest
-
-_EXIT_PEER = 4
-_EXIT_NAMES = {0: "shut down", 2: "could not join the ring", 3: "rolled back",
-               4: "lost a peer", 5: "failed", 6: "ran out of its admitted memory"}
 
 
 class ClusterError(RuntimeError):
@@ -289,10 +286,10 @@ class Cluster:
         reasons = {r: list(lines) for r, lines in self.said.items()}
         for rank, code in dead:
             how = (f"killed by signal {-code}" if code < 0 else
-                   f"exited {code} ({_EXIT_NAMES.get(code, 'unknown')})")
+                   f"exited {code} ({EXIT_NAMES.get(code, 'unknown')})")
             reasons.setdefault(rank, []).insert(0, f"rank process {how} {when}")
         # A rank that only lost its peer (exit 4) is a consequence, not the cause.
-        cause = sorted(r for r, code in dead if code != _EXIT_PEER) or sorted(first)
+        cause = sorted(r for r, code in dead if code != EXIT_PEER) or sorted(first)
         raise ClusterRankFailed(
             f"rank(s) {cause} stopped {when}; every rank was torn down", reasons)
 

@@ -40,8 +40,8 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from plimsoll.cluster.exits import EXIT_OK, EXIT_OTHER, RingFailure, emit
 from plimsoll.cluster.plan import cache_limit_mib
-from plimsoll.cluster.rank import EXIT_OK, EXIT_OTHER, RingFailure, emit
 from plimsoll.engine.pool import KVPool
 from plimsoll.worker.config import WorkerConfig
 from plimsoll.worker.scheduler import Scheduler, SchedulerLimits

@@ -19,12 +19,10 @@ import math
 import os
 from pathlib import Path
 
+from plimsoll.cluster.exits import RanOut
+
 #: Fault injection for tests: allocate this many extra bytes at decode step FAULT_AT.
 FAULT_BYTES, FAULT_AT = "PLIMSOLL_CLUSTER_FAULT_BYTES", "PLIMSOLL_CLUSTER_FAULT_AT"
-
-
-class RanOut(RuntimeError):
-    """This rank's memory went past its admitted allocation limit (mlx's CPU limit is soft)."""
 
 
 class Ring:

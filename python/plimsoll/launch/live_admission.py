@@ -16,8 +16,8 @@ from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
 from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.core.policy import Mode, ModelEntry, Policy
 from plimsoll.core.units import gib_to_bytes, mib_to_bytes
+from plimsoll.launch.calibration import lookup, reserve_fraction
 from plimsoll.probes.snapshot import MemorySnapshot
-from plimsoll.reliability.calibrate import lookup, reserve_fraction
 
 DEFAULT_CONTEXT = 8192
 DEFAULT_MAX_TOKENS = 1024

@@ -1,0 +1,45 @@
+"""How a rank ends: exit codes, the failure that carries one, and the JSON event lines.
+
+Shared by the rank process (:mod:`.rank`), its op protocol (:mod:`.protocol`), rank 0's
+HTTP server (:mod:`.serve`) and the supervisor outside (:mod:`.runner`), which reads the
+codes back; no mlx, so the supervisor and the proxy import it without the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+EXIT_OK, EXIT_INIT, EXIT_ROLLBACK, EXIT_PEER, EXIT_OTHER, EXIT_RAN_OUT = 0, 2, 3, 4, 5, 6
+EXIT_NAMES = {EXIT_OK: "shut down", EXIT_INIT: "could not join the ring",
+              EXIT_ROLLBACK: "rolled back", EXIT_PEER: "lost a peer", EXIT_OTHER: "failed",
+              EXIT_RAN_OUT: "ran out of its admitted memory"}
+
+
+class RanOut(RuntimeError):
+    """This rank's memory went past its admitted allocation limit (mlx's CPU limit is soft)."""
+
+
+class RingFailure(RuntimeError):
+    """The ring cannot go on (a peer lost, this rank ran out, an op failed half-way): the
+    rank must exit with ``code`` so every peer is torn down. ``reason`` says why."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+def as_failure(rank: int, err: BaseException) -> RingFailure:
+    """Any error inside a ring op leaves the ranks out of lockstep: classify it for the exit."""
+    if isinstance(err, RingFailure):
+        return err
+    if isinstance(err, RanOut):
+        return RingFailure(EXIT_RAN_OUT, f"{err}; tearing down")
+    if isinstance(err, RuntimeError) and "[ring]" in str(err):
+        return RingFailure(EXIT_PEER, f"rank {rank} lost a peer: {err}; tearing down")
+    return RingFailure(EXIT_OTHER, f"rank {rank}: {type(err).__name__}: {err}; tearing down")
+
+
+def emit(event: str, **fields) -> None:
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
