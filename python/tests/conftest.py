@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from plimsoll.web.serve import free_port
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
@@ -22,12 +23,6 @@ def worker_env() -> dict[str, str]:
     if os.path.exists(OPENBLAS) and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = OPENBLAS
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session", autouse=True)
