@@ -17,8 +17,6 @@ import click
 
 from plimsoll.cli.common import EXIT_RANK_FAILED, EXIT_REFUSED, UsageFailure
 
-GIB = 1 << 30
-
 
 def _parse_rank(text: str) -> tuple[int, int, int]:
     """``CEILING_GIB[:TOTAL_RAM_GIB[:BUDGET_GIB]]`` → bytes; total and budget default to ceiling."""
