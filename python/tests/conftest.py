@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -121,3 +122,19 @@ def worker(tiny_model) -> Iterator[Worker]:
     w = Worker(tiny_model)
     yield w
     w.stop()
+
+
+def parse_log_line(line: str) -> dict[str, str] | None:
+    """A watcher log line (``plimsoll.watcher.run``'s format) → {"time", "level", "event",
+    key: value, …}; None if not one."""
+    try:
+        head, level, event, *rest = shlex.split(line)
+    except ValueError:
+        return None
+    out = {"time": head, "level": level, "event": event}
+    for item in rest:
+        k, sep, v = item.partition("=")
+        if not sep:
+            return None
+        out[k] = v
+    return out if "ts" in out else None

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import io
 import itertools
-import shlex
 import threading
 
 import pytest
+from conftest import parse_log_line
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -34,22 +34,6 @@ from plimsoll.watcher.decide import (
 from plimsoll.watcher.link import LinkState
 from plimsoll.watcher.run import EventLog, Timing, Watcher
 from plimsoll.watcher.sysctl import Applied, CeilingMismatch
-
-
-def parse_log_line(line: str) -> dict[str, str] | None:
-    """A watcher log line → {"time", "level", "event", key: value, …}; None if not one."""
-    try:
-        head, level, event, *rest = shlex.split(line)
-    except ValueError:
-        return None
-    out = {"time": head, "level": level, "event": event}
-    for item in rest:
-        k, sep, v = item.partition("=")
-        if not sep:
-            return None
-        out[k] = v
-    return out if "ts" in out else None
-
 
 T = Targets(standalone_mib=48 * 1024, clustered_mib=80 * 1024)
 SMALL = 10 * GIB  # memory in use that fits both envelopes
