@@ -13,10 +13,12 @@ from pathlib import Path
 
 import click
 
+from plimsoll.cli.check import check_serve, with_check
 from plimsoll.cli.common import UsageFailure
 
 
 @click.command("serve")
+@with_check(check_serve, "plimsoll serve")
 @click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Host policy (JSON). Default: the embedded demo model and a policy sized "
                    "from this machine's live memory figures.")
