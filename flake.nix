@@ -78,7 +78,8 @@
           modules = [
             self.darwinModules.default
             {
-              services.plimsoll = decl // { enable = true; };
+              # cluster.members: the peers' declarations size their ranks (studio ↔ studio-b).
+              services.plimsoll = decl // { enable = true; cluster.members = hosts; };
               networking.hostName = decl.host;
               nixpkgs.hostPlatform = "aarch64-darwin";
               # launchd user agents run as the primary user; set your own.

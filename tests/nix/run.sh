@@ -12,7 +12,9 @@
 #                     pytest is found ($PYTHON, else python3); otherwise SKIP (say so).
 #   4. nix-darwin     (optional) tests/darwin-eval.nix in real nix-darwin with nixpkgs'
 #                     lib and a stub pkgs, and tests/pkg-eval.nix, when NIX_DARWIN_SRC and
-#                     NIXPKGS_LIB name local snapshots; otherwise SKIP.
+#                     NIXPKGS_LIB name local snapshots; then every launchd job the module
+#                     generates is run through the real CLI with --check
+#                     (python/tests/test_darwin_commands.py); otherwise SKIP.
 #
 # Usage: tests/nix/run.sh            (from anywhere; exit status 0 only if nothing failed)
 set -euo pipefail
@@ -62,7 +64,7 @@ expect_throw "broken host: reading its policy JSON throws the named message" \
 expect_throw "clustered below standalone throws the named message" \
   '(import ./modules/policy.nix).policyJSON ((import ./hosts).studio // { maxLocalLlmGb = { standalone = 72; clustered = 64; }; })' \
   "host studio: clustered budget 64 GiB is below the standalone budget of 72 GiB"
-for host in studio macbook; do
+for host in studio studio-b macbook; do
   if nix-instantiate --eval --strict --json \
        --expr "(import ./modules/policy.nix).checkedPolicy (import ./hosts).$host" >"$scratch/$host.json" &&
      nix-instantiate --eval --strict --json --expr \
@@ -160,6 +162,17 @@ if [ -n "${NIX_DARWIN_SRC:-}" ] && [ -n "${NIXPKGS_LIB:-}" ] &&
   nix eval --raw --file tests/pkg-eval.nix --arg nixpkgsLib "$NIXPKGS_LIB" report
   failed=$(nix-instantiate --eval --strict --json tests/pkg-eval.nix --arg nixpkgsLib "$NIXPKGS_LIB" -A failed)
   [ "$failed" = 0 ] || failures=$((failures + failed))
+  section "4c. every generated launchd job through the real CLI with --check (python/tests/test_darwin_commands.py)"
+  if "$py" -c 'import plimsoll, pytest' >/dev/null 2>&1; then
+    if NIX_DARWIN_SRC="$NIX_DARWIN_SRC" NIXPKGS_LIB="$NIXPKGS_LIB" \
+         "$py" -m pytest python/tests/test_darwin_commands.py -q -p no:cacheprovider; then
+      pass "python/tests/test_darwin_commands.py"
+    else
+      fail "python/tests/test_darwin_commands.py"
+    fi
+  else
+    echo "SKIP: no Python with plimsoll + pytest at '$py'"
+  fi
 else
   echo "SKIP: set NIX_DARWIN_SRC (a nix-darwin checkout) and NIXPKGS_LIB (a nixpkgs or nixpkgs.lib checkout)"
 fi
