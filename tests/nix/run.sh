@@ -158,10 +158,26 @@ if [ -n "${NIX_DARWIN_SRC:-}" ] && [ -n "${NIXPKGS_LIB:-}" ] &&
   nix eval --raw --file tests/darwin-eval.nix "${args[@]}" report
   failed=$(nix-instantiate --eval --strict --json tests/darwin-eval.nix "${args[@]}" -A failed)
   [ "$failed" = 0 ] || failures=$((failures + failed))
-  section "4b. pkgs/default.nix with nixpkgs' lib and a stub python3Packages"
+  section "4b. pkgs/default.nix with nixpkgs' lib and a stub nixpkgs (runtime-deps check, versions, wheels)"
   nix eval --raw --file tests/pkg-eval.nix --arg nixpkgsLib "$NIXPKGS_LIB" report
   failed=$(nix-instantiate --eval --strict --json tests/pkg-eval.nix --arg nixpkgsLib "$NIXPKGS_LIB" -A failed)
   [ "$failed" = 0 ] || failures=$((failures + failed))
+  # The messages a user meets (tryEval cannot see them): each names what to change.
+  expect_pkg_throw() { # attr expected-text
+    local out
+    if out=$(nix-instantiate --eval --strict --json tests/pkg-eval.nix --arg nixpkgsLib "$NIXPKGS_LIB" -A "$1" 2>&1); then
+      fail "pkg-eval $1: evaluated, expected a throw"
+    elif grep -qF -- "$2" <<<"$out"; then
+      pass "pkg-eval $1: $2"
+    else
+      fail "pkg-eval $1: the error does not say: $2"; printf '%s\n' "$out" | sed 's/^/     /'
+    fi
+  }
+  expect_pkg_throw oldStarlette.dependencies "python/pyproject.toml needs starlette>=0.37; nixpkgs' python3Packages.starlette is 0.36.3: update the nixpkgs input"
+  expect_pkg_throw noPrometheus.dependencies "python/pyproject.toml needs prometheus-client>=0.20, but python3Packages has no prometheus-client"
+  expect_pkg_throw oldTransformers.passthru.mlx-lm "the mlx-lm 0.32.2 wheel needs transformers>=5.7.0; nixpkgs' python3Packages.transformers is 4.57.1"
+  expect_pkg_throw darwin310.passthru.mlx.src.url "pkgs/mlx-wheels.json pins no mlx 0.32.4 wheel for cp310"
+  expect_pkg_throw linuxOldMlx.dependencies "the pinned mlx-lm 0.32.2 wheel needs mlx>=0.32.2; this mlx is 0.31.1"
   section "4c. every generated launchd job through the real CLI with --check (python/tests/test_darwin_commands.py)"
   if "$py" -c 'import plimsoll, pytest' >/dev/null 2>&1; then
     if NIX_DARWIN_SRC="$NIX_DARWIN_SRC" NIXPKGS_LIB="$NIXPKGS_LIB" \
