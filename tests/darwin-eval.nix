@@ -167,6 +167,7 @@ let
 
   cases =
     builtins.concatLists (lib.mapAttrsToList hostCases hosts)
+    ++ readmeCases
     ++ [
       (ok "broken host: a failed assertion names host, mode, budget, what it leaves and the floor"
         (builtins.elem
@@ -202,6 +203,36 @@ let
         (builtins.fromJSON (evalHost hosts.macbook).environment.etc."plimsoll/policy.json".text).modes.clustered
         { maxLocalLlmGb = 24; })
     ];
+
+  # The README's "On a Mac with nix-darwin" example, evaluated as written: its flake's
+  # outputs are called with nix-darwin's darwinSystem (the real eval-config) and this
+  # repository's module; it must describe the studio host exactly.
+  readme = builtins.readFile ../README.md;
+  readmeFlakeText =
+    let
+      section = builtins.elemAt (lib.splitString "### On a Mac with nix-darwin" readme) 1;
+      block = builtins.elemAt (lib.splitString "```" section) 1;
+    in
+    lib.replaceStrings [ "./hosts/" ] [ "${toString ../hosts}/" ] (lib.removePrefix "nix\n" block);
+  readmeFlake = import (builtins.toFile "readme-flake.nix" readmeFlakeText);
+  readmeSystem = (readmeFlake.outputs {
+    nix-darwin.lib.darwinSystem = { modules }: evalConfig {
+      inherit lib;
+      modules = modules ++ [ { _module.args.pkgs = lib.mkForce stubPkgs; } ];
+    };
+    plimsoll.darwinModules.default = ../modules/darwin.nix;
+  }).darwinConfigurations.studio.config;
+  readmeCases = [
+    (eq "README example: no failed assertions" (failedAssertions readmeSystem) [ ])
+    (eq "README example: its policy is hosts/studio.nix's (tests/expected/studio.json)"
+      (builtins.fromJSON readmeSystem.environment.etc."plimsoll/policy.json".text)
+      (builtins.fromJSON (builtins.readFile ./expected/studio.json)))
+    (eq "README example: the agent's command is the one the README shows"
+      (lib.last readmeSystem.launchd.user.agents.plimsoll-serve.serviceConfig.ProgramArguments)
+      "/bin/wait4path /nix/store && exec ${bin} serve --policy /etc/plimsoll/policy.json --admin-token-file /var/db/plimsoll/admin-token --mode standalone --cluster-rank 80:96:80 --cluster-rank 52:64:52")
+    (ok "README example: the README shows the daemon's command as generated"
+      (lib.hasInfix (lib.removePrefix "/bin/wait4path /nix/store && exec ${bin} " (lib.last readmeSystem.launchd.daemons.plimsoll-watch-link.serviceConfig.ProgramArguments)) readme))
+  ];
 
   results = map (c: { inherit (c) name ok; detail = if c.ok then "" else c.detail; }) cases;
   passed = builtins.length (builtins.filter (r: r.ok) results);
