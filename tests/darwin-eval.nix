@@ -246,6 +246,7 @@ let
     let config = evalHost decl; in {
       policy = config.environment.etc."plimsoll/policy.json".text;
       adminTokenFile = config.services.plimsoll.adminTokenFile;
+      activation = config.system.activationScripts.extraActivation.text;
       plimsoll = bin;
       jobs =
         lib.mapAttrs' (n: v: lib.nameValuePair "agent:${n}" v.serviceConfig.ProgramArguments)

@@ -134,3 +134,43 @@ def test_check_catches_a_job_that_cannot_start(commands, tmp_path):
            if a not in ("--admin-token-file", str(tmp_path / "admin-token"))]
     done = run_check(old)
     assert done.returncode == 2 and "--admin-token-file is required" in done.stdout
+
+
+def test_the_activation_creates_the_token_once(commands, tmp_path):
+    """The generated activation snippet, run by bash as nix-darwin's activate runs it. The
+    macOS-only steps (chown to root:wheel, chmod -N / +a for the ACL) go to a logging shim:
+    what is checked for real is the token's creation, its mode, and that it is kept."""
+    host = commands["studio"]
+    token = tmp_path / "db" / "plimsoll" / "admin-token"
+    script = host["activation"].replace(host["adminTokenFile"], str(token))
+    shim, log = tmp_path / "bin", tmp_path / "macos-only.log"
+    shim.mkdir()
+    for cmd, real in (("chown", None), ("chmod", shutil.which("chmod"))):
+        passthrough = f'exec {real} "$@"' if real else "exit 0"
+        (shim / cmd).write_text(
+            "#!/bin/sh\n"
+            f'case "$1" in +a|-N|root:wheel) echo "{cmd} $*" >>{log}; exit 0;; esac\n'
+            f"{passthrough}\n")
+        (shim / cmd).chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
+
+    def activate() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env,
+                              capture_output=True, text=True, timeout=30)
+
+    first = activate()
+    assert first.returncode == 0, first.stderr
+    assert "creating the admin token" in first.stderr
+    text = token.read_text()
+    assert len(text) == 64 and int(text, 16) >= 0  # 32 random bytes, hex, no newline
+    assert (token.stat().st_mode & 0o777) == 0o400
+    assert log.read_text().splitlines() == [
+        f"chown root:wheel {token}", f"chmod -N {token}", f"chmod +a user:alice allow read {token}"]
+
+    again = activate()  # a later switch keeps the token (both services hold it)
+    assert again.returncode == 0 and "creating" not in again.stderr
+    assert token.read_text() == text
+
+    token.chmod(0o600)
+    token.write_text("")  # an empty token is replaced
+    assert activate().returncode == 0 and len(token.read_text()) == 64
