@@ -126,12 +126,13 @@ def secret_file_findings(path: Path, what: str) -> list[Finding]:
 # ---- plimsoll serve --check -----------------------------------------------------------------
 
 
-def check_serve(*, policy_file: Path | None = None, admin_token_file: Path | None = None,
+def check_serve(parse_idle_ttls: Callable[..., Any], parse_cluster_ranks: Callable[..., Any], *,
+                policy_file: Path | None = None, admin_token_file: Path | None = None,
                 mode: str = "standalone", idle_ttls: tuple[str, ...] = (),
                 cluster_ranks: tuple[str, ...] = (), **_: Any) -> list[Finding]:
-    """What ``plimsoll serve`` with these arguments would meet at start."""
+    """What ``plimsoll serve`` with these arguments would meet at start. The command's own
+    parsers are passed in (``serve`` imports this module, never the reverse)."""
     from plimsoll.cli.common import UsageFailure
-    from plimsoll.cli.serve import parse_cluster_ranks, parse_idle_ttls
 
     pol, out = policy_findings(policy_file)
     if pol is not None:
