@@ -17,8 +17,8 @@ from plimsoll.core.model_facts import (
     ModelInspectionError,
     facts_from_config,
     inspect_model,
-    safetensors_tensor_bytes,
 )
+from plimsoll.core.safetensors_header import safetensors_tensor_bytes
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 KIB = 1024
@@ -185,11 +185,19 @@ def test_missing_dtype_assumes_float32_and_says_so():
     assert any("float32" in n for n in facts.notes)
 
 
-def test_mla_is_flagged():
+def test_mla_counts_the_latent_once():
+    """DeepSeek-V3's real dimensions: mlx-lm caches kv_lora_rank + qk_rope_head_dim a token
+    a layer (the latent and the rope key), 25 × less than 2 × heads × hidden/heads."""
     cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
            "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
+           "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
            "torch_dtype": "bfloat16"}
-    assert any("latent" in n for n in facts_from_config(cfg, 0).notes)
+    facts = facts_from_config(cfg, 0)
+    assert facts.kv_bytes_per_token == 61 * (512 + 64) * 2
+    assert facts.cache_kinds == ("latent",)
+    per_head = 2 * 61 * 128 * (7168 // 128) * 2
+    assert per_head / facts.kv_bytes_per_token == pytest.approx(24.9, abs=0.1)
+    assert any("expanded" in n for n in facts.notes)
 
 
 # ------------------------------------------------------------------ refusals
