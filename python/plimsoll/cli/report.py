@@ -43,6 +43,25 @@ def policy_summary(pol: Policy, source: str) -> str:
     return "\n".join(lines)
 
 
+def cache_lines(facts: ModelFacts) -> list[str]:
+    """One line per cache group: kind, layers, mlx-lm class, bytes and how they were derived."""
+    lines = []
+    for c in facts.caches:
+        size = (f"{c.state_bytes} B/seq" if c.kind == "state"
+                else f"{c.bytes_per_token} B/token" + (f", ≤ {c.max_tokens} tokens"
+                                                       if c.max_tokens else ""))
+        lines.append(f"    {c.kind:<8} {len(c.layers):>3} layer(s) {c.mlx_cache}: {size} a layer "
+                     f"({c.formula})")
+    return lines
+
+
+def capability_line(refusal) -> str:
+    """What ``plimsoll admit`` says about the engine serving the model's cache kinds."""
+    if refusal is None:
+        return "  engine          serves every cache kind of this model"
+    return f"  engine          REFUSE ({refusal.kind}): {refusal.message}"
+
+
 def admission_report(
     facts: ModelFacts, d: AdmissionDecision, model_dir: str, mode: str, sources: str
 ) -> str:
@@ -51,10 +70,12 @@ def admission_report(
         f"{verdict}: {model_dir} in {mode} mode",
         f"  inputs          {sources}",
         f"  architecture    {facts.model_type}: {facts.kv_layers} of {facts.num_layers} layers "
-        f"hold KV, {facts.num_key_value_heads} KV heads × head_dim {facts.head_dim}, "
-        f"{facts.kv_dtype}",
-        f"  KV per token    {d.kv_bytes_per_token} B = 2 × {facts.kv_layers} × "
-        f"{facts.num_key_value_heads} × {facts.head_dim} × {facts.kv_dtype_bytes}",
+        f"hold growing KV, caches {', '.join(facts.cache_kinds)}, KV {facts.kv_format}",
+        *cache_lines(facts),
+        f"  KV per token    {d.kv_bytes_per_token} B"
+        + (f" = 2 × {facts.kv_layers} × {facts.num_key_value_heads} × {facts.head_dim} × "
+           f"{facts.kv_dtype_bytes}" if facts.cache_kinds == ("kv",) and not facts.kv_bits
+           else " (the sum of the growing caches above)"),
         f"  block           {d.block_bytes} B = {d.block_tokens} tokens × KV per token"
         + (f"; {d.fixed_blocks_per_seq} fixed block(s)/seq for window/recurrent state"
            if d.fixed_blocks_per_seq else ""),

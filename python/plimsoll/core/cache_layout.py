@@ -66,6 +66,7 @@ class LayerCache(BaseModel):
     max_tokens: int | None = Field(default=None, gt=0)  # window / chunk cap
     keep: int = Field(default=0, ge=0)  # RotatingKVCache sink tokens (inside max_tokens)
     state_bytes: int = Field(default=0, ge=0)  # per layer, per sequence
+    state_slots: int = Field(default=0, ge=0)  # ArraysCache(size=…) arrays of the state
     mlx_cache: str  # mlx-lm's cache class for it (CacheList members named as such)
     formula: str  # how bytes_per_token / state_bytes were derived, for reports
 
@@ -290,8 +291,9 @@ def cache_layout(cfg: dict, num_layers: int, act_bytes: int, kv_bits: int | None
     kinds = _pattern_kinds(cfg, num_layers, notes)
     groups: dict[tuple, list[int]] = {}
 
-    def add(i: int, kind: str, bpt: int, cap: int | None, state: int, mlx: str, text: str):
-        groups.setdefault((kind, bpt, cap, state, mlx, text), []).append(i)
+    def add(i: int, kind: str, bpt: int, cap: int | None, state: int, mlx: str, text: str,
+            slots: int = 0):
+        groups.setdefault((kind, bpt, cap, state, slots, mlx, text), []).append(i)
 
     attention = window = chunk = recurrent = None
     if any("full" in k or k in ("sliding", "chunked") for k in kinds):
@@ -309,7 +311,8 @@ def cache_layout(cfg: dict, num_layers: int, act_bytes: int, kv_bits: int | None
         if "linear" in k and recurrent is not None:
             nbytes, slots, text = recurrent
             mlx = f"ArraysCache(size={slots})"
-            add(i, "state", 0, None, nbytes, "CacheList member " + mlx if "+" in k else mlx, text)
+            add(i, "state", 0, None, nbytes, "CacheList member " + mlx if "+" in k else mlx, text,
+                slots)
         if "full" in k:
             parts, mlx = attention
             mlx = "CacheList member KVCache" if "+" in k else mlx
@@ -321,8 +324,8 @@ def cache_layout(cfg: dict, num_layers: int, act_bytes: int, kv_bits: int | None
             add(i, "window" if k == "sliding" else "chunked", bpt, cap, 0, cls,
                 f"{text}, at most {cap} tokens")
     return tuple(LayerCache(kind=kind, layers=tuple(idx), bytes_per_token=bpt, max_tokens=cap,
-                            state_bytes=state, mlx_cache=mlx, formula=text)
-                 for (kind, bpt, cap, state, mlx, text), idx in groups.items())
+                            state_bytes=state, state_slots=slots, mlx_cache=mlx, formula=text)
+                 for (kind, bpt, cap, state, slots, mlx, text), idx in groups.items())
 
 
 def expanded_mla_bytes_per_token(cfg: dict, act_bytes: int) -> int | None:

@@ -101,6 +101,11 @@ class ModelFacts(BaseModel):
         return self
 
     @property
+    def kv_format(self) -> str:
+        """How K/V values are stored: ``q8`` / ``q4`` (quantized) or the float dtype."""
+        return f"q{self.kv_bits}" if self.kv_bits else self.kv_dtype
+
+    @property
     def cache_kinds(self) -> tuple[str, ...]:
         """The cache kinds this model holds, sorted ("kv", "latent", "state", "window", ...)."""
         return tuple(sorted({c.kind for c in self.caches})) if self.caches else ("kv",)
