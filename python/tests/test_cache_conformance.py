@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from families import FAMILIES, build_family, has_module
+from families import FAMILIES, has_module
 
 from plimsoll.core.model_facts import inspect_model
 
@@ -30,21 +30,6 @@ from mlx_lm.models import cache as C  # noqa: E402
 
 PROMPT = 299  # prefill; + one decode step = 300 tokens
 STEP = 256  # mlx-lm's KVCache / ChunkedKVCache growth step
-
-
-@pytest.fixture(scope="session")
-def family_dirs(tmp_path_factory):
-    from plimsoll.demo import tokenizer as tokenizer_build
-
-    tok = tokenizer_build.train_tokenizer(512)
-    root = tmp_path_factory.mktemp("families")
-    built: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in built:
-            built[name] = build_family(name, root / name, tok)
-        return built[name]
-    return get
 
 
 def _members(cache):
@@ -102,11 +87,11 @@ def _params_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_facts_match_mlx_lm_cache(name, family_dirs):
+def test_facts_match_mlx_lm_cache(name, family_dir):
     fam = FAMILIES[name]
     if not has_module(fam):
         pytest.skip(f"mlx-lm {mlx_lm.__version__} has no models/{fam.module}.py")
-    path = family_dirs(name)
+    path = family_dir(name)
     facts = inspect_model(path)
     model, _tok = mlx_lm.load(str(path))
     cache = C.make_prompt_cache(model)
@@ -120,8 +105,8 @@ def test_facts_match_mlx_lm_cache(name, family_dirs):
 
 
 @pytest.mark.parametrize("name,bits", [("llama", 8), ("qwen3", 4), ("qwen3_4bit", 8)])
-def test_quantized_kv_matches_mlx_lm(name, bits, family_dirs):
-    path = family_dirs(name)
+def test_quantized_kv_matches_mlx_lm(name, bits, family_dir):
+    path = family_dir(name)
     facts = inspect_model(path, kv_dtype=f"q{bits}")
     assert facts.kv_bits == bits
     model, _tok = mlx_lm.load(str(path))
@@ -133,10 +118,10 @@ def test_quantized_kv_matches_mlx_lm(name, bits, family_dirs):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_latent_matches_mlx_quantized_cache(bits, family_dirs):
+def test_quantized_latent_matches_mlx_quantized_cache(bits, family_dir):
     """MLA: mlx-lm's attention cannot read a QuantizedKVCache, so the latent + rope key of
     each layer are stored directly into one, as a quantizing engine would."""
-    path = family_dirs("deepseek_v3")
+    path = family_dir("deepseek_v3")
     facts = inspect_model(path, kv_dtype=f"q{bits}")
     tokens = PROMPT + 1
     held = 0
