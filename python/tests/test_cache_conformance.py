@@ -11,7 +11,7 @@ comparisons, each within 2 %:
 - physical: ``sum(c.nbytes)`` against the same layout at mlx-lm's allocation (KV arrays grow
   in steps of 256 tokens; a ChunkedKVCache regrows a step past its chunk after a trim).
 
-Also: the weights figure equals the bytes of the parameters ``mlx_lm.load`` keeps (MTP
+Also: greedy output varies (the family weights are scaled for it); the weights figure equals the bytes of the parameters ``mlx_lm.load`` keeps (MTP
 tensors dropped), and quantized KV (q8, q4) equals mlx-lm's QuantizedKVCache.
 """
 
@@ -102,6 +102,16 @@ def test_facts_match_mlx_lm_cache(name, family_dir):
     assert held == pytest.approx(formula, rel=0.02), (name, facts.caches)
     assert physical == pytest.approx(_allocated_bytes(facts, tokens), rel=0.02), name
     assert facts.weights_bytes == _params_bytes(model), name
+    assert len(set(_greedy(model, 16))) >= 6, name  # scaled weights: greedy output varies
+
+
+def _greedy(model, n: int) -> list[int]:
+    cache = C.make_prompt_cache(model)
+    logits, out = model(mx.array([[3, 17, 99, 250, 7, 41]]), cache=cache), []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits[0, -1]).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+    return out
 
 
 @pytest.mark.parametrize("name,bits", [("llama", 8), ("qwen3", 4), ("qwen3_4bit", 8)])

@@ -150,3 +150,15 @@ def test_proxy_refuses_before_evicting_anyone(tiny_model, family_dir, tmp_path):
         assert doc["footprint_bytes"] + a_bytes > 512 * 1024 * 1024
     finally:
         assert not p.stop()
+
+
+def test_admit_counts_quantized_kv_exactly_and_says_it_is_not_served(family_dir):
+    path = str(family_dir("llama"))  # 4 layers, 2 KV heads × head_dim 64, float32
+    plain = json.loads(_admit(path, "--json", "--block-tokens", "16").output)
+    q8 = json.loads(_admit(path, "--json", "--block-tokens", "16", "--kv-dtype", "q8").output)
+    q4 = json.loads(_admit(path, "--json", "--block-tokens", "16", "--kv-dtype", "q4").output)
+    per_vector = {8: 64 + 2 * 4, 4: 32 + 2 * 4}  # packed values + scale & bias (float32)
+    assert plain["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 4
+    assert q8["kv_bytes_per_token"] == 2 * 4 * 2 * per_vector[8]
+    assert q4["kv_bytes_per_token"] == 2 * 4 * 2 * per_vector[4]
+    assert q8["kv_dtype"] == "q8" and q8["unsupported"]["kind"] == "quantized-kv"
