@@ -11,7 +11,8 @@ comparisons, each within 2 %:
 - physical: ``sum(c.nbytes)`` against the same layout at mlx-lm's allocation (KV arrays grow
   in steps of 256 tokens; a ChunkedKVCache regrows a step past its chunk after a trim).
 
-Also: greedy output varies (the family weights are scaled for it); the weights figure equals the bytes of the parameters ``mlx_lm.load`` keeps (MTP
+Also: greedy output varies (the family weights are scaled for it); the weights figure
+equals the bytes of the parameters ``mlx_lm.load`` keeps (MTP
 tensors dropped), and quantized KV (q8, q4) equals mlx-lm's QuantizedKVCache.
 """
 
