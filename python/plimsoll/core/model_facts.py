@@ -177,13 +177,13 @@ def _kv_dtype(cfg: dict, explicit: str | None, notes: list[str]) -> str:
 
 
 def _num_layers(cfg: dict) -> int:
+    pattern = lookup(cfg, "hybrid_override_pattern")  # nemotron_h: mlx-lm counts the pattern
+    if isinstance(pattern, (str, list)) and pattern:
+        return len(pattern)
     for key in ("num_hidden_layers", "num_layers", "n_layer"):
         value = lookup(cfg, key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
-    pattern = lookup(cfg, "hybrid_override_pattern")  # nemotron_h may omit the count
-    if isinstance(pattern, (str, list)) and pattern:
-        return len(pattern)
     raise ModelInspectionError(f"config.json: `num_hidden_layers` is missing or not a positive "
                                f"integer (got {lookup(cfg, 'num_hidden_layers')!r}); add it (at "
                                "the top level or under text_config)")
