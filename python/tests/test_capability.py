@@ -68,6 +68,7 @@ def test_admit_reports_an_unsupported_kind_in_text_and_json(family_dir):
     path = family_dir("gemma3_text")
     text = _admit(str(path))
     assert text.exit_code == 3, text.output
+    assert text.output.startswith("REFUSE (engine)")
     assert "REFUSE (window)" in text.output and "RotatingKVCache" in text.output
     assert "window   " in text.output  # the per-cache breakdown
     out = _admit(str(path), "--json")

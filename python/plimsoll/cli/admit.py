@@ -99,9 +99,9 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
                                                              "message": refusal.message})
         click.echo(json.dumps(out, indent=2))
     else:
-        from .report import admission_report, capability_line
+        from .report import admission_report
 
-        click.echo(admission_report(facts, decision, str(model_dir), mode, figures.source))
-        click.echo(capability_line(refusal))
+        click.echo(admission_report(facts, decision, str(model_dir), mode, figures.source,
+                                    refusal))
     if not decision.admitted or refusal is not None:
         raise SystemExit(EXIT_REFUSED)

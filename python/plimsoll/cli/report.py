@@ -7,6 +7,7 @@ check the text without running a command.
 from __future__ import annotations
 
 from plimsoll.core.admission import AdmissionDecision
+from plimsoll.core.capability import Unsupported
 from plimsoll.core.model_facts import ModelFacts
 from plimsoll.core.policy import Policy
 from plimsoll.core.units import bytes_to_mib_floor, fmt_bytes, gib_to_bytes
@@ -55,7 +56,7 @@ def cache_lines(facts: ModelFacts) -> list[str]:
     return lines
 
 
-def capability_line(refusal) -> str:
+def capability_line(refusal: Unsupported | None) -> str:
     """What ``plimsoll admit`` says about the engine serving the model's cache kinds."""
     if refusal is None:
         return "  engine          serves every cache kind of this model"
@@ -63,9 +64,13 @@ def capability_line(refusal) -> str:
 
 
 def admission_report(
-    facts: ModelFacts, d: AdmissionDecision, model_dir: str, mode: str, sources: str
+    facts: ModelFacts, d: AdmissionDecision, model_dir: str, mode: str, sources: str,
+    refusal: Unsupported | None = None,
 ) -> str:
+    """The figures, one a line; ``refusal`` (the capability check) overrides the verdict."""
     verdict = {"admit": "ADMIT", "clamp": "ADMIT (clamped)", "refuse": "REFUSE"}[d.decision]
+    if refusal is not None:
+        verdict = "REFUSE (engine)"
     lines = [
         f"{verdict}: {model_dir} in {mode} mode",
         f"  inputs          {sources}",
@@ -98,4 +103,5 @@ def admission_report(
         f"{d.blocks_per_seq} blocks/seq",
     ]
     lines += [f"  - {r}" for r in d.reasons]
+    lines.append(capability_line(refusal))
     return "\n".join(lines)
