@@ -105,9 +105,9 @@ let
         description = "Largest output reservation a request may ask for (below `context`).";
       };
       kvDtype = lib.mkOption {
-        type = lib.types.enum [ "auto" "float16" "bfloat16" "float32" ];
+        type = lib.types.enum [ "auto" "float16" "bfloat16" "float32" "q8" "q4" ];
         default = kvDtype;
-        description = "KV cache dtype; `auto` uses the model's.";
+        description = "KV cache dtype; `auto` uses the model's; `q8`/`q4`: quantized KV (groups of 64, scales + biases).";
       };
       sharded = lib.mkOption {
         type = lib.types.bool;
