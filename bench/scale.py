@@ -31,6 +31,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -109,6 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--ready-timeout", type=float, default=300.0)
     a("--request-timeout", type=float, default=300.0)
     a("--min-available-gib", type=float, default=1.5)
+    a("--deadline-s", type=float, help="start no server after this many seconds from the start "
+      "(less --min-group-s): the run ends with what it measured")
+    a("--min-group-s", type=float, default=45.0)
     a("--out-dir", type=Path, default=HERE / "results")
     a("--log-dir", type=Path, default=HERE / "out")
     a("--render", type=Path, metavar="JSON", help="only redo the markdown of an earlier JSON")
@@ -170,7 +174,9 @@ def served_model(base_url: str, model_dir: Path) -> str:
 
 
 def run_group(label: str, template: str, phases: list[str], args, work, facts,
-              gpu: Gpu | None) -> dict:
+              gpu: Gpu | None, out: dict) -> dict:
+    """Start one server, run ``phases`` on it, stop it; figures go into ``out`` as they come
+    (a run interrupted by SIGTERM still writes what it had)."""
     port = free_port()
     values = {"python": sys.executable, "model": str(args.model), "host": HOST,
               "port": str(port), "plimsoll": shutil.which("plimsoll")
@@ -180,11 +186,12 @@ def run_group(label: str, template: str, phases: list[str], args, work, facts,
     server = ServerProcess(label, argv, env, port,
                            args.log_dir / f"{label}-{'-'.join(phases)}-{port}.log")
     baseline = gpu.total_used() if gpu and gpu.present else None
-    out: dict = {"label": label, "phases": phases, "argv": argv, "log": str(server.log_path),
-                 "loadavg_start": os.getloadavg(), "gpu_used_before": baseline, "results": {}}
+    out |= {"label": label, "phases": phases, "argv": argv, "log": str(server.log_path),
+            "loadavg_start": os.getloadavg(), "gpu_used_before": baseline, "results": {}}
     print(f"[{label}] {'+'.join(phases)}: starting {shlex.join(argv)}", flush=True)
     t0 = time.perf_counter()
     server.start()
+    LIVE.append(server)
     mem = memory_sampler(server, args.sample_interval, int(args.min_available_gib * 2**30),
                          gpu, baseline).start()
     status = None
@@ -225,6 +232,7 @@ def run_group(label: str, template: str, phases: list[str], args, work, facts,
         if status is not None:
             status.stop()
         out["stop"] = server.stop()
+        LIVE.remove(server)
         out["aborted"] = server.aborted
         out["peaks"] = mem.overall_peaks()
         out["wall_s"] = time.perf_counter() - t0
@@ -255,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         write(json.loads(args.render.read_text()), args.render.parent, args.name)
         return 0
+    signal.signal(signal.SIGTERM, _interrupt)  # so every server is stopped on the way out
     args.model = args.model.resolve()
     facts = inspect_model(args.model)
     t0 = time.perf_counter()
@@ -277,17 +286,44 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth": bandwidth, "order": order, "source_sha256": work["source_sha256"],
         "groups": [],
     }
-    for phases in groups(args):
-        group = {"phases": phases, "servers": {}}
-        result["groups"].append(group)
-        for label in order:
-            template = args.anchor_cmd if label == "anchor" else \
-                candidate_template(args, phases[0])
-            group["servers"][label] = run_group(label, template, phases, args, work, facts,
-                                                gpu)
-            write(result, args.out_dir, args.name)
-    ok = all(not s.get("error") for g in result["groups"] for s in g["servers"].values())
+    try:
+        for phases in groups(args):
+            group = {"phases": phases, "servers": {}}
+            result["groups"].append(group)
+            for label in order:
+                left = args.deadline_s - (time.perf_counter() - t0) if args.deadline_s else None
+                if left is not None and left < args.min_group_s:
+                    group["servers"][label] = {"label": label, "phases": phases, "results": {},
+                                               "error": f"skipped: {left:.0f} s left of "
+                                               f"--deadline-s {args.deadline_s:.0f}"}
+                    print(f"[{label}] {'+'.join(phases)}: skipped ({left:.0f} s left)",
+                          flush=True)
+                    continue
+                template = args.anchor_cmd if label == "anchor" else \
+                    candidate_template(args, phases[0])
+                group["servers"][label] = {}
+                run_group(label, template, phases, args, work, facts, gpu,
+                          group["servers"][label])
+                write(result, args.out_dir, args.name)
+    except KeyboardInterrupt:
+        result["interrupted"] = f"after {time.perf_counter() - t0:.0f} s"
+        print(f"interrupted {result['interrupted']}; writing what was measured", flush=True)
+    finally:
+        write(result, args.out_dir, args.name)
+    ok = not result.get("interrupted") and all(
+        not s.get("error") for g in result["groups"] for s in g["servers"].values())
     return 0 if ok else 1
+
+
+LIVE: list[ServerProcess] = []  # started and not yet stopped
+
+
+def _interrupt(signum, frame) -> None:
+    # Kill the live server first: threads blocked on its requests then fail at once instead
+    # of holding the interpreter's exit until their deadlines.
+    for server in list(LIVE):
+        server.kill_now(f"scale.py got signal {signum}")
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

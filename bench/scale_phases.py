@@ -16,7 +16,12 @@ from typing import Any
 
 import httpx
 from harness_server import Sampler, ServerProcess
-from harness_workload import agentic_session, concurrent_streams, local_prompt_counter, single_decode
+from harness_workload import (
+    agentic_session,
+    concurrent_streams,
+    local_prompt_counter,
+    single_decode,
+)
 from scale_probe import counter_deltas, get_status, memory_figure
 from scale_work import sub_body, timed_stream, user_body
 

@@ -1,4 +1,4 @@
-"""Measurements around the servers for bench/scale.py: memory samplers, status fields, copy bandwidth.
+"""Measurements for bench/scale.py: memory samplers, status fields, copy bandwidth.
 
 Memory is sampled from outside the server, the same way for both servers in one run:
 
