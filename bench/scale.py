@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": {"cpus": os.cpu_count(), "total_ram": psutil.virtual_memory().total,
                  "python": sys.version.split()[0], "mlx": _version("mlx"),
-                 "mlx_lm": _version("mlx-lm"), "gpu": gpu.present,
+                 "mlx_lm": _version("mlx-lm"), "gpu": gpu.present and gpu.source,
                  "ld_preload": server_env(args.preload).get("LD_PRELOAD")},
         "model": {"dir": str(args.model), **facts.model_dump()},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

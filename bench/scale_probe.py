@@ -4,11 +4,11 @@ Memory is sampled from outside the server, the same way for both servers in one 
 
 - ``rss``: RSS of the server's process tree (psutil; a launch wrapper and its worker
   together), with the harness's host-memory floor guard (:func:`harness_server.rss_sampler`);
-- ``gpu_proc``: on a machine with ``nvidia-smi``, the used GPU memory of the compute
-  processes whose pid is in the server's tree (MLX's CUDA allocator, cache included);
-- ``gpu_used``: the whole GPU's used memory less its reading before the server started
-  (the fallback when the container's pids do not match the ones nvidia-smi reports; only one
-  server runs at a time, so the difference is that server).
+- ``gpu_used`` (the headline on a GPU): the whole GPU's used memory (NVML in process, else
+  ``nvidia-smi``) less its reading before the server started; one server runs at a time, so
+  the difference is that server (MLX's CUDA allocator, its cache and the CUDA context);
+- ``gpu_proc``: the used GPU memory of the compute processes whose pid is in the server's
+  tree (``nvidia-smi``, once a second; absent where the container's pids do not match).
 
 Plimsoll's ``GET /v1/plimsoll/status`` is read defensively: every numeric field is flattened
 (``mlx.active_bytes`` ...) and the fields the report uses are looked up by suffix, so the
@@ -19,11 +19,13 @@ script works with the current worker and with the block-paged engine's new field
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import httpx
@@ -96,12 +98,37 @@ def get_status(base_url: str, path: str) -> dict | None:
     return None
 
 
-class Gpu:
-    """``nvidia-smi`` readings: used memory of given pids, and of the whole GPU (bytes)."""
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong),
+                ("used", ctypes.c_ulonglong)]
 
-    def __init__(self, index: int = 0) -> None:
-        self.index = index
-        self.present = shutil.which("nvidia-smi") is not None and self.total_used() is not None
+
+class Gpu:
+    """GPU memory readings (bytes): the whole device's used memory through NVML (in process,
+    cheap enough to sample every 0.1 s) or ``nvidia-smi``; the used memory of given pids
+    through ``nvidia-smi`` (a subprocess, so at most once per ``proc_every_s``)."""
+
+    def __init__(self, index: int = 0, proc_every_s: float = 1.0) -> None:
+        self.index, self.proc_every_s = index, proc_every_s
+        self._nvml = self._handle = None
+        self._last_proc, self._procs = 0.0, {}
+        self.smi = shutil.which("nvidia-smi") is not None
+        with contextlib.suppress(Exception):  # no driver library: nvidia-smi or nothing
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            handle = ctypes.c_void_p()
+            if lib.nvmlInit_v2() == 0 and lib.nvmlDeviceGetHandleByIndex_v2(
+                    index, ctypes.byref(handle)) == 0:
+                self._nvml, self._handle = lib, handle
+        self.present = self.total_used() is not None
+        self.source = "nvml" if self._nvml_used() is not None else "nvidia-smi"
+
+    def _nvml_used(self) -> int | None:
+        if self._nvml is None:
+            return None
+        mem = _NvmlMemory()
+        if self._nvml.nvmlDeviceGetMemoryInfo(self._handle, ctypes.byref(mem)) != 0:
+            return None
+        return int(mem.used)
 
     def _query(self, *args: str) -> list[list[str]] | None:
         try:
@@ -112,17 +139,28 @@ class Gpu:
         return [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
 
     def total_used(self) -> int | None:
+        if (used := self._nvml_used()) is not None:
+            return used
+        if not self.smi:
+            return None
         rows = self._query("--query-gpu=memory.used", f"--id={self.index}")
         with contextlib.suppress(TypeError, ValueError, IndexError):
             return int(float(rows[0][0]) * MIB)
         return None
 
     def by_pid(self) -> dict[int, int]:
+        if not self.smi:
+            return {}
+        now = time.monotonic()
+        if now - self._last_proc < self.proc_every_s:
+            return self._procs
+        self._last_proc = now
         rows = self._query("--query-compute-apps=pid,used_memory") or []
         out: dict[int, int] = {}
         for row in rows:
             with contextlib.suppress(ValueError, IndexError):
                 out[int(row[0])] = out.get(int(row[0]), 0) + int(float(row[1]) * MIB)
+        self._procs = out
         return out
 
 
@@ -156,13 +194,14 @@ def memory_sampler(server: ServerProcess, interval: float, min_available: int,
 
 
 def memory_figure(peaks: dict, source: str) -> tuple[float | None, str]:
-    """The peak the report divides by "needed": per-process GPU memory, else the GPU's used
-    memory less the baseline, else the tree's RSS."""
+    """The peak the report divides by "needed": the GPU's used memory less its reading before
+    the server started (one server at a time; sampled fast), else the server's processes'
+    GPU memory (nvidia-smi, sampled once a second), else the tree's RSS."""
     if source in ("auto", "gpu"):
+        if peaks.get("gpu_used"):
+            return peaks["gpu_used"], "GPU used − its reading before the server started"
         if peaks.get("gpu_proc"):
             return peaks["gpu_proc"], "nvidia-smi per-process"
-        if peaks.get("gpu_used"):
-            return peaks["gpu_used"], "nvidia-smi GPU used − baseline"
         if source == "gpu":
             return None, "no GPU reading"
     return peaks.get("rss"), "RSS of the process tree"
