@@ -73,7 +73,7 @@ def _tokenizer_module():
     try:
         from plimsoll import tokenizer_build
     except ImportError:  # the layout issue may move it
-        from plimsoll.demo import tokenizer_build  # type: ignore[no-redef]
+        from plimsoll.demo import tokenizer as tokenizer_build  # type: ignore[no-redef]
     return tokenizer_build
 
 

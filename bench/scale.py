@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", type=Path, required=True)
+    a("--model", type=Path, help="the model directory (required unless --render)")
     a("--name", required=True, help="output base name: bench/results/NAME.{json,md}")
     a("--phases", default=",".join(ALL_PHASES),
       help=f"comma-separated, run in this order (default {','.join(ALL_PHASES)})")
@@ -117,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--log-dir", type=Path, default=HERE / "out")
     a("--render", type=Path, metavar="JSON", help="only redo the markdown of an earlier JSON")
     args = p.parse_args(argv)
+    if args.model is None and args.render is None:
+        p.error("--model is required")
     args.streams = [int(x) for x in str(args.streams).split(",") if x.strip()]
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     known = {"agentic", "decode", "stall", "subagents", *(f"streams{n}" for n in args.streams)}

@@ -143,9 +143,10 @@ def stall(ctx: Ctx) -> dict:
                                ctx.eos(user_body(ctx.model, p, args.stall_stream_tokens)),
                                deadline, stop, started[i], 8)
                    for i, p in enumerate(ctx.work["stall_streams"])]
-        t_wait = time.perf_counter()
-        for ev in started:
-            ev.wait(timeout=max(1.0, args.request_timeout - (time.perf_counter() - t_wait)))
+        t_wait = time.perf_counter()  # until every stream has tokens (or has failed)
+        while time.perf_counter() - t_wait < args.request_timeout and not all(
+                ev.is_set() or f.done() for ev, f in zip(started, futures, strict=True)):
+            time.sleep(0.05)
         warm = all(ev.is_set() for ev in started)
         time.sleep(args.stall_lead_s)  # a steady decode rhythm before the newcomer
         newcomer = timed_stream(ctx.url, user_body(ctx.model, ctx.work["stall_prompt"],

@@ -142,6 +142,9 @@ def _sub_figures(sub: dict[str, dict], kvpt: int) -> dict:
 
     f["sub_together_prompt_tokens"] = _pair(sub, usage("prompt_tokens"))
     f["sub_together_cached_tokens"] = _pair(sub, usage("cached_tokens"))
+    f["sub_together_prefill_tokens_from_usage"] = _pair(sub, lambda r: sum(
+        (q.get("prompt_tokens") or 0) - (q.get("cached_tokens") or 0)
+        for q in _dig(r, ("together", "requests")) or []) or None)
     f["sub_together_zero_cached_requests"] = _pair(sub, lambda r: sum(
         1 for q in _dig(r, ("together", "requests")) or [] if not q.get("cached_tokens")))
     f["sub_together_status_deltas"] = _pair(sub, g("together", "status_deltas"))
