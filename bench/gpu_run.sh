@@ -54,7 +54,7 @@ timeout -k 30 "$left" "$PY" bench/scale.py --model "$MODEL" --name "$NAME" \
   --turns 12 --tool-tokens 2400 --decode-tokens 256 --streams 8,32 --stream-tokens 256 \
   --stall-streams 4 --stall-prompt-tokens 31500 --stall-stream-tokens 2048 \
   --sub-agents 8 --sub-prefix-tokens 16000 --sub-task-tokens 500 --sub-max-tokens 32 \
-  --copy-gib 4 --mem-source auto --sample-interval 0.1 --ready-timeout 150 \
+  --warmup-tokens 1024 --copy-gib 4 --mem-source auto --sample-interval 0.1 --ready-timeout 150 \
   --request-timeout 120 --deadline-s $(( left - 15 )) --min-group-s 45 ${EXTRA:-} \
   2>&1 | tee "$OUT/logs/$NAME.log"
 rc=${PIPESTATUS[0]}

@@ -42,7 +42,7 @@ from harness_server import HOST, ServerProcess, free_port, has_status, render
 from scale_phases import Ctx, run_phase
 from scale_probe import Gpu, copy_bandwidth, memory_sampler, status_sampler
 from scale_report import markdown, summarise
-from scale_work import accepts_ignore_eos, build
+from scale_work import accepts_ignore_eos, build, timed_stream, user_body
 
 try:  # the module may move (layout issue); look in the old and the likely new home
     from plimsoll.model_facts import inspect_model
@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--turns", type=int, default=12)
     a("--tool-tokens", type=int, default=2400, help="tokens of tool output per agentic turn")
     a("--agentic-max-tokens", type=int, default=16)
+    a("--warmup-tokens", type=int, default=0, help="prompt tokens of a warm-up request sent "
+      "to every fresh server before its phases (0: a 2-token one only)")
     a("--decode-tokens", type=int, default=256)
     a("--decode-prompt-tokens", type=int, default=64)
     a("--streams", default="8,32", help="stream counts: phases streamsN")
@@ -115,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--min-group-s", type=float, default=45.0)
     a("--out-dir", type=Path, default=HERE / "results")
     a("--log-dir", type=Path, default=HERE / "out")
+    a("--note", action="append", default=[], help="a line for the report (repeatable)")
     a("--render", type=Path, metavar="JSON", help="only redo the markdown of an earlier JSON")
     args = p.parse_args(argv)
     if args.model is None and args.render is None:
@@ -208,6 +211,11 @@ def run_group(label: str, template: str, phases: list[str], args, work, facts,
         t = time.perf_counter()
         eos = args.ignore_eos and accepts_ignore_eos(server.base_url, model,
                                                      args.request_timeout)
+        if work.get("warmup_prompt"):
+            warm = timed_stream(server.base_url, user_body(model, work["warmup_prompt"], 4),
+                                args.request_timeout)
+            out["warmup_long"] = {"ttft_s": warm.get("ttft_s"), "error": warm.get("error"),
+                                  "prompt_tokens": warm.get("prompt_tokens")}
         out |= {"warmup_s": time.perf_counter() - t, "ignore_eos": eos, "model_id": model}
         print(f"[{label}] ready in {out['ready_s']:.1f} s, warm-up {out['warmup_s']:.1f} s, "
               f"status: {status is not None}, ignore_eos: {eos}", flush=True)
@@ -263,7 +271,9 @@ def _version(name: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render:
-        write(json.loads(args.render.read_text()), args.render.parent, args.name)
+        result = json.loads(args.render.read_text())
+        result["notes"] = result.get("notes", []) + args.note
+        write(result, args.render.parent, args.name)
         return 0
     signal.signal(signal.SIGTERM, _interrupt)  # so every server is stopped on the way out
     args.model = args.model.resolve()
@@ -285,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                  "ld_preload": server_env(args.preload).get("LD_PRELOAD")},
         "model": {"dir": str(args.model), **facts.model_dump()},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "bandwidth": bandwidth, "order": order, "source_sha256": work["source_sha256"],
+        "notes": args.note, "bandwidth": bandwidth, "order": order,
+        "source_sha256": work["source_sha256"],
         "groups": [],
     }
     try:

@@ -202,9 +202,10 @@ def markdown(result: dict) -> str:
              f"Model {m['dir']}: weights {m['weights_bytes'] / GiB:.2f} GiB, KV "
              f"{m['kv_bytes_per_token'] / 1024:.1f} KiB/token.",
              f"Copy bandwidth ({bw.get('device')}, {(bw.get('array_bytes') or 0) / GiB:.2f} GiB "
-             f"array): best {(bw.get('best_bytes_per_s') or 0) / 1e12:.3f} TB/s, median "
-             f"{(bw.get('median_bytes_per_s') or 0) / 1e12:.3f} TB/s"
+             f"array): best {(bw.get('best_bytes_per_s') or 0) / 1e9:.1f} GB/s, median "
+             f"{(bw.get('median_bytes_per_s') or 0) / 1e9:.1f} GB/s"
              + (f" (error: {bw['error']})" if bw.get("error") else "") + ".", "",
+             *[f"Note: {n}" for n in result.get("notes", [])], "",
              "## Figures (ratio = candidate ÷ anchor)", "",
              "| figure | anchor | candidate | ratio |", "|---|---|---|---|"]
     for key, val in s["figures"].items():

@@ -47,6 +47,8 @@ def build(args, tokenizer_json) -> dict:
     src = SourceText(tokenizer_json, files=FILES)
     phases = set(args.phases)
     work: dict = {"source_sha256": src.digest}
+    if args.warmup_tokens:  # a longer first request: kernels for long prefills get built
+        work["warmup_prompt"] = "Warm-up. Read this code:\n" + src.take(args.warmup_tokens)
     if "agentic" in phases:
         work["tool_outputs"] = [src.take_file(args.tool_tokens) for _ in range(args.turns)]
     if "decode" in phases:
