@@ -70,10 +70,10 @@ def pad_tokenizer(path: Path, vocab_size: int) -> int:
 
 
 def _tokenizer_module():
-    try:
-        from plimsoll import tokenizer_build
-    except ImportError:  # the layout issue may move it
-        from plimsoll.demo import tokenizer as tokenizer_build  # type: ignore[no-redef]
+    try:  # the layout of issue 13 moved it
+        from plimsoll.demo import tokenizer as tokenizer_build
+    except ImportError:
+        from plimsoll import tokenizer_build  # type: ignore[no-redef]
     return tokenizer_build
 
 

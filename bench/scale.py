@@ -44,10 +44,10 @@ from scale_probe import Gpu, copy_bandwidth, memory_sampler, status_sampler
 from scale_report import markdown, summarise
 from scale_work import accepts_ignore_eos, build, timed_stream, user_body
 
-try:  # the module may move (layout issue); look in the old and the likely new home
-    from plimsoll.model_facts import inspect_model
-except ImportError:  # pragma: no cover
+try:  # the layout of issue 13 moved it; the old home still works before that
     from plimsoll.core.model_facts import inspect_model
+except ImportError:  # pragma: no cover
+    from plimsoll.model_facts import inspect_model
 
 HERE = Path(__file__).resolve().parent
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
