@@ -6,7 +6,7 @@ max_position_embeddings 40960, bf16 — weights 7.49 GiB, KV 144 KiB per token. 
 is too big to carry to a machine with no network, and random weights are generated there
 faster than they could be copied.
 
-The tokenizer is plimsoll's locally trained byte-level BPE (:mod:`plimsoll.tokenizer_build`,
+The tokenizer is plimsoll's locally trained byte-level BPE (:mod:`plimsoll.demo.tokenizer`,
 ``--tokenizer-vocab`` tokens, the chat template with tools), its vocabulary then padded with
 ``<|pad_N|>`` entries up to the model's 151936 ids: every id the model can emit decodes (the
 padding is unreachable from text, so encoding is unchanged).
