@@ -225,10 +225,11 @@ def run_group(label: str, template: str, phases: list[str], args, work, facts,
                 out["results"][phase] = {"error": server.aborted or "server exited"}
                 continue
             t = time.perf_counter()
+            ctx.partial = out["results"][phase] = {}
             try:
                 out["results"][phase] = run_phase(ctx, phase)
             except Exception as err:  # record it: the other phases and server still run
-                out["results"][phase] = {"error": f"{type(err).__name__}: {err}"}
+                out["results"][phase] = ctx.partial | {"error": f"{type(err).__name__}: {err}"}
                 print(f"[{label}] {phase} error: {err}", flush=True)
             out["results"][phase]["phase_s"] = time.perf_counter() - t
         if status is not None:

@@ -37,7 +37,7 @@ class Ctx:
     work: dict
     facts: Any
     ignore_eos: bool
-    log: list[str] = field(default_factory=list)
+    partial: dict = field(default_factory=dict)  # the running phase's figures so far
 
     @property
     def url(self) -> str:
@@ -91,6 +91,8 @@ def agentic(ctx: Ctx) -> dict:
                     record[f"{key}_over_needed"] = record[key] / record["needed"]
         if ctx.server.aborted:
             record["error"] = record.get("error") or ctx.server.aborted
+        ctx.partial.setdefault("turns", []).append(
+            {k: v for k, v in record.items() if k != "text"})  # kept if the run is cut short
         mem = record.get("mem_peak") or 0
         ctx.say(f"agentic turn {turn}: prompt {record.get('prompt_tokens')} cached "
                 f"{record.get('cached_tokens')} TTFT {_f(record.get('ttft_s'))} s peak "
@@ -198,7 +200,7 @@ def subagents(ctx: Ctx) -> dict:
         with ThreadPoolExecutor(len(tasks)) as pool:
             return list(pool.map(lambda t: one(system, t, barrier), tasks))
 
-    out: dict = {}
+    out = ctx.partial  # filled as it goes: a run cut short keeps the finished parts
     before = ctx.snapshot()
     ctx.mark()
     alone = one(sub["alone"][0], sub["alone"][1][0])
