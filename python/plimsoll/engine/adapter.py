@@ -63,6 +63,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 from mlx_lm.models import base as _mlx_base
 from mlx_lm.models.cache import ArraysCache, KVCache, create_attention_mask
 from mlx_lm.sample_utils import apply_top_p
@@ -191,6 +192,30 @@ class _Seq:
     key: mx.array | None
     generated: int = 1
     ahead: bool = False  # the KV of ``pending`` is in a step queued by the last step()
+    constraint: object | None = None  # a TokenConstraint (engine/work.py): masks each sample
+
+
+def _constrained(seqs: list[_Seq], logits: mx.array) -> mx.array:
+    """``logits`` with the tokens each row's constraint forbids at -inf (rows without one,
+    or whose constraint allows anything, untouched). The mask is padded with False or cut to
+    the logits' width (a model's vocabulary may be wider than its tokenizer's)."""
+    masks = [None if s.constraint is None else s.constraint.allowed() for s in seqs]
+    if all(m is None for m in masks):
+        return logits
+    width = logits.shape[-1]
+    rows = np.ones((len(seqs), width), dtype=bool)
+    for i, m in enumerate(masks):
+        if m is not None:
+            rows[i] = False
+            rows[i, :min(width, len(m))] = m[:width]
+    return mx.where(mx.array(rows), logits, mx.array(-mx.inf, logits.dtype))
+
+
+def _advance(seqs: list[_Seq], tokens: list[int]) -> None:
+    """Tell each constrained sequence the token it sampled."""
+    for s, t in zip(seqs, tokens, strict=True):
+        if s.constraint is not None:
+            s.constraint.advance(t)
 
 
 def _slots(caches: list) -> list[SlotKV]:
@@ -345,7 +370,7 @@ class Engine:
 
     def add(self, seq_id, prompt: list[int], max_tokens: int, prefix: Prefix | int | None = None,
             *, temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-            keep_prefix: bool = False) -> AddResult:
+            keep_prefix: bool = False, constraint: object | None = None) -> AddResult:
         """Admit ``seq_id``: size its KV to ``prompt + max_tokens``, prefill, sample token 1.
 
         With ``prefix``, the first :meth:`reusable_tokens` of the prompt are taken
@@ -354,10 +379,10 @@ class Engine:
         """
         with mx.stream(self._stream):
             return self._add(seq_id, prompt, max_tokens, prefix, temperature, top_p, seed,
-                             keep_prefix)
+                             keep_prefix, constraint)
 
     def _add(self, seq_id, prompt, max_tokens, prefix, temperature, top_p, seed,
-             keep_prefix) -> AddResult:
+             keep_prefix, constraint=None) -> AddResult:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already running")
         if not prompt or max_tokens < 1:
@@ -377,7 +402,8 @@ class Engine:
                 self._move(src, caches, reused)
         rest = prompt[reused:]
         key = mx.random.key(seed) if seed is not None else None
-        seq = _Seq(seq_id, caches, capacity, list(prompt[:reused]), -1, temperature, top_p, key)
+        seq = _Seq(seq_id, caches, capacity, list(prompt[:reused]), -1, temperature, top_p, key,
+                   constraint=constraint)
         self._seqs[seq_id] = seq
         try:
             for start in range(0, len(rest) - 1, self.prefill_step):
@@ -389,6 +415,7 @@ class Engine:
             logits = self.model(mx.array(rest[-1:])[None], cache=caches)[:, -1, :]
             seq.tokens.append(rest[-1])
             token = self._sample([seq], logits)[0]
+            _advance([seq], [token])
         except Exception:
             del self._seqs[seq_id]
             raise
@@ -411,6 +438,7 @@ class Engine:
 
     def _pick(self, seqs: list[_Seq], logits: mx.array) -> mx.array:
         """Sampled tokens, shape (B,), still lazy."""
+        logits = _constrained(seqs, logits)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if all(s.temperature == 0 for s in seqs):
             return mx.argmax(logprobs, axis=-1)
@@ -495,7 +523,8 @@ class Engine:
         order = ready + fresh
         tokens = parts[0] if len(parts) == 1 else mx.concatenate(parts)
         self._ahead = None
-        speculate = self.pipeline and all(self._written(s) < s.capacity for s in order)
+        speculate = self.pipeline and all(self._written(s) < s.capacity for s in order) \
+            and not any(s.constraint is not None for s in order)  # next mask needs the token
         for s in order:
             s.tokens.append(s.pending)
             s.ahead = False
@@ -504,6 +533,7 @@ class Engine:
             mx.async_eval(nxt)
             self._ahead = (order, nxt)
         values = tokens.tolist()
+        _advance(order, values)
         for s, t in zip(order, values, strict=True):
             s.pending = t
             s.generated += 1

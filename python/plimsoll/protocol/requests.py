@@ -146,16 +146,28 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # accepted, ignored (we add no padding)
 
 
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: enforced by constrained decoding (strict or not)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    model_config = ConfigDict(strict=True, extra="ignore")  # the type decides; say so
+    """``text``, ``json_object`` (any JSON object) or ``json_schema``: the last two are
+    enforced token by token (:mod:`plimsoll.constrain`)."""
 
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value: str) -> str:
-        return _must_be(value, "text", 'only {"type": "text"} is supported; remove '
-                        "response_format (no constrained decoding here)")
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('send json_schema ({"name", "schema", "strict"}) with type '
+                             '"json_schema", and only then')
+        return self
 
 
 # --- the requests -------------------------------------------------------------------------
@@ -209,7 +221,8 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``.
 
     ``tool_choice: "required"`` and a named function are passed to the template (a named
-    choice renders only that tool), but not enforced by constrained decoding.
+    choice renders only that tool) and enforced by constrained decoding: the output is one
+    call in the model's tool-call markup whose arguments match the tool's parameters.
     """
 
     messages: list[ChatMessage] = Field(min_length=1)

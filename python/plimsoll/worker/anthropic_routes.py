@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from plimsoll import protocol as P
 from plimsoll.protocol import anthropic as A
+from plimsoll.protocol import structured
 from plimsoll.web.body import read_body
 from plimsoll.worker import submit as W
 
@@ -58,6 +59,10 @@ async def _prompt(request: Request, parse: Any) -> tuple[Any, list[int]] | JSONR
     return req, prompt
 
 
+def _constraint(state: Any, req: Any) -> Any:
+    return W.make_constraint(state, structured.anthropic_spec(req))
+
+
 async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's tokens through the chat template."""
     got = await _prompt(request, A.parse_count_tokens)
@@ -76,8 +81,13 @@ async def messages(request: Request) -> Response:
     cfg = state.cfg
     if err := W.check_reservation(state, len(prompt), req.max_tokens, "messages"):
         return protocol_error(err)
+    try:
+        constraint = await run_in_threadpool(_constraint, state, req)
+    except P.ProtocolError as err:
+        return protocol_error(err)
     first, queue, gen = await W.submit(request, prompt, req.max_tokens,
-                                       temperature=req.temperature, top_p=req.top_p)
+                                       temperature=req.temperature, top_p=req.top_p,
+                                       constraint=constraint)
     if first is None:
         return Response(status_code=499)
     if isinstance(first, Refused):

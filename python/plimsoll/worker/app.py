@@ -31,6 +31,7 @@ from starlette.routing import Route
 from plimsoll import protocol as P
 from plimsoll.engine.pool import KVPool
 from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
+from plimsoll.protocol import structured
 from plimsoll.web.body import read_body
 from plimsoll.web.errors import no_route_handler
 from plimsoll.worker.config import WorkerConfig
@@ -42,7 +43,7 @@ from .scheduler import (
     SchedulerLimits,
     Started,
 )
-from .submit import check_reservation, events, submit
+from .submit import check_reservation, events, make_constraint, submit
 
 log = logging.getLogger("plimsoll.worker")
 NO_ROUTE = no_route_handler("this worker serves POST /v1/chat/completions, /v1/completions, "
@@ -75,6 +76,8 @@ async def generate(request: Request, kind: P.Kind) -> Response:
     render = P.render_chat if kind == "chat" else P.render_completion
     try:
         prompt = await run_in_threadpool(render, state.tokenizer, req)
+        spec = structured.chat_spec(req) if kind == "chat" else None
+        constraint = await run_in_threadpool(make_constraint, state, spec)
     except P.ProtocolError as err:
         return protocol_error(err)
     max_tokens = req.max_output_tokens or cfg.default_max_tokens
@@ -82,7 +85,7 @@ async def generate(request: Request, kind: P.Kind) -> Response:
                                 "messages" if kind == "chat" else "prompt"):
         return protocol_error(err)
     first, queue, gen = await submit(request, prompt, max_tokens, temperature=req.temperature,
-                                     top_p=req.top_p, seed=req.seed)
+                                     top_p=req.top_p, seed=req.seed, constraint=constraint)
     if first is None:
         return Response(status_code=499)
     if isinstance(first, Refused):
@@ -247,7 +250,8 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
                "block_bytes": eng.facts.kv_bytes_per_token * cfg.block_tokens,
                "kv_bytes_per_token": eng.facts.kv_bytes_per_token,
                "applied_limits": loaded["applied"], "engine_memory": eng.memory,
-               "rss": lambda: proc.memory_info().rss, "guard": self_guard}
+               "rss": lambda: proc.memory_info().rss, "guard": self_guard,
+               "constrained_decoding": True}
     finally:
         await run_in_threadpool(sched.stop)
 

@@ -46,7 +46,7 @@ class Token:
 
 @dataclass(frozen=True)
 class Finished:
-    reason: str  # "length" | "eos" | "cancelled"
+    reason: str  # "length" | "eos" | "stop" (constraint done) | "cancelled"
     completion_tokens: int
 
 
@@ -70,6 +70,7 @@ class GenRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    constraint: Any = None  # a TokenConstraint (engine/work.py): masks every sampled token
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
     deadline: float = 0.0
@@ -265,8 +266,10 @@ class Scheduler:
         for handle in plan.evict:
             self.engine.drop_prefix(handle)
         try:
+            extra = {"constraint": req.constraint} if req.constraint is not None else {}
             res = self.engine.add(req.id, req.prompt, req.max_tokens, prefix=plan.prefix,
-                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                  **extra)
         except Exception as err:
             self.pool.release(req.id)
             log.exception("prefill failed")
@@ -286,6 +289,8 @@ class Scheduler:
         generated = self.engine.generated(req.id)
         if token in self.eos_ids:
             self._finish(req, "eos")
+        elif req.constraint is not None and req.constraint.done():
+            self._finish(req, "stop")
         elif generated >= req.max_tokens:
             self._finish(req, "length")
 

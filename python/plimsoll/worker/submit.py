@@ -33,8 +33,32 @@ def check_reservation(state: Any, prompt_tokens: int, max_tokens: int,
                               prompt_param=prompt_param)
 
 
+def make_constraint(state: Any, spec: Any) -> Any:
+    """The engine constraint for ``spec`` (None for none), built with this worker's
+    :class:`~plimsoll.constrain.Constrainer` (made on first use: a token trie of the
+    vocabulary). A backend without the hook (``constrained_decoding`` unset: the clustered
+    ring) refuses with a 400 rather than answering unconstrained."""
+    if spec is None:
+        return None
+    if not getattr(state, "constrained_decoding", False):
+        raise P.ProtocolError(400, "Structured output and forced tool choices need constrained "
+                              "decoding, which this (clustered) worker does not run; drop "
+                              "response_format / the forced tool_choice.",
+                              code="constraint_unsupported")
+    from plimsoll import constrain
+
+    if getattr(state, "constrainer", None) is None:
+        state.constrainer = constrain.Constrainer(state.tokenizer)
+    if spec.kind == "tool_call" and state.constrainer.markup is None:
+        return None  # a format we cannot force: rendered, parsed, not enforced (logged once)
+    try:
+        return state.constrainer.constraint(spec)
+    except constrain.SpecError as e:
+        raise P.ProtocolError(400, f"{e}; simplify the schema.", code="invalid_schema") from e
+
+
 async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
-                 top_p: float, seed: int | None = None
+                 top_p: float, seed: int | None = None, constraint: Any = None
                  ) -> tuple[Started | Refused | None, asyncio.Queue, GenRequest]:
     """Hand a request to the scheduler; wait for admission (Started) or a Refused.
 
@@ -44,7 +68,7 @@ async def submit(request: Request, prompt: list[int], max_tokens: int, *, temper
     queue: asyncio.Queue = asyncio.Queue()
     gen = GenRequest(prompt=prompt, max_tokens=max_tokens,
                      sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
-                     temperature=temperature, top_p=top_p, seed=seed)
+                     temperature=temperature, top_p=top_p, seed=seed, constraint=constraint)
     request.app.state.scheduler.submit(gen)
     return await next_event(queue, request, gen), queue, gen
 
@@ -72,7 +96,7 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
             if isinstance(ev, Token):
                 yield assembler.feed(ev.token_id)
             elif isinstance(ev, Finished):
-                yield assembler.close("stop" if ev.reason == "eos" else "length")
+                yield assembler.close("stop" if ev.reason in ("eos", "stop") else "length")
             elif isinstance(ev, Refused):
                 yield ev
                 return
