@@ -33,6 +33,7 @@ from plimsoll.web.errors import error_body, is_anthropic, no_route_handler
 
 from .. import protocol as P
 from ..protocol import anthropic as A
+from ..protocol import responses_events as RE
 from . import admin
 from . import dashboard as dash  # GET /, GET /dashboard.json
 from . import metrics as M  # the request/event observer
@@ -44,7 +45,8 @@ from .supervisor import Supervisor
 
 EXIT_WAIT_S = 0.5
 NO_ROUTE = no_route_handler("this proxy serves POST /v1/chat/completions, /v1/completions, "
-                            "/v1/messages, /v1/messages/count_tokens and GET /v1/models")
+                            "/v1/responses, /v1/messages, /v1/messages/count_tokens and GET "
+                            "/v1/models")
 STATUS_TIMEOUT_S = 2.0
 
 
@@ -126,13 +128,17 @@ async def lost_reason(lease: Lease, err: Exception) -> str:
             f"during this request{why}; retry: the next request starts it again")
 
 
-async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = False
-                ) -> AsyncIterator[bytes]:
+async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = False,
+                responses: bool = False) -> AsyncIterator[bytes]:
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
     except httpx.HTTPError as err:
         body = error_body(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
+        if responses:  # the Responses API's typed error event; no [DONE]
+            yield RE.sse_event({"type": "error", "sequence_number": 0, "code": "worker_lost",
+                                "message": body["error"]["message"], "param": None})
+            return
         if anthropic:  # Anthropic's streams end at the error event; no [DONE]
             yield A.sse_event(body)
             return
@@ -173,7 +179,9 @@ async def generate(request: Request) -> Response:
     ctype = upstream.headers.get("content-type", "application/json")
     headers = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
     if ctype.startswith("text/event-stream"):
-        return PassThrough(relay(upstream, lease, anthropic=anthropic), upstream.status_code,
+        return PassThrough(relay(upstream, lease, anthropic=anthropic,
+                                 responses=request.url.path == "/v1/responses"),
+                           upstream.status_code,
                            media_type=ctype, headers={"Cache-Control": "no-cache", **headers})
     try:
         content = await upstream.aread()
@@ -300,6 +308,7 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
         routes=[
             Route("/v1/chat/completions", ME.observed(generate), methods=["POST"]),
             Route("/v1/completions", ME.observed(generate), methods=["POST"]),
+            Route("/v1/responses", ME.observed(generate), methods=["POST"]),  # Responses API
             Route("/v1/messages", ME.observed(generate), methods=["POST"]),  # Anthropic
             Route("/v1/messages/count_tokens", generate, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),

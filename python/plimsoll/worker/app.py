@@ -36,30 +36,27 @@ from plimsoll.web.body import read_body
 from plimsoll.web.errors import no_route_handler
 from plimsoll.worker.config import WorkerConfig
 
-from . import anthropic_routes
+from . import anthropic_routes, responses_routes
 from .scheduler import (
     Refused,
     Scheduler,
     SchedulerLimits,
     Started,
 )
-from .submit import check_reservation, events, make_constraint, submit
+from .submit import (
+    check_reservation,
+    error,
+    events,
+    make_constraint,
+    protocol_error,
+    submit,
+)
 
 log = logging.getLogger("plimsoll.worker")
 NO_ROUTE = no_route_handler("this worker serves POST /v1/chat/completions, /v1/completions, "
-                            "/v1/messages, /v1/messages/count_tokens and GET /v1/models, "
+                            "/v1/responses, /v1/messages, /v1/messages/count_tokens and GET "
+                            "/v1/models, "
                             "/health, /v1/plimsoll/status")
-
-
-def error(status: int, message: str, *, code: str | None = None, param: str | None = None,
-          retry_after: int | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(P.error_body(status, message, param=param, code=code), status,
-                        headers=headers)
-
-
-def protocol_error(err: P.ProtocolError) -> JSONResponse:
-    return JSONResponse(err.body(), err.status)
 
 
 async def generate(request: Request, kind: P.Kind) -> Response:
@@ -282,6 +279,7 @@ def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/v1/plimsoll/status", status, methods=["GET"]),
             *anthropic_routes.ROUTES,  # POST /v1/messages, /v1/messages/count_tokens
+            *responses_routes.ROUTES,  # POST /v1/responses
         ],
         exception_handlers={404: NO_ROUTE, 405: NO_ROUTE},
         lifespan=lifespan,

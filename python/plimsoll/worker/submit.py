@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from plimsoll import protocol as P
 from plimsoll.worker.config import WorkerConfig
@@ -31,6 +32,18 @@ def check_reservation(state: Any, prompt_tokens: int, max_tokens: int,
                                param="max_tokens", code="max_tokens_too_large")
     return P.context_overflow(state.native_max_context, cfg.context, prompt_tokens, max_tokens,
                               prompt_param=prompt_param)
+
+
+def error(status: int, message: str, *, code: str | None = None, param: str | None = None,
+          retry_after: int | None = None) -> JSONResponse:
+    """An OpenAI-shaped error response (``Retry-After`` when given)."""
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(P.error_body(status, message, param=param, code=code), status,
+                        headers=headers)
+
+
+def protocol_error(err: P.ProtocolError) -> JSONResponse:
+    return JSONResponse(err.body(), err.status)
 
 
 def make_constraint(state: Any, spec: Any) -> Any:

@@ -1,0 +1,291 @@
+"""``POST /v1/responses`` request bodies (the OpenAI Responses API), strict, and their
+translation onto the chat path.
+
+A Responses request is validated here, then turned into the equivalent
+:class:`~.requests.ChatCompletionRequest` (:func:`to_chat`): ``instructions`` a system
+message, ``input`` items chat messages (a ``function_call`` an assistant tool call, a
+``function_call_output`` a tool message), flat function tools nested as chat tools,
+``text.format`` a ``response_format``. From there the prompt is rendered by the model's
+chat template and the output assembled (tool calls parsed) exactly as for chat, so there
+is one pipeline.
+
+Fields real clients send that change nothing here are accepted and ignored, each named
+with its reason in :data:`IGNORED` (Codex CLI sends ``include``, ``prompt_cache_key``,
+``store: false``, ``parallel_tool_calls``, ``reasoning``, ``text``); every other unknown
+field is refused by name, as on the chat routes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .requests import _INT64, MAX_TOKENS_LIMIT, ChatCompletionRequest, _must_be, _Strict
+
+log = logging.getLogger("plimsoll.worker")
+
+IGNORED: dict[str, str] = {
+    "include": "asks for extra output parts (encrypted reasoning, logprobs, search sources); "
+               "this worker produces none of them, so there is nothing to add",
+    "prompt_cache_key": "a routing hint for a hosted prompt cache; the worker's prefix cache "
+                        "matches on the prompt's tokens by itself",
+    "prompt_cache_retention": "the hosted prompt cache's lifetime; the prefix cache here is "
+                              "bounded by the pool, not by time",
+    "reasoning": "effort and summary hints for reasoning models; the chat template decides "
+                 "whether the model thinks, and no reasoning summary is produced",
+    "service_tier": "a hosted service's priority class; this worker has one",
+    "user": "an end-user id for a hosted service's abuse monitoring",
+    "safety_identifier": "an end-user id for a hosted service's abuse monitoring",
+    "client_metadata": "a client's own tags for the request; nothing here reads them",
+    "max_tool_calls": "a cap on hosted tool calls; the model's calls are returned, none run here",
+    "truncation": "the context is never truncated here: an over-long prompt is a 400 with the "
+                  "figures (as 'disabled', the API default)",
+    "stream_options": "only include_obfuscation, padding this worker never adds",
+    "top_logprobs": "log probabilities are not returned (0 is what the SDK sends)",
+}
+"""Accepted-and-ignored top-level fields of ``/v1/responses``, each with why it is safe."""
+_logged: set[str] = set()
+
+
+def _log_ignored(names: list[str]) -> None:
+    for name in names:
+        if name not in _logged:
+            _logged.add(name)
+            log.info("responses: ignoring field %r (%s); logged once", name, IGNORED[name])
+
+
+# --- input items --------------------------------------------------------------------------
+
+class ContentPart(_Strict):
+    """Text content: ``input_text`` (user, system), ``output_text`` (a replayed answer)."""
+
+    type: Literal["input_text", "output_text", "text", "summary_text"]
+    text: str
+    annotations: list[Any] | None = None  # echoed back on replayed output_text; ignored
+    logprobs: list[Any] | None = None
+
+
+def _parts(value: Any) -> Any:
+    if isinstance(value, str):
+        return [{"type": "input_text", "text": value}]
+    if isinstance(value, list):
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text", "summary_text"):
+                raise ValueError(f"content part type {kind!r} is not supported here; send text "
+                                 '(a string or {"type": "input_text", "text": ...} parts)')
+    return value
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None  # Codex tags replayed assistant text; ignored
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        return _parts(value)
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        return _parts(value)
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.output)
+
+
+class ReasoningItem(_Strict):
+    """A replayed reasoning item: dropped (its text, if any, is not shown to the model)."""
+
+    model_config = _Strict.model_config | {"extra": "ignore"}
+    type: Literal["reasoning"]
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+_ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem,
+               "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+
+
+# --- tools and formats --------------------------------------------------------------------
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> TextFormat:
+        if self.type == "json_schema" and (self.schema_ is None or not self.name):
+            raise ValueError('type "json_schema" needs name and schema')
+        return self
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: str | None = None  # a length hint for hosted models; ignored
+
+
+class ResponsesRequest(_Strict):
+    """``POST /v1/responses``."""
+
+    model: str | None = None
+    input: list[InputItem] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # echoed; several calls are always parsed
+    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None  # echoed back in the response
+    background: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            found = [k for k in data if k in IGNORED]
+            _log_ignored(found)
+            data = {k: v for k, v in data.items() if k not in IGNORED}
+        return data
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [{"type": "message", "role": "user", "content": value}]
+        if not isinstance(value, list):
+            raise ValueError("input must be a string or a list of items")
+        out = []
+        for i, item in enumerate(value):
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind not in _ITEM_TYPES:
+                raise ValueError(f"item {i} has type {kind!r}; this worker takes message, "
+                                 "function_call, function_call_output (and reasoning, ignored)")
+            out.append(_ITEM_TYPES[kind].model_validate(item))
+        return out
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, value: Any) -> Any:
+        for i, tool in enumerate(value if isinstance(value, list) else []):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(f"tool {i} has type {kind!r}; only function tools run here "
+                                 "(hosted tools such as web_search are not available)")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, value: Any) -> Any:
+        if value in ("auto", "none", "required"):
+            return value
+        if isinstance(value, dict) and value.get("type") == "function" and isinstance(
+                value.get("name"), str) and set(value) <= {"type", "name"}:
+            return value
+        raise ValueError('tool_choice must be "auto", "none", "required" or '
+                         '{"type": "function", "name": ...}')
+
+    @field_validator("background")
+    @classmethod
+    def _foreground(cls, value: bool) -> bool:
+        return _must_be(value, False, "background responses are not supported; send false")
+
+
+def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Input items as chat messages: consecutive function calls (and the assistant text
+    before them) become one assistant message with ``tool_calls``."""
+    out: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, MessageItem):
+            out.append({"role": item.role, "content": item.text})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+    return out
+
+
+def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request this Responses request means, after ``history`` (the stored
+    conversation of ``previous_response_id``); raises pydantic's ValidationError."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else [])
+    messages += history + chat_messages(req.input)
+    body: dict[str, Any] = {"messages": messages, "stream": req.stream,
+                            "temperature": req.temperature, "top_p": req.top_p,
+                            "seed": req.seed, "max_tokens": req.max_output_tokens}
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": t.model_dump(
+            exclude_none=True, exclude={"type"})} for t in req.tools]
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        body["tool_choice"] = choice if isinstance(choice, str) else {
+            "type": "function", "function": {"name": choice["name"]}}
+    fmt = req.text.format if req.text else None
+    if fmt is not None and fmt.type != "text":
+        body["response_format"] = {"type": fmt.type} if fmt.type == "json_object" else {
+            "type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_,
+                                                   "strict": fmt.strict}}
+    return ChatCompletionRequest.model_validate(body)
+
+
+def conversation(chat: ChatCompletionRequest, instructions: str | None) -> list[dict[str, Any]]:
+    """The chat messages to store for a follow-up: all but the instructions (the API does
+    not carry ``instructions`` over to a ``previous_response_id`` request)."""
+    msgs = [m.model_dump(exclude_none=True, include={"role", "content", "tool_calls",
+                                                     "tool_call_id", "name"})
+            for m in chat.messages]
+    for m in msgs:
+        if "content" in m:
+            m["content"] = "".join(p["text"] for p in m["content"])
+    return msgs[1:] if instructions else msgs

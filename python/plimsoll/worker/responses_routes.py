@@ -1,0 +1,162 @@
+"""The worker's OpenAI Responses API: ``POST /v1/responses``, streamed (typed SSE events)
+or not.
+
+The chat request path under another shape: the body is validated
+(:mod:`plimsoll.protocol.responses_request`), turned into the equivalent chat request
+(after the stored conversation of ``previous_response_id``), rendered by the model's chat
+template, checked against the reservation and the context, constrained where
+``text.format`` or a forced ``tool_choice`` asks, and generated through the same
+scheduler and :class:`~plimsoll.protocol.TextAssembler` (tool calls parsed) as
+``/v1/chat/completions``; the builder of :mod:`plimsoll.protocol.responses_events` turns the
+deltas into output items. Refusals are OpenAI-shaped errors; a missing
+``previous_response_id`` is a 404 ``previous_response_not_found``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from plimsoll import protocol as P
+from plimsoll.protocol import responses_events as E
+from plimsoll.protocol import responses_request as R
+from plimsoll.protocol import structured
+from plimsoll.protocol.parse import _from_validation, validate_body
+from plimsoll.web.body import read_body
+
+from . import submit as W
+from .scheduler import Refused, Started
+
+STORE_CAP = 256
+"""Responses kept for ``previous_response_id`` (their conversations; LRU beyond this)."""
+
+
+def store(state: Any) -> E.ResponseStore:
+    if getattr(state, "response_store", None) is None:
+        state.response_store = E.ResponseStore(STORE_CAP)
+    return state.response_store
+
+
+def _echo(req: R.ResponsesRequest, model: str, max_tokens: int) -> dict[str, Any]:
+    fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) \
+        if req.text and req.text.format else {"type": "text"}
+    return {"model": model, "instructions": req.instructions,
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "max_output_tokens": max_tokens, "previous_response_id": req.previous_response_id,
+            "store": req.store, "temperature": req.temperature, "top_p": req.top_p,
+            "text": {"format": fmt}, "truncation": "disabled", "metadata": req.metadata or {},
+            "reasoning": {"effort": None, "summary": None}, "user": None}
+
+
+def _prepare(state: Any, req: R.ResponsesRequest) -> tuple[Any, list[int], Any]:
+    """On a thread: the chat request, its prompt ids and its constraint (or raise 400/404)."""
+    history: list[dict[str, Any]] = []
+    if req.previous_response_id is not None:
+        found = store(state).get(req.previous_response_id)
+        if found is None:
+            raise P.ProtocolError(404, f"Previous response with id {req.previous_response_id!r} "
+                                  f"not found (this worker keeps the last {STORE_CAP} stored "
+                                  "responses, in memory): send the whole conversation in input "
+                                  "instead.", param="previous_response_id",
+                                  code="previous_response_not_found",
+                                  type="invalid_request_error")
+        history = found
+    try:
+        chat = R.to_chat(req, history)
+    except ValidationError as e:
+        raise _from_validation(e, R.ResponsesRequest) from e
+    prompt = P.render_chat(state.tokenizer, chat)
+    try:
+        spec = structured.chat_spec(chat)
+    except P.ProtocolError as err:
+        if err.param and err.param.startswith("response_format"):
+            err.param = "text.format.schema"
+            err.message = err.message.replace("response_format.json_schema.schema",
+                                              "text.format.schema")
+        raise
+    return chat, prompt, W.make_constraint(state, spec)
+
+
+async def responses(request: Request) -> Response:
+    state = request.app.state
+    cfg = state.cfg
+    raw = await read_body(request)
+    if isinstance(raw, P.ProtocolError):
+        return W.protocol_error(raw)
+    req = validate_body(R.ResponsesRequest, raw)
+    if isinstance(req, P.ProtocolError):
+        return W.protocol_error(req)
+    if err := P.check_model(req.model, cfg.model_name):
+        return W.protocol_error(err)
+    try:
+        chat, prompt, constraint = await run_in_threadpool(_prepare, state, req)
+    except P.ProtocolError as err:
+        return W.protocol_error(err)
+    max_tokens = req.max_output_tokens or cfg.default_max_tokens
+    if err := W.check_reservation(state, len(prompt), max_tokens, "input"):
+        return W.protocol_error(err)
+    first, queue, gen = await W.submit(request, prompt, max_tokens, temperature=req.temperature,
+                                       top_p=req.top_p, seed=req.seed, constraint=constraint)
+    if first is None:
+        return Response(status_code=499)
+    if isinstance(first, Refused):
+        return W.error(first.status, first.message, code=first.code,
+                       retry_after=first.retry_after)
+    assembler = P.TextAssembler.for_request(state.tokenizer, chat, max_tokens)
+    builder = E.ResponseBuilder(_echo(req, cfg.model_name, max_tokens))
+    stream = W.events(queue, request, gen, assembler)
+    if req.stream:
+        return StreamingResponse(_sse(state, req, chat, first, stream, assembler, builder),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    async for item in stream:
+        if isinstance(item, Refused):
+            return W.error(item.status, item.message, code=item.code)
+        builder.feed(item)
+    if not assembler.done:  # the client left
+        return Response(status_code=499)
+    result = assembler.result()
+    _remember(state, req, chat, builder, result)
+    return JSONResponse(builder.final(result, _usage(first, assembler)))
+
+
+def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
+    return E.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
+
+
+def _remember(state: Any, req: R.ResponsesRequest, chat: Any, builder: E.ResponseBuilder,
+              result: P.Assembled) -> None:
+    if req.store:
+        store(state).put(builder.id, [*R.conversation(chat, req.instructions),
+                                      E.assistant_message(result)])
+
+
+async def _sse(state: Any, req: R.ResponsesRequest, chat: Any, first: Started,
+               stream: AsyncIterator, assembler: P.TextAssembler, builder: E.ResponseBuilder
+               ) -> AsyncIterator[bytes]:
+    for event in builder.start():
+        yield E.sse_event(event)
+    async for item in stream:
+        if isinstance(item, Refused):
+            yield E.sse_event(builder.fail(item.code, item.message))
+            return
+        for event in builder.feed(item):
+            yield E.sse_event(event)
+    if not assembler.done:
+        return
+    result = assembler.result()
+    _remember(state, req, chat, builder, result)
+    for event in builder.finish(result, _usage(first, assembler)):
+        yield E.sse_event(event)
+
+
+ROUTES = [Route("/v1/responses", responses, methods=["POST"])]
+"""Append to the worker's routes: ``routes=[..., *responses_routes.ROUTES]``."""
