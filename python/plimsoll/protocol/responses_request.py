@@ -46,6 +46,19 @@ IGNORED: dict[str, str] = {
     "top_logprobs": "log probabilities are not returned (0 is what the SDK sends)",
 }
 """Accepted-and-ignored top-level fields of ``/v1/responses``, each with why it is safe."""
+IGNORED_TOOLS: dict[str, str] = {
+    "web_search": "a hosted tool the API runs itself; nothing here runs it, so the model is "
+                  "not offered it",
+    "web_search_preview": "a hosted tool (as web_search)",
+    "file_search": "a hosted tool over the API's vector stores, which do not exist here",
+    "code_interpreter": "a hosted sandbox; nothing here runs it",
+    "image_generation": "a hosted image model; nothing here runs it",
+    "namespace": "a group of tools whose calls carry a namespace this worker's tool-call "
+                 "parser does not produce; the group is left out of the prompt (Codex sends "
+                 "its sub-agent tools so)",
+}
+"""Tool types left out of the prompt (not refused), each with why; any other non-function
+type is refused by name."""
 _logged: set[str] = set()
 
 
@@ -54,6 +67,13 @@ def _log_ignored(names: list[str]) -> None:
         if name not in _logged:
             _logged.add(name)
             log.info("responses: ignoring field %r (%s); logged once", name, IGNORED[name])
+
+
+def _log_ignored_tool(kind: str) -> None:
+    if f"tool:{kind}" not in _logged:
+        _logged.add(f"tool:{kind}")
+        log.info("responses: leaving tools of type %r out of the prompt (%s); logged once",
+                 kind, IGNORED_TOOLS[kind])
 
 
 # --- input items --------------------------------------------------------------------------
@@ -212,12 +232,20 @@ class ResponsesRequest(_Strict):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, value: Any) -> Any:
-        for i, tool in enumerate(value if isinstance(value, list) else []):
+        if not isinstance(value, list):
+            return value
+        kept = []
+        for i, tool in enumerate(value):
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise ValueError(f"tool {i} has type {kind!r}; only function tools run here "
-                                 "(hosted tools such as web_search are not available)")
-        return value
+            if kind in IGNORED_TOOLS:
+                _log_ignored_tool(kind)
+            elif kind != "function":
+                raise ValueError(f"tool {i} has type {kind!r}; only function tools are offered "
+                                 f"to the model here (and {', '.join(sorted(IGNORED_TOOLS))} "
+                                 "are left out)")
+            else:
+                kept.append(tool)
+        return kept
 
     @field_validator("tool_choice")
     @classmethod
