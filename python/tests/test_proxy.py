@@ -354,3 +354,17 @@ def test_the_anthropic_client_works_through_the_proxy(proxy):
     assert text == "".join(b.text for b in msg.content if b.type == "text")  # greedy, same
     n = client.messages.count_tokens(model="c", messages=[{"role": "user", "content": "hi"}])
     assert n.input_tokens > 0
+
+
+def test_the_responses_api_works_through_the_proxy(proxy):
+    c = proxy.client()
+    r = c.responses.create(model="c", input="hello", max_output_tokens=4, temperature=0)
+    assert r.model == "c" and r.output[0].type == "message" and r.usage.output_tokens <= 4
+    events = list(c.responses.create(model="c", input="hello", max_output_tokens=4,
+                                     temperature=0, stream=True))
+    assert events[0].type == "response.created"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.output_text == r.output_text  # greedy, relayed unchanged
+    follow = c.responses.create(model="c", input="and then?", previous_response_id=r.id,
+                                max_output_tokens=2)
+    assert follow.usage.input_tokens > r.usage.input_tokens
