@@ -42,6 +42,8 @@ BASES: dict[str, dict[str, Any]] = {
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
     "/v1/messages": {"model": MODEL, "messages": MSG, "max_tokens": 2},
     "/v1/messages/count_tokens": {"model": MODEL, "messages": MSG},
+    "/v1/responses": {"model": MODEL, "max_output_tokens": 2, "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]},
 }
 ROUTES = list(BASES)
 FIELDS: dict[str, list[tuple]] = {
@@ -63,6 +65,11 @@ FIELDS: dict[str, list[tuple]] = {
     "/v1/messages/count_tokens": [
         ("messages",), ("messages", 0, "content"), ("model",), ("system",), ("tools",),
         ("tool_choice",), ("thinking",)],
+    "/v1/responses": [
+        ("input",), ("input", 0), ("input", 0, "role"), ("input", 0, "content"),
+        ("input", 0, "type"), ("model",), ("instructions",), ("max_output_tokens",),
+        ("temperature",), ("top_p",), ("stream",), ("tools",), ("tool_choice",), ("text",),
+        ("previous_response_id",), ("store",), ("reasoning",), ("include",), ("metadata",)],
 }
 HTTP = settings(max_examples=40, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
