@@ -7,8 +7,12 @@ engine) → a :class:`TextAssembler` fed each generated id → the builders of
 :mod:`.responses` (and :func:`sse` for streams). Every refusal is a
 :class:`ProtocolError` in the OpenAI error shape.
 
-May import: nothing of plimsoll (pure; pydantic only). The HTTP edge around it is
-:mod:`plimsoll.web`.
+The Responses API (``/v1/responses``) is :mod:`.responses_request` (its bodies, turned into
+chat requests) and :mod:`.responses_events` (its objects, typed events and bounded store);
+:mod:`.structured` maps a request to the constrained-decoding spec it forces, if any.
+
+May import: :mod:`plimsoll.constrain` (grammar specs; pure) and nothing else of plimsoll
+(pydantic, jsonschema). The HTTP edge around it is :mod:`plimsoll.web`.
 """
 
 from .assembler import (

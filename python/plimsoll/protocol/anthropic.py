@@ -189,7 +189,7 @@ class Tool(_Strict):
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted; calls are parsed, not constrained
+    strict: bool | None = None  # accepted; a forced tool_choice constrains its input anyway
     eager_input_streaming: bool | None = None  # accepted; each call's input is one delta
 
     @model_validator(mode="before")
@@ -288,7 +288,7 @@ class _Conversation(_Strict):
         """Tools to render and parse, in the function shape (None with ``"none"``).
 
         ``any`` and a named ``tool`` are passed to the template (a named choice renders only
-        that tool) but not enforced by constrained decoding.
+        that tool) and enforced by constrained decoding (plimsoll.protocol.structured).
         """
         if not self.tools or (self.tool_choice and self.tool_choice.type == "none"):
             return None

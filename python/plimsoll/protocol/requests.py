@@ -5,7 +5,8 @@ Strict by design (as simonw/llm's option models): unknown fields are refused by 
 not a number), so a client bug is a 400 that names the field instead of a surprise.
 A few fields clients send out of habit are accepted and ignored when harmless (``user``,
 ``parallel_tool_calls``, ``n: 1``, zero penalties, ``response_format: text``,
-``logprobs: false``); their other values are refused with what is supported. JSON
+``logprobs: false``); their other values are refused with what is supported (the JSON
+``response_format`` types are enforced by constrained decoding). JSON
 ``null`` means "absent" everywhere.
 
 Normalisation happens here, once: message ``content`` is always a list of text parts,
