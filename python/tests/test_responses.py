@@ -191,3 +191,21 @@ def test_store_is_bounded_lru():
     assert store.get("b") is None and store.get("a") is not None and len(store) == 2
     with pytest.raises(ValueError):
         ResponseStore(cap=0)
+
+
+def test_instructions_and_opening_developer_messages_become_one_system_message():
+    from plimsoll.protocol import responses_request as R
+
+    req = R.ResponsesRequest.model_validate({"instructions": "Be brief.", "input": [
+        {"type": "message", "role": "developer", "content": "You are Codex."},
+        {"role": "system", "content": [{"type": "input_text", "text": "Sandbox: off."}]},
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "done"}]})
+    chat = R.to_chat(req, [])
+    roles = [m.role for m in chat.messages]
+    assert roles == ["system", "user", "assistant", "tool"]
+    assert chat.messages[0].text == "Be brief.\n\nYou are Codex.\n\nSandbox: off."
+    assert chat.messages[2].tool_calls[0].id == "c1" and chat.messages[3].text == "done"
+    kept = R.conversation(req, [])
+    assert [m["role"] for m in kept] == ["developer", "system", "user", "assistant", "tool"]

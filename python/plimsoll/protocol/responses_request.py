@@ -284,11 +284,23 @@ def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     return out
 
 
+def _one_system(instructions: str | None, messages: list[dict[str, Any]]
+                ) -> list[dict[str, Any]]:
+    """``instructions`` and the system/developer messages that open the conversation as one
+    system message (Codex opens with two developer messages; many chat templates take one
+    system message, first)."""
+    head = [instructions] if instructions else []
+    i = 0
+    while i < len(messages) and messages[i]["role"] in ("system", "developer"):
+        head.append(messages[i]["content"])
+        i += 1
+    return ([{"role": "system", "content": "\n\n".join(head)}] if head else []) + messages[i:]
+
+
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request this Responses request means, after ``history`` (the stored
     conversation of ``previous_response_id``); raises pydantic's ValidationError."""
-    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else [])
-    messages += history + chat_messages(req.input)
+    messages = _one_system(req.instructions, history + chat_messages(req.input))
     body: dict[str, Any] = {"messages": messages, "stream": req.stream,
                             "temperature": req.temperature, "top_p": req.top_p,
                             "seed": req.seed, "max_tokens": req.max_output_tokens}
@@ -307,13 +319,9 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
     return ChatCompletionRequest.model_validate(body)
 
 
-def conversation(chat: ChatCompletionRequest, instructions: str | None) -> list[dict[str, Any]]:
-    """The chat messages to store for a follow-up: all but the instructions (the API does
-    not carry ``instructions`` over to a ``previous_response_id`` request)."""
-    msgs = [m.model_dump(exclude_none=True, include={"role", "content", "tool_calls",
-                                                     "tool_call_id", "name"})
-            for m in chat.messages]
-    for m in msgs:
-        if "content" in m:
-            m["content"] = "".join(p["text"] for p in m["content"])
-    return msgs[1:] if instructions else msgs
+def conversation(req: ResponsesRequest, history: list[dict[str, Any]]
+                 ) -> list[dict[str, Any]]:
+    """The chat messages to store for a follow-up: the history and this input, without the
+    instructions (the API does not carry ``instructions`` over to a ``previous_response_id``
+    request)."""
+    return history + chat_messages(req.input)

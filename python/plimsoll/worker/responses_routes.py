@@ -56,8 +56,10 @@ def _echo(req: R.ResponsesRequest, model: str, max_tokens: int) -> dict[str, Any
             "reasoning": {"effort": None, "summary": None}, "user": None}
 
 
-def _prepare(state: Any, req: R.ResponsesRequest) -> tuple[Any, list[int], Any]:
-    """On a thread: the chat request, its prompt ids and its constraint (or raise 400/404)."""
+def _prepare(state: Any, req: R.ResponsesRequest
+             ) -> tuple[Any, list[int], Any, list[dict[str, Any]]]:
+    """On a thread: the chat request, its prompt ids, its constraint and the conversation to
+    store (or raise the 400/404)."""
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         found = store(state).get(req.previous_response_id)
@@ -82,7 +84,7 @@ def _prepare(state: Any, req: R.ResponsesRequest) -> tuple[Any, list[int], Any]:
             err.message = err.message.replace("response_format.json_schema.schema",
                                               "text.format.schema")
         raise
-    return chat, prompt, W.make_constraint(state, spec)
+    return chat, prompt, W.make_constraint(state, spec), R.conversation(req, history)
 
 
 async def responses(request: Request) -> Response:
@@ -97,7 +99,7 @@ async def responses(request: Request) -> Response:
     if err := P.check_model(req.model, cfg.model_name):
         return W.protocol_error(err)
     try:
-        chat, prompt, constraint = await run_in_threadpool(_prepare, state, req)
+        chat, prompt, constraint, convo = await run_in_threadpool(_prepare, state, req)
     except P.ProtocolError as err:
         return W.protocol_error(err)
     max_tokens = req.max_output_tokens or cfg.default_max_tokens
@@ -114,7 +116,7 @@ async def responses(request: Request) -> Response:
     builder = E.ResponseBuilder(_echo(req, cfg.model_name, max_tokens))
     stream = W.events(queue, request, gen, assembler)
     if req.stream:
-        return StreamingResponse(_sse(state, req, chat, first, stream, assembler, builder),
+        return StreamingResponse(_sse(state, req, convo, first, stream, assembler, builder),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     async for item in stream:
@@ -124,7 +126,7 @@ async def responses(request: Request) -> Response:
     if not assembler.done:  # the client left
         return Response(status_code=499)
     result = assembler.result()
-    _remember(state, req, chat, builder, result)
+    _remember(state, req, convo, builder, result)
     return JSONResponse(builder.final(result, _usage(first, assembler)))
 
 
@@ -132,14 +134,14 @@ def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
     return E.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
 
 
-def _remember(state: Any, req: R.ResponsesRequest, chat: Any, builder: E.ResponseBuilder,
-              result: P.Assembled) -> None:
+def _remember(state: Any, req: R.ResponsesRequest, convo: list[dict[str, Any]],
+              builder: E.ResponseBuilder, result: P.Assembled) -> None:
     if req.store:
-        store(state).put(builder.id, [*R.conversation(chat, req.instructions),
-                                      E.assistant_message(result)])
+        store(state).put(builder.id, [*convo, E.assistant_message(result)])
 
 
-async def _sse(state: Any, req: R.ResponsesRequest, chat: Any, first: Started,
+async def _sse(state: Any, req: R.ResponsesRequest, convo: list[dict[str, Any]],
+               first: Started,
                stream: AsyncIterator, assembler: P.TextAssembler, builder: E.ResponseBuilder
                ) -> AsyncIterator[bytes]:
     for event in builder.start():
@@ -153,7 +155,7 @@ async def _sse(state: Any, req: R.ResponsesRequest, chat: Any, first: Started,
     if not assembler.done:
         return
     result = assembler.result()
-    _remember(state, req, chat, builder, result)
+    _remember(state, req, convo, builder, result)
     for event in builder.finish(result, _usage(first, assembler)):
         yield E.sse_event(event)
 
