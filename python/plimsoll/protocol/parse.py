@@ -127,6 +127,19 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes) -> Request | 
     return validate_body(_MODELS[kind], raw)
 
 
+class Untagged:
+    """A ValidationError whose locations skip the union tag pydantic inserts after a list
+    index (``input[0].content``, not ``input[0].message.content``); ``tags`` names them."""
+
+    def __init__(self, exc: ValidationError, tags: frozenset[str]) -> None:
+        self._exc, self._tags = exc, tags
+
+    def errors(self, **kwargs: Any) -> list[dict[str, Any]]:
+        return [{**err, "loc": tuple(part for i, part in enumerate(err["loc"]) if not (
+            part in self._tags and i and isinstance(err["loc"][i - 1], int)))}
+                for err in self._exc.errors(**kwargs)]
+
+
 def validate_body(model: type[BaseModel], raw: bytes,
                   errors: Callable[[ValidationError], Any] | None = None) -> Any:
     """Decode ``raw`` and validate it as ``model``: the model, or the :class:`ProtocolError`

@@ -18,10 +18,12 @@ field is refused by name, as on the chat routes.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
+from .errors import ProtocolError
+from .parse import Untagged, validate_body
 from .requests import _INT64, MAX_TOKENS_LIMIT, ChatCompletionRequest, _must_be, _Strict
 
 log = logging.getLogger("plimsoll.worker")
@@ -150,9 +152,17 @@ class ReasoningItem(_Strict):
     type: Literal["reasoning"]
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
-_ITEM_TYPES = {"message": MessageItem, "function_call": FunctionCallItem,
-               "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+def _item_type(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("type", "message")  # an easy input message may omit its type
+    return getattr(value, "type", None)
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")], Discriminator(_item_type)]
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 # --- tools and formats --------------------------------------------------------------------
@@ -220,14 +230,12 @@ class ResponsesRequest(_Strict):
             return [{"type": "message", "role": "user", "content": value}]
         if not isinstance(value, list):
             raise ValueError("input must be a string or a list of items")
-        out = []
         for i, item in enumerate(value):
             kind = item.get("type", "message") if isinstance(item, dict) else None
-            if kind not in _ITEM_TYPES:
+            if not isinstance(kind, str) or kind not in _ITEM_TYPES:
                 raise ValueError(f"item {i} has type {kind!r}; this worker takes message, "
                                  "function_call, function_call_output (and reasoning, ignored)")
-            out.append(_ITEM_TYPES[kind].model_validate(item))
-        return out
+        return value
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -237,6 +245,7 @@ class ResponsesRequest(_Strict):
         kept = []
         for i, tool in enumerate(value):
             kind = tool.get("type") if isinstance(tool, dict) else None
+            kind = kind if isinstance(kind, str) else None
             if kind in IGNORED_TOOLS:
                 _log_ignored_tool(kind)
             elif kind != "function":
@@ -262,6 +271,12 @@ class ResponsesRequest(_Strict):
     @classmethod
     def _foreground(cls, value: bool) -> bool:
         return _must_be(value, False, "background responses are not supported; send false")
+
+
+def parse_responses(raw: bytes) -> ResponsesRequest | ProtocolError:
+    """A ``/v1/responses`` body, or the 400/413 that names the field and what to send."""
+    return validate_body(ResponsesRequest, raw,
+                         lambda e: Untagged(e, frozenset(_ITEM_TYPES)))
 
 
 def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:

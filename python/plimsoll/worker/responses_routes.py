@@ -27,7 +27,7 @@ from plimsoll import protocol as P
 from plimsoll.protocol import responses_events as E
 from plimsoll.protocol import responses_request as R
 from plimsoll.protocol import structured
-from plimsoll.protocol.parse import _from_validation, validate_body
+from plimsoll.protocol.parse import _from_validation
 from plimsoll.web.body import read_body
 
 from . import submit as W
@@ -93,7 +93,7 @@ async def responses(request: Request) -> Response:
     raw = await read_body(request)
     if isinstance(raw, P.ProtocolError):
         return W.protocol_error(raw)
-    req = validate_body(R.ResponsesRequest, raw)
+    req = R.parse_responses(raw)
     if isinstance(req, P.ProtocolError):
         return W.protocol_error(req)
     if err := P.check_model(req.model, cfg.model_name):
