@@ -193,6 +193,17 @@ def test_store_is_bounded_lru():
         ResponseStore(cap=0)
 
 
+def test_store_is_bounded_in_bytes():
+    store = ResponseStore(cap=100, max_bytes=400)
+    big = [{"role": "user", "content": "x" * 120}]
+    assert store.put("a", big) and store.put("b", big)
+    assert store.put("c", big)  # three would be ~450 bytes: the oldest goes
+    assert store.get("a") is None and store.get("b") and store.get("c")
+    assert store.bytes <= 400
+    assert not store.put("huge", [{"role": "user", "content": "x" * 400}])
+    assert store.get("huge") is None and store.get("c")
+
+
 def test_instructions_and_opening_developer_messages_become_one_system_message():
     from plimsoll.protocol import responses_request as R
 

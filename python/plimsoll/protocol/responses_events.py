@@ -12,7 +12,8 @@ CLI expect: ``response.created``, ``response.in_progress``, then per output item
 ``response`` object, so both agree by construction.
 
 :class:`ResponseStore` keeps, for ``previous_response_id``, the conversation of the last
-``cap`` stored responses (least recently used dropped first): bounded in count.
+``cap`` stored responses (least recently used dropped first): bounded in count and in bytes
+(a conversation's size is its JSON encoding; one alone over the byte bound is not kept).
 """
 
 from __future__ import annotations
@@ -170,29 +171,39 @@ def assistant_message(result: Assembled) -> dict[str, Any]:
 
 class ResponseStore:
     """``previous_response_id`` → the conversation it ended, for the last ``cap`` responses
-    (LRU). Thread-safe (routes run on the event loop, renders in a thread pool)."""
+    within ``max_bytes`` (LRU). Thread-safe (routes run on the event loop, renders in a
+    thread pool)."""
 
-    def __init__(self, cap: int = 256):
-        if cap < 1:
+    def __init__(self, cap: int = 256, max_bytes: int = 64 << 20):
+        if cap < 1 or max_bytes < 1:
             raise ValueError("the response store needs room for at least one response")
-        self.cap = cap
-        self._items: collections.OrderedDict[str, list[dict[str, Any]]] = \
+        self.cap, self.max_bytes = cap, max_bytes
+        self._items: collections.OrderedDict[str, tuple[list[dict[str, Any]], int]] = \
             collections.OrderedDict()
+        self.bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, response_id: str, messages: list[dict[str, Any]]) -> None:
+    def put(self, response_id: str, messages: list[dict[str, Any]]) -> bool:
+        """Keep ``messages``; False when it alone is over the byte bound (not kept)."""
+        size = len(json.dumps(messages, ensure_ascii=False).encode())
+        if size > self.max_bytes:
+            return False
         with self._lock:
-            self._items[response_id] = messages
-            self._items.move_to_end(response_id)
-            while len(self._items) > self.cap:
-                self._items.popitem(last=False)
+            if (old := self._items.pop(response_id, None)) is not None:
+                self.bytes -= old[1]
+            self._items[response_id] = (messages, size)
+            self.bytes += size
+            while len(self._items) > self.cap or self.bytes > self.max_bytes:
+                self.bytes -= self._items.popitem(last=False)[1][1]
+        return True
 
     def get(self, response_id: str) -> list[dict[str, Any]] | None:
         with self._lock:
-            messages = self._items.get(response_id)
-            if messages is not None:
-                self._items.move_to_end(response_id)
-            return messages
+            found = self._items.get(response_id)
+            if found is None:
+                return None
+            self._items.move_to_end(response_id)
+            return found[0]
 
     def __len__(self) -> int:
         return len(self._items)

@@ -35,11 +35,13 @@ from .scheduler import Refused, Started
 
 STORE_CAP = 256
 """Responses kept for ``previous_response_id`` (their conversations; LRU beyond this)."""
+STORE_BYTES = 64 << 20
+"""…and their conversations' JSON bytes in all (a worker's store never holds more)."""
 
 
 def store(state: Any) -> E.ResponseStore:
     if getattr(state, "response_store", None) is None:
-        state.response_store = E.ResponseStore(STORE_CAP)
+        state.response_store = E.ResponseStore(STORE_CAP, STORE_BYTES)
     return state.response_store
 
 
@@ -66,8 +68,9 @@ def _prepare(state: Any, req: R.ResponsesRequest
         if found is None:
             raise P.ProtocolError(404, f"Previous response with id {req.previous_response_id!r} "
                                   f"not found (this worker keeps the last {STORE_CAP} stored "
-                                  "responses, in memory): send the whole conversation in input "
-                                  "instead.", param="previous_response_id",
+                                  f"responses, up to {STORE_BYTES >> 20} MiB, in memory, until "
+                                  "it restarts): send the whole conversation in input instead.",
+                                  param="previous_response_id",
                                   code="previous_response_not_found",
                                   type="invalid_request_error")
         history = found
