@@ -40,7 +40,8 @@
       });
 
       # `nix run .#serve`: the proxy on this machine's host policy if it has one
-      # (/etc/plimsoll/policy.json, written by the nix-darwin module), else on the
+      # (/etc/plimsoll/policy.json, written by the nix-darwin module, with its admin token
+      # /var/db/plimsoll/admin-token when readable), else on the
       # embedded default (a policy sized from the live machine, and the demo model).
       apps = forAllSystems (system:
         let
@@ -50,6 +51,11 @@
             name = "plimsoll-serve";
             text = ''
               policy=''${PLIMSOLL_POLICY:-/etc/plimsoll/policy.json}
+              # The module's admin token, so the host's link watcher can still reach this proxy.
+              token=''${PLIMSOLL_ADMIN_TOKEN_FILE:-/var/db/plimsoll/admin-token}
+              if [ -r "$token" ]; then
+                set -- --admin-token-file "$token" "$@"
+              fi
               if [ -r "$policy" ]; then
                 exec ${plimsoll}/bin/plimsoll serve --policy "$policy" "$@"
               fi
@@ -78,7 +84,8 @@
           modules = [
             self.darwinModules.default
             {
-              services.plimsoll = decl // { enable = true; };
+              # cluster.members: the peers' declarations size their ranks (studio ↔ studio-b).
+              services.plimsoll = decl // { enable = true; cluster.members = hosts; };
               networking.hostName = decl.host;
               nixpkgs.hostPlatform = "aarch64-darwin";
               # launchd user agents run as the primary user; set your own.

@@ -37,13 +37,15 @@ TASK = ("Review the command-line parsing code in this repository: read the relev
 class SourceText:
     """Standard-library source as (label, text) chunks of about ``target`` tokens each."""
 
-    def __init__(self, tokenizer_json: Path) -> None:
+    def __init__(self, tokenizer_json: Path, files: list[str] | None = None) -> None:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(tokenizer_json))
         root = Path(sysconfig.get_paths()["stdlib"])
         self._lines: list[tuple[str, int, str]] = []
-        for name in STDLIB_FILES:
+        for name in files or STDLIB_FILES:
+            if files and not (root / name).is_file():
+                continue  # a longer list may name files one Python version lacks
             for n, line in enumerate((root / name).read_text().splitlines(keepends=True), 1):
                 self._lines.append((name, n, line))
         counts = self._tok.encode_batch([line for _, _, line in self._lines])

@@ -1,13 +1,20 @@
 # nix-darwin module: services.plimsoll.
 #
 # Declares the host line (RAM, OS floor, a budget per mode, transient reserve) and the
-# model registry, writes the checked policy to /etc/plimsoll/policy.json, and installs
-#   - a launchd user agent running the proxy:  plimsoll serve --policy /etc/plimsoll/policy.json
+# model registry, writes the checked policy to /etc/plimsoll/policy.json, creates the
+# admin token (at activation, if absent: root-owned, 0400, readable by the primary user
+# through an ACL) and installs
+#   - a launchd user agent running the proxy:
+#       plimsoll serve --policy /etc/plimsoll/policy.json --admin-token-file TOKEN --mode M
+#         [--cluster-rank C:T:B ...]   (cluster members serving a sharded model)
 #   - a root launchd daemon running the link watcher:
-#       plimsoll watch-link --policy /etc/plimsoll/policy.json
+#       plimsoll watch-link --policy /etc/plimsoll/policy.json --sysctl darwin --admin-token-file TOKEN
 #     It sets `sysctl iogpu.wired_limit_mb` to the current mode's budget at load and on
-#     every cluster-link change. nix-darwin has no sysctl option and re-runs no
-#     activation script at boot, so a RunAtLoad daemon is what keeps the ceiling set.
+#     every cluster-link change, and tells the proxy the mode (POST /admin/mode with the
+#     shared token). nix-darwin has no sysctl option and re-runs no activation script at
+#     boot, so a RunAtLoad daemon is what keeps the ceiling set.
+# Every command line generated here passes `plimsoll <command> --check` in CI
+# (python/tests/test_darwin_commands.py runs them through the real CLI).
 #
 # The policy logic is pure builtins Nix (./policy.nix), shared with the flake's `lib`
 # and the offline tests; this module only maps options onto it. A declaration that
@@ -19,6 +26,7 @@
 let
   cfg = config.services.plimsoll;
   policyLib = import ./policy.nix;
+  clusterLib = import ./cluster.nix;
 
   policyPath = "/etc/plimsoll/policy.json";
 
@@ -31,6 +39,36 @@ let
   policyText = policyLib.policyJSON declaration;
 
   plimsoll = lib.getExe' cfg.package "plimsoll";
+
+  # Cluster members serving a sharded model: one rank per member, this host first.
+  clusterRankArgs = clusterLib.rankArgs declaration cfg.cluster.members;
+  # The watcher tells the proxy the mode the link calls for; without it, a cluster
+  # member's proxy starts (and stays) clustered.
+  startMode = if clusterLib.isMember declaration && !cfg.watcher.enable then "clustered" else "standalone";
+
+  serveArgs = [ plimsoll "serve" "--policy" policyPath "--admin-token-file" cfg.adminTokenFile
+    "--mode" startMode ] ++ clusterRankArgs;
+  watchArgs = [ plimsoll "watch-link" "--policy" policyPath "--sysctl" "darwin" ]
+    ++ (if cfg.proxy.enable then [ "--admin-token-file" cfg.adminTokenFile ] else [ "--proxy" "none" ]);
+
+  user = config.system.primaryUser;
+  # Created once (a fresh random token), then only its owner, mode and ACL are re-asserted:
+  # root-owned 0400, readable by the primary user's agent through an ACL entry.
+  tokenScript = ''
+    # plimsoll: the admin token the proxy (user agent) and the link watcher (root) share
+    plimsollToken=${lib.escapeShellArg cfg.adminTokenFile}
+    mkdir -p "$(dirname "$plimsollToken")"
+    if [ ! -s "$plimsollToken" ]; then
+      echo "plimsoll: creating the admin token $plimsollToken" >&2
+      (umask 077 && od -An -vtx1 -N32 /dev/urandom | tr -d ' \n' >"$plimsollToken.new" \
+        && mv -f "$plimsollToken.new" "$plimsollToken")
+    fi
+    chown root:wheel "$plimsollToken"
+    chmod 0400 "$plimsollToken"
+    chmod -N "$plimsollToken" 2>/dev/null || true
+  '' + lib.optionalString (cfg.proxy.enable && user != null) ''
+    chmod +a ${lib.escapeShellArg "user:${user} allow read"} "$plimsollToken"
+  '';
 
   # Changes whenever the policy does, so nix-darwin reloads both services on a switch
   # (their ProgramArguments name the stable /etc path, not the store path).
@@ -67,9 +105,9 @@ let
         description = "Largest output reservation a request may ask for (below `context`).";
       };
       kvDtype = lib.mkOption {
-        type = lib.types.enum [ "auto" "float16" "bfloat16" "float32" ];
+        type = lib.types.enum [ "auto" "float16" "bfloat16" "float32" "q8" "q4" ];
         default = kvDtype;
-        description = "KV cache dtype; `auto` uses the model's.";
+        description = "KV cache dtype; `auto` uses the model's; `q8`/`q4`: quantized KV (groups of 64, scales + biases).";
       };
       sharded = lib.mkOption {
         type = lib.types.bool;
@@ -175,6 +213,31 @@ in
       '';
     };
 
+    adminTokenFile = lib.mkOption {
+      type = lib.types.strMatching "/.+";
+      default = "/var/db/plimsoll/admin-token";
+      description = ''
+        The admin token the proxy and the link watcher share (`--admin-token-file` of
+        both): the watcher sends it with `POST /admin/mode`. Created at activation when
+        absent (32 random bytes, hex), root-owned with mode 0400 and an ACL entry that lets
+        `system.primaryUser` (whose agent runs the proxy) read it. Delete it and switch
+        again to rotate it; restart both services afterwards.
+      '';
+    };
+
+    cluster.members = lib.mkOption {
+      type = lib.types.attrsOf (lib.types.attrsOf lib.types.anything);
+      default = { };
+      example = lib.literalExpression "import ./hosts   # every host declaration, by host name";
+      description = ''
+        Declarations of this host's cluster peers, by host name (the same plain attrsets
+        as the services.plimsoll options, e.g. hosts/*.nix): each peer's `totalRamGb` and
+        `maxLocalLlmGb.clustered` size its rank. A host with `settings.cluster.peers` and a
+        model marked `sharded` gets one `--cluster-rank` per member (itself first); a peer
+        missing here is a failed assertion. Extra entries are ignored.
+      '';
+    };
+
     proxy = {
       enable = lib.mkOption {
         type = lib.types.bool;
@@ -215,14 +278,17 @@ in
     # The pure checks, as nix-darwin assertions (one per rule the declaration breaks).
     assertions = map
       (c: { assertion = c.assertion; message = "services.plimsoll: ${c.message}"; })
-      (policyLib.checks declaration);
+      (policyLib.checks declaration
+        ++ map (m: { assertion = false; message = m; }) (clusterLib.errors declaration cfg.cluster.members));
+
+    system.activationScripts.extraActivation.text = tokenScript;
 
     environment.etc."plimsoll/policy.json".text = policyText;
 
     environment.systemPackages = [ cfg.package ];
 
     launchd.user.agents.plimsoll-serve = lib.mkIf cfg.proxy.enable {
-      command = lib.escapeShellArgs [ plimsoll "serve" "--policy" policyPath ];
+      command = lib.escapeShellArgs serveArgs;
       environment.PLIMSOLL_POLICY_SHA256 = policyHash;
       serviceConfig = {
         RunAtLoad = true;
@@ -235,7 +301,7 @@ in
     };
 
     launchd.daemons.plimsoll-watch-link = lib.mkIf cfg.watcher.enable {
-      command = lib.escapeShellArgs [ plimsoll "watch-link" "--policy" policyPath ];
+      command = lib.escapeShellArgs watchArgs;
       environment.PLIMSOLL_POLICY_SHA256 = policyHash;
       serviceConfig = {
         RunAtLoad = true;

@@ -82,7 +82,7 @@ let
   pressureKeys = attrNames defaults.pressure;
   darwinLevels = [ "warn" "critical" ];
   wireChoices = [ "footprint" "weights" "none" ];
-  kvDtypes = [ "auto" "float16" "bfloat16" "float32" ];
+  kvDtypes = [ "auto" "float16" "bfloat16" "float32" "q8" "q4" ];
   backends = [ "ring" "jaccl" ];
 
   # ---- small helpers (builtins only) -------------------------------------------------

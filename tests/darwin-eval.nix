@@ -50,7 +50,7 @@ let
   # A host declaration (plain data, as in hosts/) as nix-darwin configuration.
   hostModule = decl: extra: { lib, ... }: {
     imports = [ extra ];
-    services.plimsoll = decl // { enable = lib.mkDefault true; };
+    services.plimsoll = decl // { enable = lib.mkDefault true; cluster.members = lib.mkDefault hosts; };
     system.primaryUser = "alice";
     system.stateVersion = 6;
     nixpkgs.hostPlatform = "aarch64-darwin";
@@ -73,7 +73,19 @@ let
   # As nix-darwin does: a message is read only when its assertion fails.
   failedAssertions = config: map (a: a.message) (builtins.filter (a: !a.assertion) config.assertions);
 
+  activateBeforeLaunchd = builtins.head (lib.splitString "activationScripts.launchd.text}"
+    (builtins.readFile (nixDarwinSrc + "/modules/system/activation-scripts.nix")));
+
   shWrapped = args: [ "/bin/sh" "-c" "/bin/wait4path /nix/store && exec ${lib.concatStringsSep " " args}" ];
+
+  token = "/var/db/plimsoll/admin-token";
+  # What each example host's proxy agent is given beyond the policy and the token:
+  # studio and studio-b are one cluster serving a sharded model (each host its own rank 0).
+  expectedServeTail = {
+    studio = [ "--mode" "standalone" "--cluster-rank" "80:96:80" "--cluster-rank" "52:64:52" ];
+    studio-b = [ "--mode" "standalone" "--cluster-rank" "52:64:52" "--cluster-rank" "80:96:80" ];
+    macbook = [ "--mode" "standalone" ];
+  };
 
   hostCases = name: decl:
     let
@@ -90,8 +102,9 @@ let
       (eq "${name}: /etc/plimsoll/policy.json is the pure policy's JSON" text (policy.policyJSON decl))
       (eq "${name}: /etc/plimsoll/policy.json matches tests/expected/${name}.json"
         (builtins.fromJSON text) (builtins.fromJSON (builtins.readFile (./expected + "/${name}.json"))))
-      (eq "${name}: agent runs plimsoll serve on the /etc policy, after /nix/store is mounted"
-        agent.ProgramArguments (shWrapped [ bin "serve" "--policy" "/etc/plimsoll/policy.json" ]))
+      (eq "${name}: agent runs plimsoll serve on the /etc policy with the shared token, after /nix/store is mounted"
+        agent.ProgramArguments (shWrapped ([ bin "serve" "--policy" "/etc/plimsoll/policy.json"
+          "--admin-token-file" token ] ++ expectedServeTail.${name})))
       (eq "${name}: agent serviceConfig"
         { inherit (agent) Label KeepAlive RunAtLoad ProcessType StandardOutPath StandardErrorPath; }
         {
@@ -99,8 +112,17 @@ let
           StandardOutPath = "/Users/alice/Library/Logs/plimsoll-serve.log";
           StandardErrorPath = "/Users/alice/Library/Logs/plimsoll-serve.log";
         })
-      (eq "${name}: daemon runs plimsoll watch-link on the /etc policy"
-        daemon.ProgramArguments (shWrapped [ bin "watch-link" "--policy" "/etc/plimsoll/policy.json" ]))
+      (eq "${name}: daemon runs plimsoll watch-link on the /etc policy, the darwin sysctl and the shared token"
+        daemon.ProgramArguments (shWrapped [ bin "watch-link" "--policy" "/etc/plimsoll/policy.json"
+          "--sysctl" "darwin" "--admin-token-file" token ]))
+      (ok "${name}: activation creates the token if absent (0400 root, ACL read for the primary user), before launchd loads the services"
+        (let act = config.system.activationScripts.extraActivation.text; in
+          lib.hasInfix "plimsollToken=${token}" act
+          && lib.hasInfix ''if [ ! -s "$plimsollToken" ]'' act
+          && lib.hasInfix ''chmod 0400 "$plimsollToken"'' act
+          && lib.hasInfix ''chmod +a 'user:alice allow read' "$plimsollToken"'' act
+          # nix-darwin's activate script runs extraActivation before the launchd jobs load
+          && lib.hasInfix "extraActivation.text}" activateBeforeLaunchd))
       (eq "${name}: daemon serviceConfig (root: no UserName)"
         { inherit (daemon) Label KeepAlive RunAtLoad ProcessType StandardOutPath StandardErrorPath; UserName = daemon.UserName or null; }
         {
@@ -115,7 +137,7 @@ let
       (ok "${name}: the plists are rendered (agent in the user's LaunchAgents, daemon in LaunchDaemons)"
         (lib.hasInfix "<string>org.nixos.plimsoll-serve</string>" agentPlist
           && lib.hasInfix "<string>org.nixos.plimsoll-watch-link</string>" daemonPlist
-          && lib.hasInfix "watch-link --policy /etc/plimsoll/policy.json" daemonPlist))
+          && lib.hasInfix "watch-link --policy /etc/plimsoll/policy.json --sysctl darwin" daemonPlist))
       (eq "${name}: the user agent is declared as needing system.primaryUser"
         (builtins.elem "services.plimsoll.proxy.enable" config.system.requiresPrimaryUser) true)
       (eq "${name}: the CLI is on the system PATH"
@@ -127,6 +149,12 @@ let
   brokenConfig = evalHost brokenDecl;
 
   disabled = evalWith hosts.studio { services.plimsoll.enable = false; };
+  noPeers = evalWith hosts.studio { services.plimsoll.cluster.members = lib.mkForce { }; };
+  noWatcher = evalWith hosts.studio { services.plimsoll.watcher.enable = false; };
+  argsOf = svc: lib.splitString " " (lib.last svc.serviceConfig.ProgramArguments);
+  oneWayPeer = evalWith hosts.studio {
+    services.plimsoll.cluster.members = lib.mkForce { studio-b = removeAttrs hosts.studio-b [ "settings" ]; };
+  };
   noProxy = evalWith hosts.studio { services.plimsoll.proxy.enable = false; };
   hostFromNetworking = evalWith (removeAttrs hosts.macbook [ "host" ]) { networking.hostName = "mbp"; };
 
@@ -139,6 +167,7 @@ let
 
   cases =
     builtins.concatLists (lib.mapAttrsToList hostCases hosts)
+    ++ readmeCases
     ++ [
       (ok "broken host: a failed assertion names host, mode, budget, what it leaves and the floor"
         (builtins.elem
@@ -156,9 +185,18 @@ let
           failed = failedAssertions disabled;
         }
         { etc = false; agent = false; daemon = false; failed = [ ]; })
-      (eq "proxy.enable = false: the daemon stays, the agent goes"
-        { agent = noProxy.launchd.user.agents ? plimsoll-serve; daemon = noProxy.launchd.daemons ? plimsoll-watch-link; }
-        { agent = false; daemon = true; })
+      (eq "proxy.enable = false: the daemon stays, manages the ceiling alone; the agent goes"
+        { agent = noProxy.launchd.user.agents ? plimsoll-serve; daemon = noProxy.launchd.daemons ? plimsoll-watch-link;
+          proxyNone = lib.hasSuffix "--sysctl darwin --proxy none" (lib.last noProxy.launchd.daemons.plimsoll-watch-link.serviceConfig.ProgramArguments); }
+        { agent = false; daemon = true; proxyNone = true; })
+      (eq "cluster member without its peer's declaration: a failed assertion naming the peer, no ranks"
+        [ (failedAssertions noPeers) (builtins.elem "--cluster-rank" (argsOf noPeers.launchd.user.agents.plimsoll-serve)) ]
+        [ [ "services.plimsoll: host studio: cluster peer studio-b has no declaration: add it to services.plimsoll.cluster.members (its totalRamGb and maxLocalLlmGb.clustered size its rank)" ] false ])
+      (eq "cluster peer that does not list this host back: a failed assertion"
+        (failedAssertions oneWayPeer)
+        [ "services.plimsoll: host studio: cluster peer studio-b does not list studio among its own settings.cluster.peers: declare the link on both hosts" ])
+      (ok "cluster member without the watcher: its proxy starts clustered (nothing would switch it)"
+        (lib.hasInfix "--mode clustered --cluster-rank 80:96:80" (lib.last noWatcher.launchd.user.agents.plimsoll-serve.serviceConfig.ProgramArguments)))
       (eq "host defaults to networking.hostName"
         (builtins.fromJSON hostFromNetworking.environment.etc."plimsoll/policy.json".text).host "mbp")
       (eq "clustered budget defaults to the standalone one (macbook)"
@@ -166,13 +204,57 @@ let
         { maxLocalLlmGb = 24; })
     ];
 
+  # The README's "On a Mac with nix-darwin" example, evaluated as written: its flake's
+  # outputs are called with nix-darwin's darwinSystem (the real eval-config) and this
+  # repository's module; it must describe the studio host exactly.
+  readme = builtins.readFile ../README.md;
+  readmeFlakeText =
+    let
+      section = builtins.elemAt (lib.splitString "### On a Mac with nix-darwin" readme) 1;
+      block = builtins.elemAt (lib.splitString "```" section) 1;
+    in
+    lib.replaceStrings [ "./hosts/" ] [ "${toString ../hosts}/" ] (lib.removePrefix "nix\n" block);
+  readmeFlake = import (builtins.toFile "readme-flake.nix" readmeFlakeText);
+  readmeSystem = (readmeFlake.outputs {
+    nix-darwin.lib.darwinSystem = { modules }: evalConfig {
+      inherit lib;
+      modules = modules ++ [ { _module.args.pkgs = lib.mkForce stubPkgs; } ];
+    };
+    plimsoll.darwinModules.default = ../modules/darwin.nix;
+  }).darwinConfigurations.studio.config;
+  readmeCases = [
+    (eq "README example: no failed assertions" (failedAssertions readmeSystem) [ ])
+    (eq "README example: its policy is hosts/studio.nix's (tests/expected/studio.json)"
+      (builtins.fromJSON readmeSystem.environment.etc."plimsoll/policy.json".text)
+      (builtins.fromJSON (builtins.readFile ./expected/studio.json)))
+    (eq "README example: the agent's command is the one the README shows"
+      (lib.last readmeSystem.launchd.user.agents.plimsoll-serve.serviceConfig.ProgramArguments)
+      "/bin/wait4path /nix/store && exec ${bin} serve --policy /etc/plimsoll/policy.json --admin-token-file /var/db/plimsoll/admin-token --mode standalone --cluster-rank 80:96:80 --cluster-rank 52:64:52")
+    (ok "README example: the README shows the daemon's command as generated"
+      (lib.hasInfix (lib.removePrefix "/bin/wait4path /nix/store && exec ${bin} " (lib.last readmeSystem.launchd.daemons.plimsoll-watch-link.serviceConfig.ProgramArguments)) readme))
+  ];
+
   results = map (c: { inherit (c) name ok; detail = if c.ok then "" else c.detail; }) cases;
   passed = builtins.length (builtins.filter (r: r.ok) results);
   failed = builtins.length (builtins.filter (r: !r.ok) results);
   report = lib.concatStringsSep "\n"
     (map (r: if r.ok then "ok   ${r.name}" else "FAIL ${r.name}: ${r.detail}") results
       ++ [ "${toString passed} passed, ${toString failed} failed" ]) + "\n";
+  # For python/tests/test_darwin_commands.py: every launchd job this module generates, per
+  # host, with the files its arguments name (the policy text, the token path).
+  commands = lib.mapAttrs (name: decl:
+    let config = evalHost decl; in {
+      policy = config.environment.etc."plimsoll/policy.json".text;
+      adminTokenFile = config.services.plimsoll.adminTokenFile;
+      activation = config.system.activationScripts.extraActivation.text;
+      plimsoll = bin;
+      jobs =
+        lib.mapAttrs' (n: v: lib.nameValuePair "agent:${n}" v.serviceConfig.ProgramArguments)
+          (lib.filterAttrs (n: _: lib.hasPrefix "plimsoll" n) config.launchd.user.agents)
+        // lib.mapAttrs' (n: v: lib.nameValuePair "daemon:${n}" v.serviceConfig.ProgramArguments)
+          (lib.filterAttrs (n: _: lib.hasPrefix "plimsoll" n) config.launchd.daemons);
+    }) hosts;
 in
 {
-  inherit passed failed report results;
+  inherit passed failed report results commands;
 }

@@ -138,3 +138,22 @@ def parse_log_line(line: str) -> dict[str, str] | None:
             return None
         out[k] = v
     return out if "ts" in out else None
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    """``family_dir(name)``: the tiny model of family ``name`` (tests/families.py), built once
+    per session on first use, in the real mlx-lm layout with the demo tokenizer."""
+    from families import build_family
+
+    from plimsoll.demo import tokenizer as tokenizer_build
+
+    tok = tokenizer_build.train_tokenizer(512)
+    root = tmp_path_factory.mktemp("families")
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_family(name, root / name, tok)
+        return built[name]
+    return get

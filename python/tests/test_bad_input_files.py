@@ -30,9 +30,9 @@ from plimsoll.core.model_facts import (
     ModelInspectionError,
     facts_from_config,
     inspect_model,
-    read_safetensors_header,
 )
 from plimsoll.core.policy import Policy, PolicyError, load_policy, parse_policy
+from plimsoll.core.safetensors_header import read_safetensors_header
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,  # CI: the same examples
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -196,7 +196,7 @@ def test_any_mutated_config_gives_facts_or_a_model_inspection_error(changes, dro
     length_delta=st.integers(-8, 8), data=st.binary(max_size=32))
 def test_any_safetensors_header_is_read_or_refused_by_name(tmp_path, header, length_delta,
                                                            data):
-    from plimsoll.core.model_facts import safetensors_tensor_bytes
+    from plimsoll.core.safetensors_header import safetensors_tensor_bytes
 
     path = tmp_path / "model.safetensors"
     path.write_bytes(safetensors_bytes(header, max(0, len(header) + length_delta), data))

@@ -92,6 +92,10 @@ def test_an_unreachable_proxy_holds_the_higher_ceiling(tmp_path):
     assert ceiling.read_text() == f"{C_MIB}\n"  # the downshift waits for the proxy
     events = [(r["event"], r.get("status")) for r in records(done.stderr)]
     assert ("proxy-answer", "unreachable") in events and ("held", None) in events
+    # it says, at start, what it does without the proxy
+    said = [r for r in records(done.stderr) if r["event"] == "proxy-unreachable"]
+    assert len(said) == 1 and said[0]["url"] == "http://127.0.0.1:9"
+    assert "lowered only once the proxy confirms" in said[0]["msg"]
 
 
 def test_sigterm_stops_it_cleanly(tmp_path):

@@ -80,3 +80,17 @@ def test_prefix_reuse_through_a_state_snapshot(hybrid):
     assert drive(hybrid, b, chunk=64) == want[1:]
     hybrid.drop_snapshot("base")
     assert hybrid.state_bytes_held() == 0
+
+
+@pytest.mark.parametrize("family", ["lfm2", "olmo_hybrid"])
+def test_state_of_any_slot_count_equals_mlx_lm(family_dir, family):
+    """lfm2 (a 1-array conv state) and olmo_hybrid (4 arrays): the slot count is read from
+    mlx-lm's own cache, batched, pipelined, chunked, scattered blocks."""
+    eng = Engine.load(family_dir(family), block_tokens=BLOCK, max_blocks=POOL)
+    slots = {k.slots for k in eng.layers if k.kind == "state"}
+    assert slots == {"lfm2": {1}, "olmo_hybrid": {4}}[family]
+    prompts = [[(7 * i + 3 * n) % 500 + 1 for i in range(n)] for n in (9, 30, 45)]
+    want = [reference(eng.model, p, 6) for p in prompts]
+    assert len({tuple(w) for w in want}) > 1
+    seqs = seqs_for(prompts, 6, BLOCK, Blocks(POOL, shuffle=True))
+    assert drive(eng, seqs, chunk=16, pipelined=True) == want

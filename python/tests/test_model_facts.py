@@ -17,8 +17,8 @@ from plimsoll.core.model_facts import (
     ModelInspectionError,
     facts_from_config,
     inspect_model,
-    safetensors_tensor_bytes,
 )
+from plimsoll.core.safetensors_header import safetensors_tensor_bytes
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 KIB = 1024
@@ -185,11 +185,19 @@ def test_missing_dtype_assumes_float32_and_says_so():
     assert any("float32" in n for n in facts.notes)
 
 
-def test_mla_is_flagged():
+def test_mla_counts_the_latent_once():
+    """DeepSeek-V3's real dimensions: mlx-lm caches kv_lora_rank + qk_rope_head_dim a token
+    a layer (the latent and the rope key), 25 × less than 2 × heads × hidden/heads."""
     cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128,
            "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
+           "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
            "torch_dtype": "bfloat16"}
-    assert any("latent" in n for n in facts_from_config(cfg, 0).notes)
+    facts = facts_from_config(cfg, 0)
+    assert facts.kv_bytes_per_token == 61 * (512 + 64) * 2
+    assert facts.cache_kinds == ("latent",)
+    per_head = 2 * 61 * 128 * (7168 // 128) * 2
+    assert per_head / facts.kv_bytes_per_token == pytest.approx(24.9, abs=0.1)
+    assert any("expanded" in n for n in facts.notes)
 
 
 # ------------------------------------------------------------------ refusals
@@ -322,3 +330,57 @@ def test_directory_errors_say_what_to_change(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(load("Qwen3-0.6B")))
     with pytest.raises(ModelInspectionError, match=r"no \*\.safetensors"):
         inspect_model(str(tmp_path))
+
+
+# ------------------------------------------------------------------ every cache kind, real dims
+
+
+def test_gpt_oss_windows_are_capped_at_min_window_context():
+    cfg = {"model_type": "gpt_oss", "num_hidden_layers": 36, "num_attention_heads": 64,
+           "num_key_value_heads": 8, "head_dim": 64, "hidden_size": 2880, "sliding_window": 128,
+           "layer_types": ["sliding_attention", "full_attention"] * 18, "torch_dtype": "bfloat16"}
+    facts = facts_from_config(cfg, 0)
+    per_layer = 2 * 8 * 64 * 2
+    assert facts.kv_bytes_per_token == 18 * per_layer
+    assert facts.per_sequence_fixed_bytes == 18 * per_layer * 128
+    assert facts.fixed_bytes(100) == 18 * per_layer * 100  # a context below the window
+    assert facts.sequence_bytes(1000) == 18 * per_layer * (1000 + 128)
+
+
+def test_nemotron_h_pattern_counts_only_star_layers_as_kv():
+    cfg = {"model_type": "nemotron_h", "hybrid_override_pattern": "M-M-M*-M-M*-", "hidden_size": 64,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 32, "n_groups": 2,
+           "conv_kernel": 4, "torch_dtype": "bfloat16"}
+    facts = facts_from_config(cfg, 0)
+    assert facts.num_layers == 12 and facts.kv_layers == 2
+    assert facts.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2
+    conv_dim = 8 * 16 + 2 * 2 * 32
+    assert facts.state_bytes_per_seq == 5 * ((4 - 1) * conv_dim + 8 * 16 * 32) * 2
+
+
+def test_jamba_attention_period_and_offset():
+    cfg = {"model_type": "jamba", "num_hidden_layers": 8, "attn_layer_period": 8,
+           "attn_layer_offset": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "hidden_size": 64, "mamba_expand": 2, "mamba_d_state": 16, "mamba_d_conv": 4,
+           "torch_dtype": "float32"}
+    facts = facts_from_config(cfg, 0)
+    (kv,) = [c for c in facts.caches if c.kind == "kv"]
+    assert kv.layers == (4,) and facts.state_bytes_per_seq == 7 * (3 * 128 + 128 * 16) * 4
+
+
+def test_pure_state_space_needs_no_attention_heads():
+    cfg = {"model_type": "mamba2", "num_hidden_layers": 2, "num_heads": 4, "head_dim": 16,
+           "hidden_size": 32, "state_size": 16, "n_groups": 1, "conv_kernel": 4,
+           "torch_dtype": "float32"}
+    facts = facts_from_config(cfg, 0)
+    assert facts.cache_kinds == ("state",) and facts.kv_bytes_per_token == 0
+    assert facts.num_key_value_heads == 0
+
+
+def test_quantized_kv_needs_groups_of_64():
+    cfg = load("Qwen3-0.6B")  # head_dim 128: 2 groups a vector
+    q4 = facts_from_config(cfg, 0, kv_dtype="q4")
+    assert q4.kv_bytes_per_token == 28 * 2 * 8 * (128 // 2 + 2 * 2 * 2)
+    with pytest.raises(ModelInspectionError, match="groups of 64"):
+        facts_from_config({**cfg, "head_dim": 48}, 0, kv_dtype="q8")

@@ -29,7 +29,7 @@ from plimsoll.core.units import GIB, MIB
 
 REPO = Path(__file__).resolve().parents[2]
 NIX_INSTANTIATE = shutil.which("nix-instantiate")
-HOSTS = ("studio", "macbook")
+HOSTS = ("studio", "studio-b", "macbook")
 MODES = ("standalone", "clustered")
 
 pytestmark = pytest.mark.skipif(NIX_INSTANTIATE is None, reason="nix-instantiate not installed")

@@ -46,8 +46,9 @@ def _positive(kind, most: float):
 @click.option("--max-tokens", type=_positive(int, 4_194_304),
               help="Output reservation per sequence.")
 @click.option("--block-tokens", type=_positive(int, 4096), help="Tokens per KV block.")
-@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
-              help="KV cache dtype (default: the model's).")
+@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32", "q8", "q4"]),
+              help="KV cache dtype (default: the model's); q8/q4: quantized KV, counted as "
+                   "values + scales + biases in groups of 64.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every figure.")
 def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_gib,
                   concurrency, context, max_tokens, block_tokens, kv_dtype, as_json) -> None:
@@ -56,10 +57,12 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
     Without overrides the ceiling and total RAM come from the live probes (macOS:
     iogpu.wired_limit_mb / MLX's recommended working set; Linux: min(cgroup limit,
     MemTotal)). Without MODEL, the embedded demo model is built once and used.
-    Exit status: 0 admit or clamp, 3 refuse, 2 bad input.
+    Exit status: 0 admit or clamp, 3 refuse (memory, or a cache kind the engine does not
+    serve), 2 bad input.
     """
     from pydantic import ValidationError
 
+    from plimsoll.core import capability
     from plimsoll.core.model_facts import ModelInspectionError
     from plimsoll.probes import read_snapshot
 
@@ -84,14 +87,21 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
         raise UsageFailure(str(err)) from None
     except ValidationError as err:
         raise invalid_figures(err) from None
+    refusal = capability.check(facts, model_dir.name)
     if as_json:
         out = decision.model_dump()
         out.update(kv_layers=facts.kv_layers, model_dir=str(model_dir), mode=mode,
-                   kv_dtype=facts.kv_dtype, sources=figures.source)
+                   kv_dtype=facts.kv_format, sources=figures.source,
+                   cache_kinds=list(facts.cache_kinds),
+                   caches=[c.model_dump(mode="json") for c in facts.caches],
+                   servable=refusal is None,
+                   unsupported=None if refusal is None else {"kind": refusal.kind,
+                                                             "message": refusal.message})
         click.echo(json.dumps(out, indent=2))
     else:
         from .report import admission_report
 
-        click.echo(admission_report(facts, decision, str(model_dir), mode, figures.source))
-    if not decision.admitted:
+        click.echo(admission_report(facts, decision, str(model_dir), mode, figures.source,
+                                    refusal))
+    if not decision.admitted or refusal is not None:
         raise SystemExit(EXIT_REFUSED)

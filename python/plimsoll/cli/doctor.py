@@ -2,7 +2,8 @@
 
 The judgement is :func:`plimsoll.reliability.doctor.diagnose` (pure); this module only gathers its
 inputs: the snapshot, the policy (or the default sized from this machine), one
-admission per registered model (alone against the envelope) and, with ``--proxy``, the
+admission per registered model (alone against the envelope), the MLX this interpreter
+would give a worker (Metal or not, read in a child process) and, with ``--proxy``, the
 proxy's ``GET /running``.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -25,6 +28,7 @@ from plimsoll.launch.live_admission import (
 )
 from plimsoll.probes.snapshot import MemorySnapshot
 from plimsoll.reliability.doctor import (
+    MlxView,
     ModelCheck,
     ProxyView,
     diagnose,
@@ -73,6 +77,29 @@ def ask_proxy(url: str) -> ProxyView:
         return ProxyView(url, error=str(err))
 
 
+# Run in a child: mlx is imported only at the engine edge, and a broken build cannot take
+# the doctor down with it.
+MLX_PROBE = """
+import json
+try:
+    import mlx.core as mx
+    print(json.dumps({"version": getattr(mx, "__version__", "?"), "metal":
+        bool(mx.metal.is_available()), "device": str(mx.default_device().type).split(".")[-1]}))
+except Exception as err:
+    print(json.dumps({"error": f"{type(err).__name__}: {err}"}))
+"""
+
+
+def read_mlx() -> MlxView:
+    """What this interpreter's MLX reports (version, Metal, default device)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", MLX_PROBE], capture_output=True,
+                              text=True, timeout=120)
+        return MlxView(**json.loads(done.stdout.strip().splitlines()[-1]))
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError, TypeError) as err:
+        return MlxView(error=f"the MLX probe failed: {type(err).__name__}: {err}")
+
+
 @click.command("doctor")
 @click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Host policy (default: one sized from this machine, no models).")
@@ -107,7 +134,8 @@ def doctor_command(policy_file, mode, proxy_url, as_json) -> None:
     else:
         source = str(policy_file)
     proxy = ask_proxy(proxy_url) if proxy_url else None
-    lines = diagnose(snapshot, pol, mode, check_models(pol, mode, snapshot), proxy, source)
+    lines = diagnose(snapshot, pol, mode, check_models(pol, mode, snapshot), proxy, source,
+                     read_mlx())
     status = exit_status(lines)
     if as_json:
         click.echo(json.dumps({"ok": status == 0, "exit_status": status,

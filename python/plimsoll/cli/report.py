@@ -7,6 +7,7 @@ check the text without running a command.
 from __future__ import annotations
 
 from plimsoll.core.admission import AdmissionDecision
+from plimsoll.core.capability import Unsupported
 from plimsoll.core.model_facts import ModelFacts
 from plimsoll.core.policy import Policy
 from plimsoll.core.units import bytes_to_mib_floor, fmt_bytes, gib_to_bytes
@@ -43,18 +44,43 @@ def policy_summary(pol: Policy, source: str) -> str:
     return "\n".join(lines)
 
 
+def cache_lines(facts: ModelFacts) -> list[str]:
+    """One line per cache group: kind, layers, mlx-lm class, bytes and how they were derived."""
+    lines = []
+    for c in facts.caches:
+        size = (f"{c.state_bytes} B/seq" if c.kind == "state"
+                else f"{c.bytes_per_token} B/token" + (f", ≤ {c.max_tokens} tokens"
+                                                       if c.max_tokens else ""))
+        lines.append(f"    {c.kind:<8} {len(c.layers):>3} layer(s) {c.mlx_cache}: {size} a layer "
+                     f"({c.formula})")
+    return lines
+
+
+def capability_line(refusal: Unsupported | None) -> str:
+    """What ``plimsoll admit`` says about the engine serving the model's cache kinds."""
+    if refusal is None:
+        return "  engine          serves every cache kind of this model"
+    return f"  engine          REFUSE ({refusal.kind}): {refusal.message}"
+
+
 def admission_report(
-    facts: ModelFacts, d: AdmissionDecision, model_dir: str, mode: str, sources: str
+    facts: ModelFacts, d: AdmissionDecision, model_dir: str, mode: str, sources: str,
+    refusal: Unsupported | None = None,
 ) -> str:
+    """The figures, one a line; ``refusal`` (the capability check) overrides the verdict."""
     verdict = {"admit": "ADMIT", "clamp": "ADMIT (clamped)", "refuse": "REFUSE"}[d.decision]
+    if refusal is not None:
+        verdict = "REFUSE (engine)"
     lines = [
         f"{verdict}: {model_dir} in {mode} mode",
         f"  inputs          {sources}",
         f"  architecture    {facts.model_type}: {facts.kv_layers} of {facts.num_layers} layers "
-        f"hold KV, {facts.num_key_value_heads} KV heads × head_dim {facts.head_dim}, "
-        f"{facts.kv_dtype}",
-        f"  KV per token    {d.kv_bytes_per_token} B = 2 × {facts.kv_layers} × "
-        f"{facts.num_key_value_heads} × {facts.head_dim} × {facts.kv_dtype_bytes}",
+        f"hold growing KV, caches {', '.join(facts.cache_kinds)}, KV {facts.kv_format}",
+        *cache_lines(facts),
+        f"  KV per token    {d.kv_bytes_per_token} B"
+        + (f" = 2 × {facts.kv_layers} × {facts.num_key_value_heads} × {facts.head_dim} × "
+           f"{facts.kv_dtype_bytes}" if facts.cache_kinds == ("kv",) and not facts.kv_bits
+           else " (the sum of the growing caches above)"),
         f"  block           {d.block_bytes} B = {d.block_tokens} tokens × KV per token"
         + (f"; {d.fixed_blocks_per_seq} fixed block(s)/seq for window/recurrent state"
            if d.fixed_blocks_per_seq else ""),
@@ -77,4 +103,5 @@ def admission_report(
         f"{d.blocks_per_seq} blocks/seq",
     ]
     lines += [f"  - {r}" for r in d.reasons]
+    lines.append(capability_line(refusal))
     return "\n".join(lines)

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import click
 
+from plimsoll.cli.check import check_serve, with_check
 from plimsoll.cli.common import UsageFailure
 
 
 @click.command("serve")
+@with_check(lambda **kw: check_serve(parse_idle_ttls, parse_cluster_ranks, **kw), "plimsoll serve")
 @click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Host policy (JSON). Default: the embedded demo model and a policy sized "
                    "from this machine's live memory figures.")

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import click
 
+from plimsoll.cli.check import check_watch_link, with_check
 from plimsoll.cli.common import UsageFailure
 from plimsoll.core.policy import PolicyError, load_policy
 
 
 @click.command("watch-link")
+@with_check(check_watch_link, "plimsoll watch-link")
 @click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Host policy (mode budgets, cluster interface, listen address). "
                    "Default: sized from this machine, with equal budgets.")

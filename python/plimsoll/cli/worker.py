@@ -58,11 +58,16 @@ def worker_command(model_dir, model_name, max_tokens, default_max_tokens, ceilin
     """
     from pydantic import ValidationError
 
-    from plimsoll.core.model_facts import ModelInspectionError, check_servable
+    from plimsoll.core.capability import UnsupportedModel, require_supported
+    from plimsoll.core.model_facts import ModelInspectionError, check_servable, inspect_model
     from plimsoll.worker.config import WorkerConfig
 
     try:  # a broken download is a one-line error here, not an engine traceback at load
         check_servable(model_dir)
+        require_supported(inspect_model(model_dir), model_name)
+    except UnsupportedModel as err:
+        click.echo(f"plimsoll worker: REFUSE: {err}", err=True)
+        raise SystemExit(EXIT_REFUSED) from None
     except ModelInspectionError as err:
         raise UsageFailure(str(err)) from None
     if ceiling_bytes is None or total_ram_bytes is None:
@@ -113,6 +118,7 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     """
     from pydantic import ValidationError
 
+    from plimsoll.core.capability import UnsupportedModel, require_supported
     from plimsoll.core.model_facts import ModelInspectionError, check_servable
     from plimsoll.core.policy import PolicyError, load_policy
     from plimsoll.core.progress import progress
@@ -140,6 +146,10 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
         facts, _req, decision = plan(model_dir, entry, pol, figures,
                                      Wanted(concurrency, context, max_tokens))
         check_servable(model_dir)
+        require_supported(facts, model_dir.name)  # before any worker (or weight byte) exists
+    except UnsupportedModel as err:
+        click.echo(f"plimsoll launch: REFUSE: {err}", err=True)
+        raise SystemExit(EXIT_REFUSED) from None
     except ModelInspectionError as err:
         raise UsageFailure(str(err)) from None
     except ValidationError as err:

@@ -33,7 +33,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
-from plimsoll.core.model_facts import DTYPE_BYTES, ModelFacts, _layer_kinds, _lookup
+from plimsoll.core.cache_layout import CAPPED_KINDS, GROWING_KINDS, lookup
+from plimsoll.core.model_facts import DTYPE_BYTES, ModelFacts
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EMBED_KEYS = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
@@ -219,29 +220,32 @@ def plan_cluster(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
         raise ClusterPlanError(f"probes must be ranks 0..{len(probes) - 1} in order")
     n_layers = facts.num_layers
     split = split_layers(n_layers, [p.capacity_bytes for p in probes])
-    tied = bool(_lookup(config, "tie_word_embeddings", False))
+    tied = bool(lookup(config, "tie_word_embeddings", False))
     shares = weight_shares(tensor_bytes, split, tied)
-    kinds = _layer_kinds(config, n_layers, [])
-    per_full = 2 * facts.num_key_value_heads * facts.head_dim * facts.kv_dtype_bytes
-    per_sliding = per_full * (facts.sliding_window or 0)
-    linear_total = facts.per_sequence_fixed_bytes - facts.sliding_layers * per_sliding
-    n_linear = kinds.count("linear")
-    per_linear = math.ceil(linear_total / n_linear) if n_linear else 0
-    hidden = int(_lookup(config, "hidden_size", 0) or 0)
+    def costs(a: int, b: int) -> tuple[int, int]:  # (bytes per token, fixed bytes) of [a, b)
+        per_token = fixed = 0
+        for c in facts.caches:
+            mine = sum(a <= i < b for i in c.layers)
+            if c.kind in GROWING_KINDS:
+                per_token += mine * c.bytes_per_token
+            elif c.kind in CAPPED_KINDS:
+                fixed += mine * c.bytes_per_token * (c.max_tokens or 0)
+            fixed += mine * c.state_bytes
+        return per_token, fixed
+
+    hidden = int(lookup(config, "hidden_size", 0) or 0)
     act = DTYPE_BYTES.get(facts.kv_dtype, 4)
     # One activation message in and one out per peer link, at the prefill chunk size.
     message = hidden * request.prefill_chunk * act
     last = len(probes) - 1
     plans = []
     for r, (a, b) in enumerate(ranges(split)):
-        mine = kinds[a:b]
+        per_token, fixed = costs(a, b)
         links = (r > 0) + (r < last)
         plans.append(RankPlan(
             rank=r, layer_start=a, layer_end=b, holds_embeddings=r == 0, holds_head=r == last,
             weights_bytes=shares[r], comm_bytes=links * message if last else 0,
-            kv_bytes_per_token=mine.count("full") * per_full,
-            per_sequence_fixed_bytes=mine.count("sliding") * per_sliding
-            + mine.count("linear") * per_linear))
+            kv_bytes_per_token=per_token, per_sequence_fixed_bytes=fixed))
     return plans
 
 

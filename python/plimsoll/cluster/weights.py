@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from plimsoll.core.model_facts import ModelInspectionError, read_safetensors_header
+from plimsoll.core.safetensors_header import ModelInspectionError, read_safetensors_header
 
 
 def _header(path: Path) -> dict:

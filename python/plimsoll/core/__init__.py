@@ -1,8 +1,10 @@
 """The pure core every process shares: values in, values out, no I/O beyond reading a file.
 
 Owns: :mod:`.units` (byte units and formatting), :mod:`.policy` (the host policy models and
-the committed ``policy.schema.json``), :mod:`.model_facts` (a model's architecture arithmetic
-from its ``config.json`` and safetensors headers), :mod:`.admission` (the admission decision),
+the committed ``policy.schema.json``), :mod:`.model_facts` (a model's memory facts:
+:mod:`.cache_layout`, the cache every layer holds, from ``config.json``;
+:mod:`.safetensors_header`, the weight bytes, from safetensors headers),
+:mod:`.admission` (the admission decision),
 :mod:`.sizing` (the shared envelope, right-sized pools, headroom and release checks),
 :mod:`.paths` (where plimsoll keeps what it builds) and :mod:`.progress` (the ``Reporter``
 that long work reports through).

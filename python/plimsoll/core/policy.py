@@ -37,7 +37,7 @@ SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("policy.schema.json")
 
 Mode = Literal["standalone", "clustered"]
-KvDtype = Literal["auto", "float16", "bfloat16", "float32"]
+KvDtype = Literal["auto", "float16", "bfloat16", "float32", "q8", "q4"]
 WireChoice = Literal["footprint", "weights", "none"]
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 
@@ -101,7 +101,9 @@ class ModelEntry(_Strict):
         description="Output reservation when a request names none (at most maxTokens).",
     )
     max_tokens: int = Field(default=4096, ge=1, description="Largest output reservation allowed.")
-    kv_dtype: KvDtype = Field(default="auto", description="KV cache dtype; auto = the model's.")
+    kv_dtype: KvDtype = Field(default="auto", description=(
+        "KV cache dtype; auto = the model's; q8 / q4 = quantized KV (8 / 4 bits in groups of 64, "
+        "scales and biases in the model's dtype)."))
     sharded: bool = Field(
         default=False, description="Serve sharded across the cluster (clustered mode)."
     )

@@ -38,7 +38,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from plimsoll.core.model_facts import ModelFacts, inspect_model, normalize_dtype
+from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import Batch, PagedView, route_attention
 from plimsoll.engine.paged import FullAttention, RecurrentState, mx_dtype, read_of, slots_of
@@ -104,7 +104,10 @@ class Engine:
              kv_dtype: str | None = None, pipeline: bool = True,
              slab_blocks: int | None = None) -> Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
-        kv_dtype = normalize_dtype(kv_dtype) if kv_dtype else None
+        kv_dtype, bits = parse_kv_dtype(kv_dtype)
+        if bits:
+            raise NotImplementedError(f"quantized KV ({bits}-bit) is not served by the paged "
+                                      "engine yet; pass kv_dtype float16, bfloat16 or float32")
         model, tokenizer = mlx_lm.load(str(model_dir))
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,

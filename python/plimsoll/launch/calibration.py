@@ -103,7 +103,7 @@ def save_measurement(key: str, facts: ModelFacts, model_dir: Path, m: Measuremen
     runs = [r for r in load_records(key, root)
             if (r["concurrency"], r["context"]) != (m.concurrency, m.context)]
     doc = {"key": key, "model_dir": str(model_dir), "weights_hash": weights_hash(model_dir),
-           "engine": engine_version(), "kv_dtype": facts.kv_dtype,
+           "engine": engine_version(), "kv_dtype": facts.kv_format,
            "runs": sorted([*runs, asdict(m)], key=lambda r: (r["concurrency"], r["context"]))}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")

@@ -135,7 +135,7 @@ def plan(
     concurrency = wanted.concurrency or (entry.concurrency if entry else 1)
     reserve = knob("transient_reserve")
     if calibrated:
-        measured = lookup(model_dir, facts.kv_dtype, concurrency, context, calibration_root)
+        measured = lookup(model_dir, facts.kv_format, concurrency, context, calibration_root)
         reserve = reserve_fraction(reserve, measured, figures.budget_bytes)
 
     req = AdmissionRequest(
@@ -144,8 +144,9 @@ def plan(
         budget_bytes=figures.budget_bytes,
         resident_bytes=resident_bytes,
         weights_bytes=facts.weights_bytes,
-        kv_bytes_per_token=facts.kv_bytes_per_token,
-        per_sequence_fixed_bytes=facts.per_sequence_fixed_bytes,
+        # A model with no growing cache (pure state-space) pages nothing: one byte stands in.
+        kv_bytes_per_token=max(facts.kv_bytes_per_token, 1),
+        per_sequence_fixed_bytes=facts.fixed_bytes(context),  # windows at min(window, context)
         native_max_context=facts.native_max_context,
         transient_reserve=reserve,
         trip_offset=knob("trip_offset"),

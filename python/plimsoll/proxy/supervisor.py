@@ -32,6 +32,7 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
+from plimsoll.core import capability
 from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.model_facts import ModelFacts, ModelInspectionError, check_servable
 from plimsoll.core.policy import Mode, Policy
@@ -248,7 +249,11 @@ class Supervisor:
             self.check_pressure(f"loading model {w.name!r}")
             await self.settle_releases()
             figures = self.figures()
-            _facts, alone = self.admit(w, figures)
+            facts, alone = self.admit(w, figures)
+            refusal = capability.check(facts, w.name)
+            if refusal is not None:  # before anything is evicted for it: the engine's kinds
+                raise ProxyError(503, f"model {w.name!r} cannot be served: {refusal.message}",
+                                 "model_unsupported", extra={"cache_kind": refusal.kind})
             if not alone.admitted:
                 self._refuse(w, alone, figures)
             try:  # before anything is evicted for it: can a worker serve this directory?

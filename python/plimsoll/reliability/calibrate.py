@@ -118,7 +118,7 @@ def calibrate(model_dir: Path, *, concurrency: int | None = None, context: int |
         requests_ok=codes.count(200), seconds=round(time.monotonic() - t0, 2),
         at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
-    path = save_measurement(calibration_key(model_dir, facts.kv_dtype), facts, model_dir, m,
+    path = save_measurement(calibration_key(model_dir, facts.kv_format), facts, model_dir, m,
                             root)
     report(f"peak {peak} B (MLX {mlx_peak}, RSS high-water {rss_hwm}, cgroup "
            f"{cg.get('max_usage_bytes')}); measured reserve {reserve} B → {path}")

@@ -73,9 +73,10 @@ def diagnose(
     models: Sequence[ModelCheck],
     proxy: ProxyView | None = None,
     policy_source: str = "policy",
+    mlx: MlxView | None = None,
 ) -> list[Line]:
     """Every finding, in reading order: ceiling, memory, budgets, ceiling vs budget, models,
-    what is loaded."""
+    the MLX workers get (when read), what is loaded."""
     budget = policy.budget_bytes(mode)
     lines = [
         Line("ok", f"ceiling {fmt_bytes(snapshot.ceiling_bytes)} "
@@ -94,8 +95,38 @@ def diagnose(
                                 "(add them under `models` to have them checked)"))
     for check in models:
         lines.extend(_model_lines(check, policy, mode, snapshot))
+    if mlx is not None:
+        lines.extend(mlx_lines(mlx, snapshot.platform))
     lines.extend(_loaded_lines(proxy))
     return lines
+
+
+@dataclass(frozen=True)
+class MlxView:
+    """What this Python's MLX reports (read in a child process); ``error`` if it won't import."""
+
+    version: str | None = None
+    metal: bool = False
+    device: str | None = None
+    error: str | None = None
+
+
+def mlx_lines(mlx: MlxView, platform: str) -> list[Line]:
+    """The MLX the workers will run: on macOS it must have Metal (the GPU, MLX's memory
+    limit and the wired limit the watcher governs); elsewhere the CPU (or CUDA) backend."""
+    if mlx.error is not None:
+        fix = ("install plimsoll's package (its Nix package brings the Metal wheels; with pip: "
+               "pip install ./python)" if platform == "darwin"
+               else "pip install './python[cpu]' (the policy and admission tools work without)")
+        return [Line("error" if platform == "darwin" else "warn",
+                     f"MLX: not importable ({mlx.error}): workers cannot start; {fix}")]
+    if platform == "darwin" and not mlx.metal:
+        return [Line("error", f"MLX {mlx.version} has no Metal GPU (device {mlx.device}): "
+                              "workers would run on the CPU with no enforced memory limit; "
+                              "nixpkgs' mlx is built with Metal off — use plimsoll's package "
+                              "(the official Metal wheels) or pip's mlx")]
+    backend = "Metal GPU" if mlx.metal else "no Metal"
+    return [Line("ok", f"MLX {mlx.version}: default device {mlx.device} ({backend})")]
 
 
 def exit_status(lines: Iterable[Line]) -> int:

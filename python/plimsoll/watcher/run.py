@@ -100,6 +100,11 @@ class Watcher:
                       msg="initial link state (applied at once)")
         answer: ProxyAnswer | None = None
         proxy_mode = self.proxy.get_mode() if self.proxy else None
+        if self.proxy and proxy_mode is None:
+            self.log.emit("WARNING", "proxy-unreachable", url=self.proxy.url,
+                          msg="the proxy does not answer GET /admin/mode: the ceiling is raised "
+                              "alone, lowered only once the proxy confirms memory fits "
+                              "(retried with backoff); the proxy is told the mode when it answers")
         last_check = self.clock()
         attempt, retry_at, busy, converged = 0, None, 0, None
 

@@ -1,0 +1,114 @@
+"""Can this engine serve this model? Model facts against one engine support table (pure).
+
+Checked before anything costs memory: ``plimsoll launch`` before it spawns a worker, the proxy
+before it evicts another model for one, the worker before it loads weights, and
+``plimsoll admit`` reports it. A refusal names the model, the cache kind (and mlx-lm's cache
+class for it) and what would serve it, so nobody learns it from a worker that exits after
+reading gigabytes of weights.
+
+:data:`ENGINE_SUPPORT` is the one table of what the worker's engine serves. It describes the
+engine in ``plimsoll.engine`` today (the block-paged engine of issue 14, ``engine/core.py``):
+full-attention ``KVCache`` in blocks and recurrent state of any slot count (``ArraysCache``,
+gated-delta / mamba2 layers beside full attention), per sequence. Issue 15 adds the rest.
+Change the table, not the callers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_facts import ModelFacts, ModelInspectionError
+
+
+@dataclass(frozen=True)
+class KindSupport:
+    what: str  # the kind, in words
+    served: bool
+    unserved_reason: str = ""  # when not served: why / what would serve it
+
+
+ENGINE_SUPPORT: dict[str, KindSupport] = {
+    "kv": KindSupport("full-attention KV", True),
+    "state": KindSupport("recurrent state", True),
+    "window": KindSupport(
+        "sliding-window layers", False,
+        "the engine would keep the whole history where mlx-lm keeps a window; "
+        "mlx_lm.server serves the model unbatched"),
+    "chunked": KindSupport(
+        "chunked-attention layers", False,
+        "the engine has no chunk mask; mlx_lm.server serves the model unbatched"),
+    "latent": KindSupport(
+        "multi-head latent attention (MLA)", False,
+        "batched decode would mix the latent and rope-key arrays; mlx_lm.server serves the "
+        "model unbatched"),
+    "indexer": KindSupport(
+        "sparse-attention indexer keys", False,
+        "the engine keeps no indexer cache; mlx_lm.server serves the model unbatched"),
+}
+STATE_SLOTS: frozenset[int] | None = None
+"""ArraysCache sizes the engine's per-sequence state handles (None: any)."""
+SERVES_QUANTIZED_KV = False
+SERVES_CACHE_LIST = False
+SERVES_STATE_ONLY = False  # a model with no attention KV at all (pure state-space)
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """Why this engine cannot serve a model: ``kind`` and a one-line ``message``."""
+
+    kind: str
+    message: str
+
+
+class UnsupportedModel(ModelInspectionError):
+    """Raised by :func:`require_supported`: the engine does not serve one of the model's kinds."""
+
+    def __init__(self, refusal: Unsupported):
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+_SERVED_BY = "served by plimsoll once issue 15 lands"
+
+
+def check(facts: ModelFacts, name: str | None = None) -> Unsupported | None:
+    """The first reason this engine cannot serve ``facts``' model, or None if it can."""
+    who = f"{name} ({facts.model_type})" if name and name != facts.model_type \
+        else facts.model_type
+    caches = facts.caches
+    if caches and all(c.kind == "state" for c in caches) and not SERVES_STATE_ONLY:
+        return Unsupported("state-only", (
+            f"{who}: a pure state-space model (every layer holds recurrent state, "
+            f"{facts.state_bytes_per_seq} B a sequence; no attention KV to page) is not "
+            f"served yet by this engine; mlx_lm.server or mlx_lm.generate run it; {_SERVED_BY}"))
+    for c in caches:
+        support = ENGINE_SUPPORT[c.kind]
+        if not support.served:
+            return Unsupported(c.kind, (
+                f"{who}: {support.what} ({c.mlx_cache}, {len(c.layers)} of "
+                f"{facts.num_layers} layers) are not served yet by this engine: "
+                f"{support.unserved_reason}; {_SERVED_BY}"))
+        if c.mlx_cache.startswith("CacheList") and not SERVES_CACHE_LIST:
+            return Unsupported("cache-list", (
+                f"{who}: layers holding several caches at once ({c.mlx_cache}) are not "
+                f"served yet by this engine; mlx_lm.server serves the model unbatched; "
+                f"{_SERVED_BY}"))
+        if c.kind == "state" and STATE_SLOTS is not None and c.state_slots not in STATE_SLOTS:
+            return Unsupported("state", (
+                f"{who}: recurrent state of {c.state_slots} array(s) a layer "
+                f"(ArraysCache(size={c.state_slots}), {len(c.layers)} layers) is not served "
+                f"yet by this engine, which batches {sorted(STATE_SLOTS)}-array states; "
+                f"mlx_lm.server serves the model unbatched; served by the block-paged engine "
+                f"(issue 14)"))
+    if facts.kv_bits and not SERVES_QUANTIZED_KV:
+        return Unsupported("quantized-kv", (
+            f"{who}: quantized KV ({facts.kv_format}) is not served yet by this engine; "
+            f"set kvDtype to auto, float16 or bfloat16 (or drop --kv-dtype); {_SERVED_BY}"))
+    return None
+
+
+def require_supported(facts: ModelFacts, name: str | None = None) -> None:
+    """Raise :class:`UnsupportedModel` when :func:`check` finds a reason."""
+    refusal = check(facts, name)
+    if refusal is not None:
+        raise UnsupportedModel(refusal)
