@@ -118,14 +118,6 @@ def test_right_size_never_grows_a_clamped_pool_and_passes_a_refusal():
     assert right_size(refused, 4) is refused
 
 
-def test_move_headroom_matches_the_engine():
-    from plimsoll.engine.plan import move_headroom_blocks as engine_headroom
-
-    for tokens, layers, block in [(32768, 4, 16), (4096, 12, 16), (1000, 28, 32), (0, 4, 16)]:
-        assert move_headroom_blocks(tokens, layers, block) == engine_headroom(tokens, layers,
-                                                                              block)
-
-
 def test_release_check_and_tolerance():
     assert release_tolerance(10 * MIB, 20 * MIB) == RELEASE_TOLERANCE_FLOOR
     assert release_tolerance(10 * GIB, GIB) == GIB

@@ -7,10 +7,10 @@ class for it) and what would serve it, so nobody learns it from a worker that ex
 reading gigabytes of weights.
 
 :data:`ENGINE_SUPPORT` is the one table of what the worker's engine serves. It describes the
-engine in ``plimsoll.engine`` today (``engine/adapter.py``): full-attention ``KVCache`` and
-2-array recurrent state (``ArraysCache(size=2)``, gated-delta / mamba2 layers beside full
-attention). The block-paged engine (issue 14) flips ``state`` to any slot count; issue 15 adds
-the rest. Change the table, not the callers.
+engine in ``plimsoll.engine`` today (the block-paged engine of issue 14, ``engine/core.py``):
+full-attention ``KVCache`` in blocks and recurrent state of any slot count (``ArraysCache``,
+gated-delta / mamba2 layers beside full attention), per sequence. Issue 15 adds the rest.
+Change the table, not the callers.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ ENGINE_SUPPORT: dict[str, KindSupport] = {
         "sparse-attention indexer keys", False,
         "the engine keeps no indexer cache; mlx_lm.server serves the model unbatched"),
 }
-STATE_SLOTS: frozenset[int] | None = frozenset({2})
+STATE_SLOTS: frozenset[int] | None = None
 """ArraysCache sizes the engine's per-sequence state handles (None: any)."""
 SERVES_QUANTIZED_KV = False
 SERVES_CACHE_LIST = False

@@ -77,6 +77,10 @@ class ModelFacts(BaseModel):
     kv_bytes_per_token: int = Field(ge=0)
     per_sequence_fixed_bytes: int = Field(ge=0)
     caches: tuple[LayerCache, ...] = ()
+    # Activation shape (the engine's prefill transient); None where config.json lacks it.
+    num_attention_heads: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -137,6 +141,12 @@ def _fixed_bytes(caches: tuple[LayerCache, ...], context: int | None) -> int:
                                                       else min(c.max_tokens, context))
                  for c in caches if c.kind in CAPPED_KINDS)
     return capped + sum(len(c.layers) * c.state_bytes for c in caches)
+
+
+def _optional_int(cfg: dict, key: str) -> int | None:
+    value = lookup(cfg, key)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else None
 
 
 def normalize_dtype(name: str) -> str:
@@ -247,7 +257,10 @@ def facts_from_config(config: dict, weights_bytes: int, kv_dtype: str | None = N
             native_max_context=_native_max_context(config, notes),
             kv_bytes_per_token=sum(len(c.layers) * c.bytes_per_token for c in caches
                                    if c.kind in GROWING_KINDS),
-            per_sequence_fixed_bytes=_fixed_bytes(caches, None), caches=caches, notes=notes)
+            per_sequence_fixed_bytes=_fixed_bytes(caches, None), caches=caches,
+            num_attention_heads=_optional_int(config, "num_attention_heads"),
+            hidden_size=_optional_int(config, "hidden_size"),
+            intermediate_size=_optional_int(config, "intermediate_size"), notes=notes)
     except ValidationError as e:  # a figure the arithmetic cannot hold: name the first one
         first = e.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]) or "config"
