@@ -3,7 +3,8 @@
 Owns: :mod:`.units` (byte units and formatting), :mod:`.policy` (the host policy models and
 the committed ``policy.schema.json``), :mod:`.model_facts` (a model's architecture arithmetic
 from its ``config.json`` and safetensors headers), :mod:`.admission` (the admission decision),
-:mod:`.sizing` (the shared envelope, right-sized pools, headroom and release checks),
+:mod:`.sizing` (every pool figure: blocks per sequence, fixed blocks, right-sized pools, the
+worker's start-up check, cache caps, the shared envelope and release checks),
 :mod:`.paths` (where plimsoll keeps what it builds) and :mod:`.progress` (the ``Reporter``
 that long work reports through).
 

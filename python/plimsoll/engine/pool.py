@@ -260,12 +260,15 @@ class BlockPool:
             seq.table.append(block)
         return tuple(seq.table)
 
-    def commit(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
-        """``tokens`` are the values at positions 0.. of ``seq_id`` whose KV is written (or
-        being written by a submitted step): register every newly full block's hash so later
-        prompts can map it. A hash another block already carries stays with that block."""
+    def commit(self, seq_id: Hashable, tokens: Sequence[int], written: int | None = None
+               ) -> None:
+        """The first ``written`` (default: all) of ``tokens`` are the values at positions
+        0.. of ``seq_id`` whose KV is written (or being written by a submitted step):
+        register every newly full block's hash so later prompts can map it. A hash another
+        block already carries stays with that block."""
         seq = self._seqs[seq_id]
-        full = min(len(tokens) // self.block_tokens, len(seq.table))
+        n = len(tokens) if written is None else min(written, len(tokens))
+        full = min(n // self.block_tokens, len(seq.table))
         if full <= len(seq.hashes):
             return
         seq.hashes = chain_hashes(tokens[:full * self.block_tokens], self.block_tokens,

@@ -75,7 +75,9 @@ def memory_figures(
         from .defaults import default_policy
 
         budget = default_policy(snap).budget_bytes(mode)
-        sources.append("budget: default (total RAM less the OS floor)")
+        sources.append("budget: default (the cgroup's limit: the host's OS floor lies "
+                       "outside it)" if snap.cgroup_bound
+                       else "budget: default (total RAM less the OS floor)")
     return MemoryFigures(ceiling, total, budget, "; ".join(sources))
 
 
