@@ -1,58 +1,38 @@
-"""The engine: an mlx-lm model over sequences whose KV maps onto reserved blocks.
+"""The engine: an mlx-lm model over block-paged KV, driven one :class:`Step` at a time.
 
-Owns: :mod:`.adapter` (the one module of plimsoll's worker that imports mlx / mlx_lm; see its
-docstring for the design and the physical bound), :mod:`.plan` (the pure arithmetic and value
-types the scheduler can use without a model) and :mod:`.pool` (the KV pool in blocks: live
-reservations plus retained prefixes, pure).
-
-May import: :mod:`plimsoll.core`, mlx, mlx_lm (in :mod:`.adapter` only).
-
-The names below are loaded on first use (PEP 562), so ``plimsoll.engine.plan`` and
-``plimsoll.engine.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads
-the adapter.
+``work`` holds the pure contract (Sampling, TokenConstraint, Work, Step and the
+transient arithmetic admission counts); it never imports mlx. Everything else here
+is the worker's mlx edge and is imported lazily (PEP 562), so
+``import plimsoll.engine.work`` or ``import plimsoll.engine`` stays mlx-free.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-_EXPORTS = {
-    "Engine": "adapter", "SlotKV": "adapter", "active_memory": "adapter",
-    "process_limits": "adapter",
-    "AddResult": "plan", "CapacityError": "plan", "Prefix": "plan", "capacity_tokens": "plan",
-    "move_headroom_blocks": "plan", "reusable_tokens": "plan",
+from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
+
+_LAZY = {
+    "Engine": "plimsoll.engine.adapter",
+    "SlotKV": "plimsoll.engine.adapter",
+    "active_memory": "plimsoll.engine.adapter",
+    "process_limits": "plimsoll.engine.adapter",
+    "AddResult": "plimsoll.engine.plan",
+    "CapacityError": "plimsoll.engine.plan",
+    "Prefix": "plimsoll.engine.plan",
+    "capacity_tokens": "plimsoll.engine.plan",
+    "move_headroom_blocks": "plimsoll.engine.plan",
+    "reusable_tokens": "plimsoll.engine.plan",
 }
 
-__all__ = [
-    "AddResult",
-    "CapacityError",
-    "Engine",
-    "Prefix",
-    "SlotKV",
-    "active_memory",
-    "capacity_tokens",
-    "move_headroom_blocks",
-    "process_limits",
-    "reusable_tokens",
-]
-
-if TYPE_CHECKING:
-    from plimsoll.engine.adapter import Engine, SlotKV, active_memory, process_limits
-    from plimsoll.engine.plan import (
-        AddResult,
-        CapacityError,
-        Prefix,
-        capacity_tokens,
-        move_headroom_blocks,
-        reusable_tokens,
-    )
+__all__ = ["Sampling", "Step", "TokenConstraint", "Work", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        raise AttributeError(f"module 'plimsoll.engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -1,0 +1,80 @@
+"""The contract between the scheduler and the engine: pure value types, no mlx.
+
+The scheduler (the pool's owner) decides which tokens are written where; the engine
+only executes a :class:`Step` against physical blocks it is told about. Importing
+this module never imports mlx, so the scheduler, admission and their tests can use
+it without a model.
+
+Positions inside a block table: the token at position ``p`` lives in block
+``block_table[p // block_tokens]`` at offset ``p % block_tokens``. A block may sit
+in several tables (a shared prefix); the engine only reads full shared blocks and
+the scheduler never gives two sequences the same block to write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a sequence's next token is drawn: greedy at temperature 0."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class TokenConstraint(Protocol):
+    """Constrained decoding (json schema, tool_choice): a mask over the vocabulary."""
+
+    def allowed(self) -> numpy.ndarray | None:
+        """A bool mask over the vocabulary for the next token; None allows any."""
+        ...
+
+    def advance(self, token_id: int) -> None:
+        """The token sampled for this sequence, told after each step."""
+        ...
+
+    def done(self) -> bool:
+        """The grammar is finished: the sequence should stop."""
+        ...
+
+
+@dataclass(frozen=True)
+class Work:
+    """One sequence's share of a step.
+
+    ``tokens`` are written at positions ``start .. start + len(tokens) - 1``. ``None``
+    (decodes only) means "the token this engine sampled for ``seq_id`` in the previous
+    step", still lazy on the device (pipelining).
+    """
+
+    seq_id: int
+    tokens: tuple[int, ...] | None
+    start: int
+    block_table: tuple[int, ...]
+    sample: bool
+    sampling: Sampling = Sampling()
+    constraint: TokenConstraint | None = None
+
+    @property
+    def length(self) -> int:
+        """Tokens this Work writes (one for a pipelined decode)."""
+        return 1 if self.tokens is None else len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Everything one engine step runs: decodes batched as ONE forward, prefills each alone."""
+
+    decodes: tuple[Work, ...] = ()
+    prefills: tuple[Work, ...] = ()
