@@ -1,38 +1,54 @@
 """The engine: an mlx-lm model over block-paged KV, driven one :class:`Step` at a time.
 
-``work`` holds the pure contract (Sampling, TokenConstraint, Work, Step and the
-transient arithmetic admission counts); it never imports mlx. Everything else here
-is the worker's mlx edge and is imported lazily (PEP 562), so
-``import plimsoll.engine.work`` or ``import plimsoll.engine`` stays mlx-free.
+Owns: :mod:`.work` (the pure contract between scheduler and engine: Sampling,
+TokenConstraint, Work, Step, and the transient arithmetic admission counts),
+:mod:`.core` (the Engine: steps, pipelining, recurrent state), :mod:`.paged` (the
+physical pools, one kind per cache layer), :mod:`.attention` (the cache views mlx-lm's
+models see and the routed attention), :mod:`.sampling`, :mod:`.state` (recurrent state
+of hybrid models), :mod:`.limits` (process-wide MLX limits), :mod:`.plan` and
+:mod:`.pool` (pure block arithmetic and the KV pool in blocks).
+
+May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, sampling,
+state and limits only).
+
+The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``,
+``.plan`` and ``.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads
+the mlx edge.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
 
-_LAZY = {
-    "Engine": "plimsoll.engine.adapter",
-    "SlotKV": "plimsoll.engine.adapter",
-    "active_memory": "plimsoll.engine.adapter",
-    "process_limits": "plimsoll.engine.adapter",
-    "AddResult": "plimsoll.engine.plan",
-    "CapacityError": "plimsoll.engine.plan",
-    "Prefix": "plimsoll.engine.plan",
-    "capacity_tokens": "plimsoll.engine.plan",
-    "move_headroom_blocks": "plimsoll.engine.plan",
-    "reusable_tokens": "plimsoll.engine.plan",
+_EXPORTS = {
+    "Engine": "core", "Pending": "core",
+    "active_memory": "limits", "clear_buffer_cache": "limits", "process_limits": "limits",
+    "AddResult": "plan", "CapacityError": "plan", "Prefix": "plan", "capacity_tokens": "plan",
+    "move_headroom_blocks": "plan", "reusable_tokens": "plan",
 }
 
-__all__ = ["Sampling", "Step", "TokenConstraint", "Work", *_LAZY]
+__all__ = ["Sampling", "Step", "TokenConstraint", "Work", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from plimsoll.engine.core import Engine, Pending
+    from plimsoll.engine.limits import active_memory, clear_buffer_cache, process_limits
+    from plimsoll.engine.plan import (
+        AddResult,
+        CapacityError,
+        Prefix,
+        capacity_tokens,
+        move_headroom_blocks,
+        reusable_tokens,
+    )
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
+    module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'plimsoll.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
