@@ -30,7 +30,23 @@ _EXPORTS = {
     "move_headroom_blocks": "plan", "reusable_tokens": "plan",
 }
 
-__all__ = ["Sampling", "Step", "TokenConstraint", "Work", *_EXPORTS]
+__all__ = [
+    "AddResult",
+    "CapacityError",
+    "Engine",
+    "Pending",
+    "Prefix",
+    "Sampling",
+    "Step",
+    "TokenConstraint",
+    "Work",
+    "active_memory",
+    "capacity_tokens",
+    "clear_buffer_cache",
+    "move_headroom_blocks",
+    "process_limits",
+    "reusable_tokens",
+]
 
 if TYPE_CHECKING:
     from plimsoll.engine.core import Engine, Pending

@@ -35,12 +35,12 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
+from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import Batch, PagedView, route_attention
 from plimsoll.engine.paged import FullAttention, RecurrentState, mx_dtype, read_of, slots_of
 from plimsoll.engine.sampling import Keys, sample
 from plimsoll.engine.work import Step, Work
-from plimsoll.core.model_facts import ModelFacts, inspect_model
 
 
 class Pending:
