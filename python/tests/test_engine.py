@@ -1,264 +1,176 @@
-"""The engine adapter against real mlx-lm inference on tiny random-weight demo models.
+"""The block-paged engine against real mlx-lm inference on tiny random-weight demo models.
 
-No mocks: greedy outputs are compared with mlx-lm's own ``generate_step``, and the
-physical bound is checked on the arrays the engine holds. Run with OpenBLAS for
-speed (the float32 matmuls are ~5x faster)::
-
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        pytest python/tests/test_engine.py
+No mocks: greedy outputs are compared with mlx-lm's own ``generate_step`` token for
+token, and memory is asserted on the bytes of the arrays the engine allocated. The
+tests own block ids (``engine_drive.Blocks``); the real scheduler is tested elsewhere.
 """
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
-from mlx_lm.generate import generate_step  # noqa: E402
+
+from engine_drive import Blocks, drive, reference, seqs_for, sharpen, text  # noqa: E402
 
 from plimsoll.demo.model import build_demo_model  # noqa: E402
-from plimsoll.engine import CapacityError, Engine  # noqa: E402
+from plimsoll.engine import Engine  # noqa: E402
+from plimsoll.engine.work import Sampling, Step, Work  # noqa: E402
 
 BLOCK = 16
+POOL = 64
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Engine:
-    return Engine.load(build_demo_model(tmp_path_factory.mktemp("tiny"), "tiny"), BLOCK)
+def tiny_dir(tmp_path_factory):
+    return build_demo_model(tmp_path_factory.mktemp("tiny"), "tiny")
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory) -> Engine:
-    return Engine.load(build_demo_model(tmp_path_factory.mktemp("hybrid"), "hybrid"), BLOCK)
+def tiny(tiny_dir) -> Engine:
+    eng = Engine.load(tiny_dir, block_tokens=BLOCK, max_blocks=POOL, slab_blocks=4)
+    sharpen(eng.model)
+    return eng
 
 
-def _text(eng: Engine, n: int, salt: int = 0) -> list[int]:
-    words = "import os\nclass Foo:\n    def bar(self, x):\n        return x + %d\n"
-    ids: list[int] = []
-    i = salt
-    while len(ids) < n:
-        ids += eng.tokenizer.encode(words % i)
-        i += 1
-    return ids[:n]
+def _fresh(tiny_dir, **kw) -> Engine:
+    eng = Engine.load(tiny_dir, block_tokens=BLOCK, **{"max_blocks": POOL, **kw})
+    sharpen(eng.model)
+    return eng
 
 
-def _reference(eng: Engine, prompt: list[int], n: int) -> list[int]:
-    """mlx-lm's own greedy generation, with its own (growing) KVCache."""
-    return [t for t, _ in generate_step(mx.array(prompt), eng.model, max_tokens=n)]
+def test_batched_chunked_greedy_equals_mlx_lm(tiny):
+    """Sequences of different lengths, prefilled in chunks smaller than their prompts while
+    the others decode, batched decode, scattered block ids: mlx-lm's greedy output."""
+    prompts = [text(tiny.tokenizer, n, salt=n) for n in (5, 37, 70, 23)]
+    want = [reference(tiny.model, p, 9) for p in prompts]
+    assert len({tuple(w) for w in want}) == 4 and all(len(set(w)) > 3 for w in want)
+    seqs = seqs_for(prompts, 9, BLOCK, Blocks(POOL, shuffle=True))
+    assert drive(tiny, seqs, chunk=12) == want
 
 
-def _solo(eng: Engine, prompt: list[int], n: int) -> list[int]:
-    out = [eng.add("solo", prompt, n).first_token]
-    while len(out) < n:
-        out += [t for _, t in eng.step()]
-    eng.finish("solo")
-    return out
+def test_pipelined_equals_unpipelined(tiny):
+    prompts = [text(tiny.tokenizer, n, salt=3 * n) for n in (40, 9, 66)]
+    plain = drive(tiny, seqs_for(prompts, 10, BLOCK, Blocks(POOL)), chunk=32)
+    piped = drive(tiny, seqs_for(prompts, 10, BLOCK, Blocks(POOL, shuffle=True)), chunk=32,
+                  pipelined=True)
+    assert piped == plain == [reference(tiny.model, p, 10) for p in prompts]
 
 
-def test_single_sequence_matches_mlx_lm_greedy(tiny):
-    for length in (5, 37, 150):
-        prompt = _text(tiny, length)
-        assert _solo(tiny, prompt, 24) == _reference(tiny, prompt, 24)
-    assert tiny.kv_bytes_held() == 0
+def test_single_stream_pipelined_matches_reference(tiny):
+    prompt = text(tiny.tokenizer, 50, salt=1)
+    out = drive(tiny, seqs_for([prompt], 20, BLOCK, Blocks(POOL)), chunk=512, pipelined=True)
+    assert out == [reference(tiny.model, prompt, 20)]
 
 
-@pytest.mark.parametrize("pipeline", [True, False])
-def test_staggered_batch_matches_solo_runs(tiny, pipeline):
-    """Sequences of different lengths join and leave between steps; each equals its solo run."""
-    tiny.pipeline = pipeline
-    lengths, budgets, joins = [9, 70, 33, 140, 20], [20, 12, 25, 16, 10], [0, 0, 3, 5, 9]
-    prompts = [_text(tiny, n, salt=i) for i, n in enumerate(lengths)]
-    want = [_reference(tiny, p, m) for p, m in zip(prompts, budgets, strict=True)]
-    got: dict[int, list[int]] = {}
-    step = 0
-    while len(got) < len(prompts) or tiny.running:
-        for i, at in enumerate(joins):
-            if at == step:
-                got[i] = [tiny.add(i, prompts[i], budgets[i]).first_token]
-        for sid in [s for s in tiny.running if len(got[s]) == budgets[s]]:
-            tiny.finish(sid)
-        for sid, tok in tiny.step():
-            got[sid].append(tok)
-        step += 1
-    tiny.pipeline = True
-    assert [got[i] for i in range(len(prompts))] == want
+def test_shared_prefix_blocks_are_read_not_copied(tiny_dir):
+    eng = _fresh(tiny_dir, slab_blocks=1)
+    base = text(eng.tokenizer, 3 * BLOCK, salt=11)  # three full blocks
+    tails = [text(eng.tokenizer, 7, salt=50), text(eng.tokenizer, 12, salt=60)]
+    prompts = [base + t for t in tails]
+    want = [reference(eng.model, p, 6) for p in prompts]
+    blocks = Blocks(POOL)
+    first = seqs_for(prompts[:1], 6, BLOCK, blocks)
+    assert drive(eng, first, chunk=20) == want[:1]
+    # the second sequence maps the first's three full blocks and prefills only its tail
+    second = seqs_for(prompts[1:], 6, BLOCK, blocks, shared={0: first[0].table[:3]})
+    second[0].seq_id = 0
+    second[0].written = 3 * BLOCK
+    assert drive(eng, second, chunk=20) == want[1:]
+    distinct = set(first[0].table) | set(second[0].table)
+    assert len(distinct) == len(first[0].table) + len(second[0].table) - 3
+    assert eng.kv_bytes_allocated() == len(distinct) * eng.block_bytes
+    # unshared, the same two sequences would allocate three more blocks
+    assert eng.blocks_allocated() == max(distinct) + 1 == len(distinct)
 
 
-def test_capacity_is_the_reservation_and_never_grows(tiny):
-    prompt = _text(tiny, 21)
-    r = tiny.add("c", prompt, 11)
-    assert r.capacity_tokens == 32 == tiny.capacity_tokens(21, 11)
-    kvbpt = tiny.facts.kv_bytes_per_token
-    assert tiny.kv_bytes_held() == 32 * kvbpt
-    for _ in range(10):
-        tiny.step()
-        assert tiny.kv_bytes_held() == 32 * kvbpt
-    tiny.step()  # token 12 of a reservation rounded up to 32 tokens still fits
-    while tiny.generated("c") < 32 - 21 + 1:
-        tiny.step()
-    with pytest.raises(CapacityError):
-        tiny.step()
-    tiny.finish("c")
-    assert tiny.kv_bytes_held() == 0
+def test_pool_grows_in_slabs_and_never_past_max_blocks(tiny_dir):
+    eng = _fresh(tiny_dir, max_blocks=10, slab_blocks=4)
+    assert eng.kv_bytes_allocated() == 0  # nothing preallocated
+    prompt = text(eng.tokenizer, 20, salt=2)
+    eng.run(Step(prefills=(Work(0, tuple(prompt), 0, (0, 1), True),)))
+    assert eng.blocks_allocated() == 4
+    assert eng.kv_bytes_allocated() == 4 * eng.block_bytes
+    eng.run(Step(decodes=(Work(0, None, 20, (0, 9), True),)))  # block 9: grow to the cap
+    assert eng.blocks_allocated() == 10
+    with pytest.raises(ValueError, match="outside the pool of 10 blocks"):
+        eng.run(Step(decodes=(Work(0, None, 21, (0, 10), True),)))
+    assert eng.kv_bytes_allocated() == 10 * eng.block_bytes
+    with pytest.raises(ValueError, match="does not cover"):
+        eng.run(Step(decodes=(Work(0, (5,), 40, (0, 1), True),)))
 
 
-def test_bound_holds_under_eight_growing_conversations(tiny):
-    """After every add, step and finish, the arrays fit the blocks the caller reserved."""
-    kvbpt, block_bytes = tiny.facts.kv_bytes_per_token, tiny.facts.kv_bytes_per_token * BLOCK
-    pool_blocks = 8 * math.ceil(260 / BLOCK) + 8  # 8 sequences of ≤ 260 tokens + move headroom
-    history = {i: _text(tiny, 20 + 9 * i, salt=i) for i in range(8)}
-    budget = {i: 6 + i % 4 for i in range(8)}
-    turns = dict.fromkeys(range(8), 0)
-    prefix: dict[int, object] = {}
-    out: dict[int, list[int]] = {}
-    tiny.reset_peak()
-
-    def reserved_blocks() -> int:
-        live = sum(tiny.capacity_tokens(len(history[s]), budget[s]) for s in tiny.running)
-        kept = sum(math.ceil(len(p.tokens) / BLOCK) * BLOCK for p in prefix.values())
-        return (live + kept) // BLOCK
-
-    def check() -> None:
-        held = tiny.kv_bytes_held()
-        assert held <= reserved_blocks() * block_bytes <= pool_blocks * block_bytes
-        assert tiny.kv_bytes_peak() <= pool_blocks * block_bytes
-
-    def start(i: int) -> None:
-        r = tiny.add(i, history[i], budget[i], prefix.pop(i, None))
-        out[i] = [r.first_token]
-        check()
-
-    step = 0
-    while any(t < 4 for t in turns.values()) or tiny.running:
-        if step < 8:
-            start(step)
-        for sid, tok in tiny.step():
-            out[sid].append(tok)
-        check()
-        for sid in [s for s in tiny.running if len(out[s]) == budget[s]]:
-            prefix[sid] = tiny.finish(sid, retain=True)
-            check()
-            turns[sid] += 1
-            history[sid] = history[sid] + out[sid] + _text(tiny, 25, salt=sid + turns[sid])
-            if turns[sid] < 4:
-                start(sid)
-        step += 1
-    used = sum(len(p.tokens) for p in prefix.values())
-    assert tiny.kv_bytes_held() - used * kvbpt < 8 * block_bytes
-    for p in list(prefix.values()):
-        tiny.drop_prefix(p)
-    assert tiny.kv_bytes_held() == 0
+def test_kv_dtype_float16_halves_block_bytes(tiny_dir, tiny):
+    eng = _fresh(tiny_dir, kv_dtype="float16")
+    assert eng.block_bytes * 2 == tiny.block_bytes
+    assert tiny.block_bytes == 2 * BLOCK * tiny.facts.kv_layers * \
+        tiny.facts.num_key_value_heads * tiny.facts.head_dim * 4
+    prompt = text(eng.tokenizer, 30, salt=4)
+    out = drive(eng, seqs_for([prompt], 5, BLOCK, Blocks(POOL)), chunk=16)
+    pools = [a for p in eng._pools for a in (p.keys, p.values)]
+    assert pools and all(a.dtype == mx.float16 for a in pools)
+    assert eng.kv_bytes_allocated() == sum(a.nbytes for a in pools)
+    assert len(out[0]) == 5
 
 
-def test_twelve_turn_conversation_holds_one_copy_and_prefills_only_new_tokens(tiny):
-    kvbpt, block_bytes = tiny.facts.kv_bytes_per_token, tiny.facts.kv_bytes_per_token * BLOCK
-    history = _text(tiny, 60)
-    prefix = None
-    for turn in range(12):
-        r = tiny.add("chat", history, 8, prefix)
-        if prefix is not None:
-            assert r.reused_tokens == len(prefix.tokens)
-            assert r.prefilled_tokens == len(history) - len(prefix.tokens)
-            assert tiny.prefixes == []  # moved, not copied
-        assert tiny.kv_bytes_held() == r.capacity_tokens * kvbpt
-        out = [r.first_token]
-        while len(out) < 8:
-            out += [t for _, t in tiny.step()]
-        prefix = tiny.finish("chat", retain=True)
-        # every token whose KV is written: all but the last, or all if the next step was queued
-        assert prefix.tokens in (tuple(history + out[:-1]), tuple(history + out))
-        held = tiny.kv_bytes_held()
-        assert len(prefix.tokens) * kvbpt <= held < len(prefix.tokens) * kvbpt + block_bytes
-        history = history + out + _text(tiny, 40, salt=turn)
-    # the moved KV is the real KV: continuing from it equals a from-scratch generation
-    assert len(history) > 600
-    r = tiny.add("chat", history, 6, prefix)
-    got = [r.first_token] + [t for _ in range(5) for _, t in tiny.step()]
-    tiny.finish("chat")
-    assert got == _reference(tiny, history, 6)
-    assert tiny.kv_bytes_held() == 0
+class OneToken:
+    """A constraint that allows exactly one token id."""
+
+    def __init__(self, token: int, vocab: int):
+        self.token, self.vocab, self.told = token, vocab, []
+
+    def allowed(self):
+        mask = np.zeros(self.vocab, dtype=bool)
+        mask[self.token] = True
+        return mask
+
+    def advance(self, token_id: int) -> None:
+        self.told.append(token_id)
+
+    def done(self) -> bool:
+        return False
 
 
-def test_finish_frees_the_arrays(tiny):
-    mx.clear_cache()
-    before = tiny.memory()["active"]
-    tiny.add("f", _text(tiny, 200), 300)
-    for _ in range(3):
-        tiny.step()  # the last one queues a fourth, which writes token 204's KV
-    grown = tiny.memory()["active"] - before
-    assert grown >= tiny.kv_bytes_held() == 512 * tiny.facts.kv_bytes_per_token
-    p = tiny.finish("f", retain=True)
-    assert len(p.tokens) == 204
-    assert tiny.kv_bytes_held() == 208 * tiny.facts.kv_bytes_per_token
-    tiny.drop_prefix(p)
-    assert tiny.kv_bytes_held() == 0
-    assert tiny.memory()["active"] - before < tiny.facts.kv_bytes_per_token * BLOCK
-    with pytest.raises(KeyError):
-        tiny.drop_prefix(p)
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_constraint_mask_is_honoured(tiny, pipelined):
+    prompts = [text(tiny.tokenizer, n, salt=n) for n in (20, 33)]
+    seqs = seqs_for(prompts, 6, BLOCK, Blocks(POOL))
+    seqs[1].constraint = OneToken(77, len(tiny.tokenizer.vocab))
+    out = drive(tiny, seqs, chunk=16, pipelined=pipelined)
+    assert out[1] == [77] * 6 and seqs[1].constraint.told == [77] * 6
+    assert out[0] == reference(tiny.model, prompts[0], 6)  # its neighbour is unconstrained
 
 
-def test_partial_prefix_reuse_and_mismatch(tiny):
-    base = _text(tiny, 50)
-    tiny.add("a", base, 4)
-    tiny.step()
-    p = tiny.finish("a", retain=True)
-    forked = base[:30] + _text(tiny, 10, salt=99)
-    assert tiny.reusable_tokens(p, forked) == 30
-    assert tiny.reusable_tokens(p, base[:10]) == 9  # the last prompt token is always prefilled
-    r = tiny.add("b", forked, 5, p)
-    assert (r.reused_tokens, r.prefilled_tokens) == (30, 10)
-    got = [r.first_token] + [t for _ in range(4) for _, t in tiny.step()]
-    tiny.finish("b")
-    assert got == _reference(tiny, forked, 5)
+def test_seeded_sampling_reproduces_in_any_batch(tiny):
+    prompts = [text(tiny.tokenizer, n, salt=n) for n in (25, 40)]
+
+    def run(seed: int, batched: bool) -> list[int]:
+        seqs = seqs_for(prompts if batched else prompts[:1], 10, BLOCK, Blocks(POOL))
+        seqs[0].sampling = Sampling(temperature=0.9, top_p=0.95, seed=seed)
+        return drive(tiny, seqs, chunk=64)[0]
+
+    assert run(7, False) == run(7, True)
+    assert run(7, False) != run(8, False)
 
 
-def test_seeded_sampling_is_reproducible(tiny):
-    prompt = _text(tiny, 30)
+def test_refuses_unsupported_cache_kind(tiny_dir):
+    import mlx_lm
+    from mlx_lm.models.cache import RotatingKVCache
 
-    def run(seed: int) -> list[int]:
-        out = [tiny.add("s", prompt, 12, temperature=0.9, top_p=0.95, seed=seed).first_token]
-        out += [t for _ in range(11) for _, t in tiny.step()]
-        tiny.finish("s")
-        return out
+    from plimsoll.core.model_facts import inspect_model
 
-    assert run(7) == run(7)
-    assert run(7) != run(8)
-
-
-def test_hybrid_model_batches_and_reuses_prefixes(hybrid):
-    """qwen3_next: gated-delta state per sequence, full-attention KV in slots."""
-    assert hybrid.facts.per_sequence_fixed_bytes > 0
-    prompts = [_text(hybrid, n, salt=n) for n in (12, 45, 80)]
-    want = [_reference(hybrid, p, 10) for p in prompts]
-    got = {i: [hybrid.add(i, p, 10).first_token] for i, p in enumerate(prompts)}
-    assert hybrid.fixed_bytes_held() == 3 * hybrid.facts.per_sequence_fixed_bytes
-    for _ in range(9):
-        for sid, tok in hybrid.step():
-            got[sid].append(tok)
-    assert [got[i] for i in range(3)] == want
-    p = hybrid.finish(0, retain=True)
-    hybrid.finish(1)
-    hybrid.finish(2)
-    assert hybrid.reusable_tokens(p, [*prompts[0][:5], 1, 2, 3]) == 0  # state cannot be cut
-    follow = prompts[0] + got[0] + _text(hybrid, 20, salt=5)
-    r = hybrid.add("t", follow, 6, p)
-    assert r.reused_tokens == len(p.tokens) >= len(prompts[0]) + 9
-    out = [r.first_token] + [t for _ in range(5) for _, t in hybrid.step()]
-    hybrid.finish("t")
-    assert out == _reference(hybrid, follow, 6)
-    assert hybrid.kv_bytes_held() == hybrid.fixed_bytes_held() == 0
+    model, tok = mlx_lm.load(str(tiny_dir))
+    model.make_cache = lambda: [RotatingKVCache(max_size=64) for _ in model.layers]
+    with pytest.raises(NotImplementedError, match="RotatingKVCache"):
+        Engine(model, tok, inspect_model(tiny_dir), block_tokens=BLOCK, max_blocks=POOL)
 
 
-def test_plan_arithmetic_is_pure():
-    from plimsoll.engine import plan
-
-    assert plan.capacity_tokens(21, 11, 16) == 32
-    assert plan.capacity_tokens(1, 1, 16) == 16
-    # a 6,700-token prefix of a 28-layer model: one array is 1/56 of it, ~120 tokens, 8 blocks
-    assert plan.move_headroom_blocks(6700, 28, 16) == 8
-    assert plan.move_headroom_blocks(0, 28, 16) == 0
-    assert plan.reusable_tokens((1, 2, 3), [1, 2, 3, 4], whole_only=True) == 3
-    assert plan.reusable_tokens((1, 2, 3), [1, 2, 3], whole_only=False) == 2
-    assert plan.reusable_tokens((1, 2, 3), [1, 2, 3], whole_only=True) == 0
-    assert plan.reusable_tokens((1, 2, 9), [1, 2, 3, 4], whole_only=False) == 2
+def test_bad_steps_are_refused(tiny):
+    with pytest.raises(ValueError, match="nothing was sampled"):
+        tiny.run(Step(decodes=(Work(999, None, 3, (0,), True),)))
+    with pytest.raises(ValueError, match="exactly one token"):
+        tiny.run(Step(decodes=(Work(999, (1, 2), 3, (0,), True),)))
+    with pytest.raises(ValueError, match="twice"):
+        w = Work(5, (1,), 0, (0,), True)
+        tiny.run(Step(decodes=(w,), prefills=(w,)))

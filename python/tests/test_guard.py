@@ -187,7 +187,7 @@ def test_footprint_guard_lines_are_those_of_the_cgroup_guard() -> None:
 def test_footprint_guard_hard_line_ends_the_process_before_the_allocation_finishes() -> None:
     code = (
         "import time, numpy as np\n"
-        "from plimsoll import guard as G\n"
+        "from plimsoll.guard import process as G\n"
         "read, source = G.own_footprint_reader()\n"
         "g = G.FootprintGuard(read() + (96 << 20), 0.9, read, source)\n"
         "g.arm(period_s=0.01)\n"

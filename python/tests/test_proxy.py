@@ -28,7 +28,7 @@ import pytest
 from conftest import free_port, worker_env
 
 MSG = [{"role": "user", "content": "hello there"}]
-SERVE = "from plimsoll.cli_serve import serve_command; serve_command()"
+SERVE = "from plimsoll.cli.serve import serve_command; serve_command()"
 
 
 class Proxy:

@@ -156,7 +156,7 @@ class WatcherProc:
         self.ceiling, self.log_path = tmp / "ceiling", tmp / "watch.log"
         argv = pair.exec_argv(
             sys.executable, "-c",
-            "from plimsoll.cli_watch import watch_link_command; watch_link_command()",
+            "from plimsoll.cli.watch import watch_link_command; watch_link_command()",
             "--policy", str(policy), "--sysctl", f"file:{self.ceiling}", *flags)
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
@@ -367,7 +367,7 @@ def proxy(netns, tmp_path, tiny_model) -> Iterator[tuple[str, Path]]:
                          "maxTokens": 64, "defaultMaxTokens": 8}})
     log = (tmp_path / "proxy.log").open("w")
     argv = netns.exec_argv(
-        sys.executable, "-c", "from plimsoll.cli_serve import serve_command; serve_command()",
+        sys.executable, "-c", "from plimsoll.cli.serve import serve_command; serve_command()",
         "--policy", str(policy), "--admin-token-file", str(token_file), "--mode", "standalone",
         "--drain-timeout", "5")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=worker_env())

@@ -28,8 +28,8 @@ takes its ranks with it (parent watchdog).
 Running out is checked by the rank itself before every forward that yields a token (mlx's
 memory limit is soft on the CPU backend): active memory past the admitted allocation limit
 ends the rank with exit 6, which ends the ring for every peer. Each slot's KV is sized once
-to its reservation (``prompt + max_tokens``, whole blocks: the engine's ``SlotKV``), so it
-never grows past what rank 0's pool admitted.
+to its reservation (``prompt + max_tokens``, whole blocks: :class:`plimsoll.cluster.slots.SlotKV`),
+so it never grows past what rank 0's pool admitted.
 
 Exit codes: 0 shutdown, 2 cannot join the ring, 3 rolled back, 4 peer lost, 5 other error,
 6 ran out of its admitted memory.

@@ -95,7 +95,7 @@ class Stage:
         from mlx_lm.models.base import create_attention_mask, create_ssm_mask
         from mlx_lm.models.cache import KVCache
 
-        from plimsoll.engine.adapter import SlotKV
+        from plimsoll.cluster.slots import SlotKV
 
         self.mx, self.ring, self.model, self.plan = mx, ring, model, plan
         self.inner = model.model

@@ -1,15 +1,19 @@
-"""The engine: an mlx-lm model over sequences whose KV maps onto reserved blocks.
+"""The engine: an mlx-lm model over block-paged KV, driven one :class:`Step` at a time.
 
-Owns: :mod:`.adapter` (the one module of plimsoll's worker that imports mlx / mlx_lm; see its
-docstring for the design and the physical bound), :mod:`.plan` (the pure arithmetic and value
-types the scheduler can use without a model) and :mod:`.pool` (the KV pool in blocks: live
-reservations plus retained prefixes, pure).
+Owns: :mod:`.work` (the pure contract between scheduler and engine: Sampling,
+TokenConstraint, Work, Step, and the transient arithmetic admission counts),
+:mod:`.core` (the Engine: steps, pipelining, recurrent state), :mod:`.paged` (the
+physical pools, one kind per cache layer), :mod:`.attention` (the cache views mlx-lm's
+models see and the routed attention), :mod:`.sampling`, :mod:`.state` (recurrent state
+of hybrid models), :mod:`.limits` (process-wide MLX limits), :mod:`.plan` and
+:mod:`.pool` (pure block arithmetic and the KV pool in blocks).
 
-May import: :mod:`plimsoll.core`, mlx, mlx_lm (in :mod:`.adapter` only).
+May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, sampling,
+state and limits only).
 
-The names below are loaded on first use (PEP 562), so ``plimsoll.engine.plan`` and
-``plimsoll.engine.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads
-the adapter.
+The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``,
+``.plan`` and ``.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads
+the mlx edge.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
+
 _EXPORTS = {
-    "Engine": "adapter", "SlotKV": "adapter", "active_memory": "adapter",
-    "process_limits": "adapter",
+    "Engine": "core", "Pending": "core",
+    "active_memory": "limits", "clear_buffer_cache": "limits", "process_limits": "limits",
     "AddResult": "plan", "CapacityError": "plan", "Prefix": "plan", "capacity_tokens": "plan",
     "move_headroom_blocks": "plan", "reusable_tokens": "plan",
 }
@@ -28,17 +34,23 @@ __all__ = [
     "AddResult",
     "CapacityError",
     "Engine",
+    "Pending",
     "Prefix",
-    "SlotKV",
+    "Sampling",
+    "Step",
+    "TokenConstraint",
+    "Work",
     "active_memory",
     "capacity_tokens",
+    "clear_buffer_cache",
     "move_headroom_blocks",
     "process_limits",
     "reusable_tokens",
 ]
 
 if TYPE_CHECKING:
-    from plimsoll.engine.adapter import Engine, SlotKV, active_memory, process_limits
+    from plimsoll.engine.core import Engine, Pending
+    from plimsoll.engine.limits import active_memory, clear_buffer_cache, process_limits
     from plimsoll.engine.plan import (
         AddResult,
         CapacityError,

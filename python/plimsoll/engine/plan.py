@@ -1,4 +1,4 @@
-"""The engine's arithmetic and value types: pure, no mlx (the adapter is the effect edge).
+"""The engine's arithmetic and value types: pure, no mlx (the engine core is the effect edge).
 
 Everything the scheduler may want to ask before it commits blocks lives here, so it
 can be answered (and tested) without a model: how many tokens of KV a sequence

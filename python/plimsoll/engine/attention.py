@@ -1,0 +1,103 @@
+"""Attention over block tables: the cache objects mlx-lm's model classes see (imports mlx).
+
+mlx-lm's attention layers call ``cache.update_and_fetch(keys, values)`` and then
+``mlx_lm.models.base.scaled_dot_product_attention(..., cache=cache, ...)``. For one
+forward the engine hands every full-attention layer a :class:`PagedView` over that
+layer's pool; :func:`route_attention` points mlx-lm's entry point at :func:`sdpa`,
+which, for a ``PagedView``, runs :meth:`PagedView.attend` and delegates everything else
+to mlx-lm's own function. So:
+
+- ``update_and_fetch`` scatters the new K/V into the pool slots of this forward
+  (:class:`Batch.write`) and returns them unchanged (nothing reads them but us);
+- ``attend`` reads the slots of :class:`Batch.read` — a slice for one table of
+  consecutive blocks, otherwise a gather into a transient (rows × longest × heads ×
+  dim, one layer at a time) — and runs ``mx.fast.scaled_dot_product_attention`` once
+  for all rows, with a boolean padding mask (rows of different lengths) or mlx's
+  ``"causal"`` mask (a prefill chunk: queries at ``start ..``, keys ``0 .. start + L``,
+  aligned bottom-right). A prefill chunk at position 0 attends to its own fresh K/V.
+- ``offset`` is the rope offset: an int for one row, an ``mx.array`` of per-row
+  offsets for a decode batch (as mlx-lm's ``BatchKVCache``).
+
+``Batch.attended`` counts the layers that went through :func:`sdpa`; the engine checks
+it after every forward, so a model whose attention bypasses mlx-lm's entry point is
+refused rather than silently attending to nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+from mlx_lm.models import base as _mlx_base
+
+from plimsoll.engine.paged import FullAttention, Read
+
+_ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
+
+
+class Batch:
+    """What every layer of one forward shares: where to write, what to read, mask, offset."""
+
+    __slots__ = ("attended", "mask", "offset", "read", "write")
+
+    def __init__(self, write: mx.array, read: Read | None, mask, offset):
+        self.write, self.read, self.mask, self.offset = write, read, mask, offset
+        self.attended = 0
+
+
+class PagedView:
+    """One full-attention layer's cache for one forward (mlx-lm's cache protocol)."""
+
+    def __init__(self, pool: FullAttention, batch: Batch):
+        self.pool, self.batch = pool, batch
+        self.offset = batch.offset
+        self._fresh: tuple[mx.array, mx.array] | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.pool.write(self.batch.write, keys, values)
+        self._fresh = (keys, values)
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
+        self.batch.attended += 1
+        if self.batch.read is None:
+            keys, values = self._fresh
+        else:
+            keys, values = self.pool.gather(self.batch.read)
+            if keys.dtype != queries.dtype:
+                keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=self.batch.mask, sinks=sinks)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
+        return None  # the mask is the batch's own, applied in attend()
+
+    @property
+    def state(self):
+        return self.pool.keys, self.pool.values
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    def empty(self) -> bool:
+        return False
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's attention entry point, paged for a :class:`PagedView`."""
+    if isinstance(cache, PagedView):
+        return cache.attend(queries, scale, sinks)
+    return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                          sinks=sinks)
+
+
+def route_attention() -> None:
+    """Point every loaded mlx-lm model module at :func:`sdpa` (idempotent, delegating)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(
+                module, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA:
+            module.scaled_dot_product_attention = sdpa

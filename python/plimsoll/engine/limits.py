@@ -1,0 +1,60 @@
+"""Process-wide MLX limits: set in one place, always restored (as mlx-lm's wired_limit does).
+
+Imports mlx; the worker enters :func:`process_limits` once, on its engine thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import mlx.core as mx
+
+
+def active_memory() -> int:
+    """MLX's active (allocated, in use) bytes: what the trip compares with."""
+    return mx.get_active_memory()
+
+
+def clear_buffer_cache() -> None:
+    """Return MLX's cached (freed but kept) buffers to the OS: part of the trip's clear."""
+    mx.clear_cache()
+
+
+def _metal() -> bool:
+    try:
+        return mx.metal.is_available()
+    except AttributeError:  # builds without the metal module (CPU/CUDA)
+        return False
+
+
+@contextlib.contextmanager
+def process_limits(memory_limit: int, cache_limit: int, wired_limit: int):
+    """Set MLX's allocation cap, buffer-cache cap and (on Metal) wired limit; restore on exit.
+
+    Yields what MLX reports back after setting them, so the launch wrapper can verify
+    the limits took effect. ``mx.set_memory_limit`` is not enforced by the CPU backend
+    (an over-allocation dies with SIGSEGV): the pool and admission are the enforcement;
+    this cap is a second line where the backend honours it. ``wired_limit`` 0 wires
+    nothing (never MLX's recommended maximum, the seed's first root cause).
+    ``PLIMSOLL_FAULT_SKIP_MEMORY_LIMIT=1`` skips the memory cap (fault injection for the
+    test that the launch wrapper notices a limit that did not take).
+    """
+    skip = os.environ.get("PLIMSOLL_FAULT_SKIP_MEMORY_LIMIT") == "1"
+    prev_memory = None if skip else mx.set_memory_limit(memory_limit)
+    prev_cache = mx.set_cache_limit(cache_limit)
+    applied_cache = mx.set_cache_limit(cache_limit)  # returns what the first call set
+    wired = _metal() and wired_limit > 0
+    prev_wired = mx.set_wired_limit(wired_limit) if wired else None
+    try:
+        yield {
+            "memory_limit_applied_bytes": mx.get_memory_limit(),
+            "cache_limit_applied_bytes": applied_cache,
+            "wired_limit_applied_bytes": wired_limit if wired else 0,
+        }
+    finally:
+        if prev_wired is not None:
+            mx.set_wired_limit(prev_wired)
+        mx.set_cache_limit(prev_cache)
+        if prev_memory is not None:
+            mx.set_memory_limit(prev_memory)

@@ -1,0 +1,161 @@
+"""Physical pools, one "kind" object per cache layer of the model (imports mlx).
+
+A *kind* owns the arrays of one layer and knows how its tokens (or its per-sequence
+state) are laid out; the engine builds one per entry of mlx-lm's
+``make_prompt_cache(model)``:
+
+- :class:`FullAttention` (mlx-lm ``KVCache``): a K pool and a V pool shaped
+  ``(kv_heads, blocks × block_tokens, head_dim)``. Block ``b`` is the slot range
+  ``[b × B, (b + 1) × B)`` of axis 1, so the token at position ``p`` of a table is slot
+  ``table[p // B] × B + p % B``. Head-major means a gather of any slots comes out as
+  ``(heads, rows, slots, dim)`` whose last two axes are contiguous, the layout
+  ``mx.fast.scaled_dot_product_attention`` reads without another copy, and a run of
+  consecutive blocks is a plain slice (a view).
+- :class:`RecurrentState` (mlx-lm ``ArraysCache``, any slot count): no blocks; each
+  sequence holds its own arrays (see :mod:`plimsoll.engine.state`).
+
+Room for the kinds of issue 15 without another rewrite: a sliding-window kind is a
+``FullAttention`` whose scheduler recycles blocks outside the window (the engine only
+masks); an MLA latent kind is one "head" of ``kv_lora_rank + rope`` dims (``k_dim`` and
+``v_dim`` are separate here already); a quantized kind keeps, per pool, the values plus
+scales and biases arrays of mlx-lm's group size on the same slot axis — each kind
+reports its own ``block_bytes`` and ``nbytes``, and the engine only sums them.
+
+Growth: pools are never preallocated whole. They grow in slabs of ``slab_blocks`` up to
+``max_blocks`` when a block id past the allocated range is written; each array is
+grown (concatenated) and evaluated before the next, so the transient of a growth is
+one array of one layer. Nothing ever grows past ``max_blocks``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def mx_dtype(name: str) -> mx.Dtype:
+    """The mlx dtype of a KV dtype name (float16, bfloat16, float32)."""
+    if name not in DTYPES:
+        raise ValueError(f"kv_dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+class FullAttention:
+    """The paged K/V pools of one full-attention layer."""
+
+    kind = "full"
+
+    def __init__(self, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
+                 block_tokens: int, max_blocks: int, slab_blocks: int):
+        self.kv_heads, self.k_dim, self.v_dim, self.dtype = kv_heads, k_dim, v_dim, dtype
+        self.block_tokens, self.max_blocks = block_tokens, max_blocks
+        self.slab_blocks = max(1, min(slab_blocks, max_blocks))
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.blocks = 0  # blocks allocated
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of this layer (K and V), from the pool dtype."""
+        return self.block_tokens * self.kv_heads * (self.k_dim + self.v_dim) * self.dtype.size
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def ensure(self, highest_block: int) -> None:
+        """Grow (in slabs, never past ``max_blocks``) so ``highest_block`` exists."""
+        if highest_block < self.blocks:
+            return
+        if highest_block >= self.max_blocks:
+            raise ValueError(f"block id {highest_block} is outside the pool of "
+                             f"{self.max_blocks} blocks")
+        want = min(self.max_blocks,
+                   math.ceil((highest_block + 1) / self.slab_blocks) * self.slab_blocks)
+        extra = (want - self.blocks) * self.block_tokens
+        for name, dim in (("keys", self.k_dim), ("values", self.v_dim)):
+            zeros = mx.zeros((self.kv_heads, extra, dim), self.dtype)
+            old = getattr(self, name)
+            new = zeros if old is None else mx.concatenate([old, zeros], axis=1)
+            mx.eval(new)
+            setattr(self, name, new)
+            del old
+        self.blocks = want
+
+    def write(self, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Scatter ``keys``/``values`` (batch, heads, tokens, dim) into ``slots``."""
+        b, h, n, _ = keys.shape
+        if b == 1:
+            k, v = keys[0], values[0]
+        else:
+            k = keys.transpose(1, 0, 2, 3).reshape(h, b * n, self.k_dim)
+            v = values.transpose(1, 0, 2, 3).reshape(h, b * n, self.v_dim)
+        self.keys[:, slots] = k.astype(self.dtype)
+        self.values[:, slots] = v.astype(self.dtype)
+
+    def gather(self, read: Read) -> tuple[mx.array, mx.array]:
+        """K and V of the slots ``read`` names, as (batch, heads, length, dim)."""
+        if read.span is not None:
+            lo, hi = read.span
+            return self.keys[None, :, lo:hi], self.values[None, :, lo:hi]
+        k = self.keys[:, read.index].transpose(1, 0, 2, 3)
+        v = self.values[:, read.index].transpose(1, 0, 2, 3)
+        return k, v
+
+
+class RecurrentState:
+    """A layer whose cache is per-sequence state arrays (mlx-lm ``ArraysCache``).
+
+    It has no blocks: ``slots`` is the cache's own entry count (read from
+    ``make_prompt_cache``, not assumed), ``bytes_per_seq`` what one sequence's
+    entries hold (measured at load).
+    """
+
+    kind = "state"
+    block_bytes = 0
+    nbytes = 0
+
+    def __init__(self, slots: int, bytes_per_seq: int):
+        self.slots = slots
+        self.bytes_per_seq = bytes_per_seq
+
+
+class Read:
+    """Which pool slots one forward's attention reads: a slice (``span``) or a gather index."""
+
+    __slots__ = ("index", "span")
+
+    def __init__(self, index: mx.array | None = None, span: tuple[int, int] | None = None):
+        self.index, self.span = index, span
+
+
+def slots_of(table: tuple[int, ...], start: int, stop: int, block_tokens: int) -> np.ndarray:
+    """Pool slots of positions ``start .. stop - 1`` of ``table`` (int32)."""
+    pos = np.arange(start, stop, dtype=np.int64)
+    blocks = np.asarray(table, dtype=np.int64)[pos // block_tokens]
+    return (blocks * block_tokens + pos % block_tokens).astype(np.int32)
+
+
+def read_of(tables: list[tuple[int, ...]], lengths: list[int], block_tokens: int) -> Read:
+    """The read of positions ``0 .. length - 1`` of every table, padded to the longest.
+
+    One table whose blocks are consecutive ids is a slice (no gather copy at all);
+    otherwise an index (rows, longest) whose padding repeats the row's first slot
+    (masked by the caller).
+    """
+    longest = max(lengths)
+    if len(tables) == 1:
+        n = math.ceil(longest / block_tokens)
+        t = np.asarray(tables[0][:n], dtype=np.int64)
+        if n and (t == t[0] + np.arange(n)).all():
+            lo = int(t[0]) * block_tokens
+            return Read(span=(lo, lo + longest))
+    index = np.zeros((len(tables), longest), dtype=np.int32)
+    for row, (table, length) in enumerate(zip(tables, lengths, strict=True)):
+        index[row, :length] = slots_of(table, 0, length, block_tokens)
+        index[row, length:] = index[row, 0]
+    return Read(index=mx.array(index))
