@@ -120,6 +120,7 @@ class BlockPool:
     fixed_blocks_per_seq: int = 0
     hybrid: bool = False    # recurrent state: a hit needs a state snapshot at its end
     extra_key: bytes = b""
+    sharing: bool = True    # False: count blocks only (an engine that keeps its own KV)
     dropped_snapshots: list[Hashable] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("hit_blocks", "miss_blocks", "hit_tokens", "miss_tokens", "evicted_blocks"), 0))
@@ -202,7 +203,7 @@ class BlockPool:
         hashes = list(hashes) if hashes is not None else self.prompt_hashes(prompt)
         reserve = self.blocks_for(len(prompt) + max_tokens)
         hits: list[int] = []
-        for h in hashes[:(len(prompt) - 1) // self.block_tokens]:
+        for h in hashes[:(len(prompt) - 1) // self.block_tokens] if self.sharing else ():
             block = self._by_hash.get(h)
             if block is None:
                 break
@@ -267,6 +268,8 @@ class BlockPool:
         register every newly full block's hash so later prompts can map it. A hash another
         block already carries stays with that block."""
         seq = self._seqs[seq_id]
+        if not self.sharing:
+            return
         n = len(tokens) if written is None else min(written, len(tokens))
         full = min(n // self.block_tokens, len(seq.table))
         if full <= len(seq.hashes):

@@ -14,6 +14,7 @@ from typing import Any
 from starlette.requests import Request
 
 from plimsoll import protocol as P
+from plimsoll.engine.work import TokenConstraint
 from plimsoll.worker.config import WorkerConfig
 
 from .scheduler import Finished, GenRequest, Refused, Started, Token
@@ -34,7 +35,8 @@ def check_reservation(state: Any, prompt_tokens: int, max_tokens: int,
 
 
 async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
-                 top_p: float, seed: int | None = None
+                 top_p: float, seed: int | None = None,
+                 constraint: TokenConstraint | None = None
                  ) -> tuple[Started | Refused | None, asyncio.Queue, GenRequest]:
     """Hand a request to the scheduler; wait for admission (Started) or a Refused.
 
@@ -44,7 +46,7 @@ async def submit(request: Request, prompt: list[int], max_tokens: int, *, temper
     queue: asyncio.Queue = asyncio.Queue()
     gen = GenRequest(prompt=prompt, max_tokens=max_tokens,
                      sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
-                     temperature=temperature, top_p=top_p, seed=seed)
+                     temperature=temperature, top_p=top_p, seed=seed, constraint=constraint)
     request.app.state.scheduler.submit(gen)
     return await next_event(queue, request, gen), queue, gen
 
@@ -72,7 +74,7 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
             if isinstance(ev, Token):
                 yield assembler.feed(ev.token_id)
             elif isinstance(ev, Finished):
-                yield assembler.close("stop" if ev.reason == "eos" else "length")
+                yield assembler.close("length" if ev.reason == "length" else "stop")
             elif isinstance(ev, Refused):
                 yield ev
                 return
