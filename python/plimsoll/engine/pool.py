@@ -109,7 +109,7 @@ class _Seq:
     reserve: int
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # of table[:len(hashes)], registered
-    snapshot: Hashable | None = None                   # its latest own snapshot key
+    snapshots: list[Hashable] = field(default_factory=list)  # taken, not bound to a hash yet
 
 
 @dataclass
@@ -160,7 +160,8 @@ class BlockPool:
 
     @property
     def snapshot_blocks(self) -> int:
-        return len(self._snapshots) * self.fixed_blocks_per_seq
+        """Blocks charged for state snapshots the engine holds (bound or not yet)."""
+        return (len(self._snapshots) + len(self._pending_snapshots)) * self.fixed_blocks_per_seq
 
     @property
     def committed(self) -> int:
@@ -292,34 +293,34 @@ class BlockPool:
     def add_snapshot(self, seq_id: Hashable, key: Hashable) -> None:
         """The engine snapshotted ``seq_id``'s state at the end of its last full block
         (``len(table)`` blocks written): the snapshot becomes a prefix hit once that block's
-        hash is known; it replaces the sequence's previous own snapshot."""
+        hash is registered (:meth:`bind_snapshots`). A sequence keeps every snapshot it
+        takes (each reclaimable, LRU), so a later prompt can resume at any of them."""
         seq = self._seqs[seq_id]
-        if seq.snapshot is not None:
-            self._drop_snapshot_key(seq.snapshot)
-        seq.snapshot = key
+        seq.snapshots.append(key)
         self._pending_snapshots[key] = (seq_id, len(seq.table))
 
     def bind_snapshots(self, seq_id: Hashable) -> None:
-        """Bind the sequence's pending snapshot to its block hash once that is registered."""
+        """Bind the sequence's snapshots to their blocks' hashes once those are registered."""
         seq = self._seqs[seq_id]
-        key = seq.snapshot
-        if key is None or key not in self._pending_snapshots:
-            return
-        _, blocks = self._pending_snapshots[key]
-        if blocks and len(seq.hashes) >= blocks:
-            h = seq.hashes[blocks - 1]
+        for key in list(seq.snapshots):
+            _, blocks = self._pending_snapshots[key]
+            if len(seq.hashes) < blocks:
+                continue
+            seq.snapshots.remove(key)
             del self._pending_snapshots[key]
-            old = self._snapshots.pop(h, None)
-            if old is not None and old != key:
-                self.dropped_snapshots.append(old)
+            h = seq.hashes[blocks - 1] if blocks else None
+            if h is None or h not in self._by_hash or h in self._snapshots:
+                self.dropped_snapshots.append(key)  # a duplicate state, or no block to map
+                continue
             self._snapshots[h] = key
 
     def free(self, seq_id: Hashable) -> None:
         """A sequence ended: drop its references, tail first into the LRU (so a chain's
         tail is evicted before its parents); unhashed blocks become empty."""
         seq = self._seqs.pop(seq_id)
-        if seq.snapshot is not None and seq.snapshot in self._pending_snapshots:
-            self._drop_snapshot_key(seq.snapshot)  # never bound: useless
+        for key in seq.snapshots:  # never bound to a registered block: useless
+            del self._pending_snapshots[key]
+            self.dropped_snapshots.append(key)
         for block in reversed(seq.table):
             self._ref[block] -= 1
             assert self._ref[block] >= 0
@@ -331,6 +332,8 @@ class BlockPool:
                     heapq.heappush(self._empty, block)
         while self.cached and self.cached + self.snapshot_blocks > self.cache_cap_blocks:
             self._evict(next(iter(self._cached)))
+        while self._snapshots and self.snapshot_blocks > self.cache_cap_blocks:
+            self.dropped_snapshots.append(self._snapshots.popitem(last=False)[1])
         self._shrink_snapshots()
 
     def drop_cached(self) -> int:
@@ -347,13 +350,6 @@ class BlockPool:
         return out
 
     # --- internals --------------------------------------------------------------------------
-    def _drop_snapshot_key(self, key: Hashable) -> None:
-        self._pending_snapshots.pop(key, None)
-        for h, k in list(self._snapshots.items()):
-            if k == key:
-                del self._snapshots[h]
-        self.dropped_snapshots.append(key)
-
     def _shrink_snapshots(self) -> None:
         """Snapshots are reclaimable: drop the oldest while reservations need their room."""
         while self._snapshots and self.committed + self.snapshot_blocks > self.total:
