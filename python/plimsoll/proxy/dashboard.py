@@ -21,7 +21,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from .metrics import Observer, Poll, allowed
 
-POOL_KEYS = ("total", "used", "cached", "free", "headroom", "cache_cap")
+POOL_KEYS = ("total", "used", "cached", "free", "shared", "cache_cap")
 
 
 @cache
