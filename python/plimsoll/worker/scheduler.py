@@ -26,6 +26,14 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
    EOS or a finished constraint. Their full blocks stay cached (hashes registered): no
    compaction, no moves.
 
+Hybrid models (recurrent state) cannot cut a state, so a prefix is reused only where the
+engine holds a snapshot of the state at the end of a block. The rule: whenever a submitted
+step leaves a sequence's written tokens on a block boundary (a prompt chunk — a hybrid
+prompt's chunks end on blocks — or a decode that fills a block), its state is snapshotted
+if the pool has room (each snapshot is charged ``fixed_blocks_per_seq`` under the cache
+cap, reclaimable, LRU); it becomes a hit once that block's hash is registered, and a later
+prompt maps the blocks up to the last one with a snapshot and resumes from it.
+
 Running out is an event (``Refused``) for the HTTP edge to turn into a 503 with
 ``Retry-After`` — never a crash, never growth past the pool.
 """
@@ -34,74 +42,28 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from plimsoll.engine.pool import BlockPool, Grant, Refusal
-from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
+from plimsoll.engine.work import Sampling, Step, Work
+from plimsoll.worker.events import (  # noqa: F401  (re-exported: the edge imports them here)
+    Event,
+    Finished,
+    GenRequest,
+    Refused,
+    SchedulerLimits,
+    Sink,
+    Started,
+    Token,
+)
+from plimsoll.worker.lines import StatsMixin, TripMixin
 
 log = logging.getLogger("plimsoll.worker")
-
-
-# --- events delivered to a request's sink (on the scheduler thread; sinks must not block) --
-@dataclass(frozen=True)
-class Started:
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens mapped from shared blocks (not computed)
-
-
-@dataclass(frozen=True)
-class Token:
-    token_id: int
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "length" | "eos" | "stop" (a constraint finished) | "cancelled"
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Refused:
-    status: int
-    message: str
-    code: str
-    retry_after: int | None = None
-
-
-Event = Started | Token | Finished | Refused
-Sink = Callable[[Event], None]
-
-
-@dataclass
-class GenRequest:
-    prompt: list[int]
-    max_tokens: int
-    sink: Sink
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    constraint: TokenConstraint | None = None
-    id: int = field(default_factory=itertools.count().__next__)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    deadline: float = 0.0
-    hashes: list[bytes] | None = None  # the prompt's block hashes, computed once
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_num_seqs: int         # the load-time worst case admission checked (reported)
-    max_queue: int
-    max_wait_s: float
-    trip_bytes: int
-    retry_after_s: int = 1
-    max_batch: int = 64       # sequences running (decoding or prefilling) at once
-    prefill_tokens: int = 512  # prompt tokens computed per step, over all prefills
 
 
 @dataclass
@@ -126,7 +88,7 @@ class _Run:
         return Sampling(r.temperature, r.top_p, r.seed)
 
 
-class Scheduler:
+class Scheduler(TripMixin, StatsMixin):
     """Owns engine + pool on one thread; see the module docstring for the loop."""
 
     def __init__(self, setup: Callable[[contextlib.ExitStack], tuple[Any, BlockPool]],
@@ -270,49 +232,6 @@ class Scheduler:
         return "prefill_busy", (f"waiting behind the prefill of {len(ahead)} prompt(s) "
                                 f"({left} tokens left at {self.limits.prefill_tokens} per "
                                 "step) and the requests queued before it")
-
-    def _check_trip(self) -> None:
-        over = self._over_trip()
-        if over and self.pool.cached:
-            self.pool.drop_cached()
-            self._drop_snapshots()
-            self.engine.clear_cache()
-            self.counters["trips"] += 1
-            log.warning("trip: %s; dropped cached blocks", over)
-            over = self._over_trip()
-        if over and not self.tripped:
-            log.error("trip: %s after the emergency clear; refusing new work", over)
-        self.tripped = over
-        if over:
-            self._shed(over)
-
-    def _shed(self, why: str) -> None:
-        """Still over after the clear: refuse everyone waiting and abort the newest running
-        request (one per iteration, so the oldest work finishes if that is enough)."""
-        message = f"memory trip: {why}; request aborted to keep the worker under its line"
-        while self._waiting:
-            self._refuse(self._waiting.popleft(), 503, message, "memory_trip")
-        if self._running:
-            run = self._running[max(self._running)]
-            self._end(run, None)
-            self.engine.clear_cache()
-            self._refuse(run.req, 503, message, "memory_trip")
-
-    def _over_trip(self) -> str:
-        """Why memory is over a line ("" when it is not): the trip, or the guard's soft line.
-
-        ``guard_usage``/``guard_soft`` come from the per-process guard (:mod:`plimsoll.guard`:
-        the worker's cgroup, or its own footprint): its whole footprint, not only MLX's.
-        """
-        mem = self.memory_probe()
-        for name in ("mlx_active", "rss"):
-            if mem.get(name, 0) > self.limits.trip_bytes:
-                return f"{name}={mem[name]} B is over the trip at {self.limits.trip_bytes} B"
-        soft = mem.get("guard_soft")
-        if soft and mem.get("guard_usage", 0) > soft:
-            return (f"memory usage {mem['guard_usage']} B is over the guard's soft line "
-                    f"at {soft} B")
-        return ""
 
     def _end_cancelled(self) -> None:
         for run in [r for r in self._running.values() if r.req.cancelled.is_set()]:
@@ -488,35 +407,3 @@ class Scheduler:
         self._waiting.clear()
         for req in pending:
             req.sink(Refused(503, message, "worker_stopping", self.limits.retry_after_s))
-
-    def _publish(self) -> None:
-        """A consistent snapshot for /v1/plimsoll/status (read from other threads)."""
-        pool, eng = self.pool, self.engine
-        allocated = eng.kv_bytes_allocated()
-        self.kv_bytes_peak = max(self.kv_bytes_peak, allocated)
-        prefilling = sum(1 for r in self._running.values() if r.prefilling)
-        c = pool.counters
-        self.stats = {
-            "pool": pool.stats(),
-            "running": len(self._running),
-            "decoding": len(self._running) - prefilling,
-            "prefilling": prefilling,
-            "waiting": len(self._waiting) + len(self._inbox),
-            "max_batch": self.limits.max_batch,
-            "prefill_tokens_per_step": self.limits.prefill_tokens,
-            # distinct blocks held, live + cached, a shared block once
-            "kv_bytes_held": (pool.held + pool.cached) * eng.block_bytes,
-            "kv_bytes_live": pool.held * eng.block_bytes,
-            "kv_bytes_allocated": allocated,
-            "kv_bytes_peak": self.kv_bytes_peak,
-            "state_bytes_held": eng.state_bytes_held(),
-            "shared_blocks": pool.shared,
-            "prefix": {"hit_blocks": c["hit_blocks"], "miss_blocks": c["miss_blocks"],
-                       "hit_tokens": c["hit_tokens"], "miss_tokens": c["miss_tokens"],
-                       "evicted_blocks": c["evicted_blocks"]},
-            "prefill_tokens_computed": self.counters["prefill_tokens"],
-            "steps": self._steps,
-            "tripped": bool(self.tripped),
-            "trip_reason": self.tripped,
-            "counters": dict(self.counters),
-        }
