@@ -174,3 +174,34 @@ def test_bad_steps_are_refused(tiny):
     with pytest.raises(ValueError, match="twice"):
         w = Work(5, (1,), 0, (0,), True)
         tiny.run(Step(decodes=(w,), prefills=(w,)))
+
+
+def test_transients_stay_under_the_published_bounds(tiny_dir):
+    """Physical: MLX's peak over a prefill chunk and over a batched decode step stays under
+    the figures admission counts (engine.work), with scattered block ids (the gather path)."""
+    import random
+
+    from plimsoll.engine.work import decode_transient_bytes, prefill_transient_bytes
+
+    eng = _fresh(tiny_dir, max_blocks=256, slab_blocks=256)
+    ids = list(range(256))
+    random.Random(0).shuffle(ids)
+    prompt = text(eng.tokenizer, 1024, salt=9)
+    for chunk in (32, 256):
+        eng.run(Step(prefills=(Work(0, tuple(prompt[:-chunk]), 0, tuple(ids), False),)))
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        eng.run(Step(prefills=(Work(0, tuple(prompt[-chunk:]), 1024 - chunk, tuple(ids), True),)))
+        assert 0 < mx.get_peak_memory() - before <= prefill_transient_bytes(eng.facts, chunk, 1024)
+        eng.free_state(0)
+    lengths = [100 + 50 * i for i in range(8)]
+    tables = [tuple(ids[32 * i:32 * (i + 1)]) for i in range(8)]
+    for i, n in enumerate(lengths):
+        eng.run(Step(prefills=(Work(i, tuple(prompt[:n]), 0, tables[i], True),)))
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    eng.run(Step(decodes=tuple(Work(i, None, n, tables[i], True) for i, n in enumerate(lengths))))
+    bound = decode_transient_bytes(eng.facts, 8, max(lengths) + 1)
+    assert 0 < mx.get_peak_memory() - before <= bound
