@@ -94,9 +94,10 @@ def gather_transient_bytes(facts: ModelFacts, batch_tokens: int) -> int:
     slots of one layer, twice (the gather plus its cast to the queries' dtype when the pool
     dtype differs; otherwise headroom for the next layer's gather in flight).
 
-    A decode batch gathers ``rows × longest`` slots (rows are padded to the longest), a
-    prefill chunk the ``start + chunk`` slots of its table. A single table of consecutive
-    blocks is read as a view and needs none of this: the figure is an upper bound.
+    The engine gathers whole blocks: a decode batch reads ``rows × longest`` slots with
+    ``longest`` rounded up to a whole block, a prefill chunk its table's blocks up to
+    ``start + chunk``. A single table of consecutive blocks is read as a view and needs
+    none of this: the figure is an upper bound.
     """
     if facts.kv_layers == 0 or batch_tokens <= 0:
         return 0
@@ -116,25 +117,32 @@ def _per_chunk_token_bytes(facts: ModelFacts, context: int) -> int:
     return scores + acts
 
 
-def decode_transient_bytes(facts: ModelFacts, rows: int, longest: int) -> int:
+def decode_transient_bytes(facts: ModelFacts, rows: int, longest: int,
+                           block_tokens: int = 16) -> int:
     """Transient bytes of one batched decode step: the gather of ``rows × longest`` slots
-    plus every row's scores and activations (one query token each)."""
+    (whole blocks) plus every row's scores and activations (one query token each)."""
     if rows <= 0:
         return 0
-    return (gather_transient_bytes(facts, rows * longest)
+    return (gather_transient_bytes(facts, rows * _whole(longest, block_tokens))
             + rows * _per_chunk_token_bytes(facts, longest))
 
 
-def prefill_transient_bytes(facts: ModelFacts, chunk: int, context: int) -> int:
+def _whole(tokens: int, block_tokens: int) -> int:
+    return -(-tokens // block_tokens) * block_tokens
+
+
+def prefill_transient_bytes(facts: ModelFacts, chunk: int, context: int,
+                            block_tokens: int = 16) -> int:
     """Transient bytes of one prefill chunk of ``chunk`` tokens ending at ``context``."""
     if chunk <= 0:
         return 0
     context = max(context, chunk)
-    return gather_transient_bytes(facts, context) + chunk * _per_chunk_token_bytes(facts, context)
+    return (gather_transient_bytes(facts, _whole(context, block_tokens))
+            + chunk * _per_chunk_token_bytes(facts, context))
 
 
 def prefill_chunk_tokens(facts: ModelFacts, context: int, transient_bytes: int, *,
-                         multiple: int = 16, most: int = 2048) -> int:
+                         multiple: int = 16, most: int = 2048, block_tokens: int = 16) -> int:
     """The largest prefill chunk (a multiple of ``multiple``, at most ``most``; below
     ``multiple`` any size) whose transient at ``context`` stays within ``transient_bytes``.
 
@@ -143,7 +151,7 @@ def prefill_chunk_tokens(facts: ModelFacts, context: int, transient_bytes: int, 
     """
     if context <= 0:
         raise ValueError("context must be positive")
-    room = transient_bytes - gather_transient_bytes(facts, context)
+    room = transient_bytes - gather_transient_bytes(facts, _whole(context, block_tokens))
     if room <= 0:
         return 0
     chunk = min(most, context, room // _per_chunk_token_bytes(facts, context))
