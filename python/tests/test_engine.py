@@ -16,7 +16,7 @@ from engine_drive import Blocks, drive, reference, seqs_for, sharpen, text  # no
 
 from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
-from plimsoll.engine.work import Sampling, Step, Work  # noqa: E402
+from plimsoll.engine.work import Sampling, Step, Work, growth_transient_bytes  # noqa: E402
 
 BLOCK = 16
 POOL = 64
@@ -92,7 +92,17 @@ def test_pool_grows_in_slabs_and_never_past_max_blocks(tiny_dir):
     eng.run(Step(prefills=(Work(0, tuple(prompt), 0, (0, 1), True),)))
     assert eng.blocks_allocated() == 4
     assert eng.kv_bytes_allocated() == 4 * eng.block_bytes
-    eng.run(Step(decodes=(Work(0, None, 20, (0, 9), True),)))  # block 9: grow to the cap
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for pool in eng._pools:  # what a Work writing block 9 does first: grow to the cap
+        pool.ensure(9)
+    grown = 6 * eng.block_bytes
+    assert mx.get_active_memory() - before == grown
+    slack = 1024  # mx.zeros' fill scalars
+    assert mx.get_peak_memory() - before <= grown + growth_transient_bytes(
+        eng.block_bytes, 10, eng.facts.kv_layers) + slack
+    eng.run(Step(decodes=(Work(0, None, 20, (0, 9), True),)))
     assert eng.blocks_allocated() == 10
     with pytest.raises(ValueError, match="outside the pool of 10 blocks"):
         eng.run(Step(decodes=(Work(0, None, 21, (0, 10), True),)))

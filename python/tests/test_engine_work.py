@@ -65,3 +65,10 @@ def test_prefill_chunk_shrinks_as_context_grows():
     chunks = [prefill_chunk_tokens(FACTS, c, bound) for c in (2048, 8192, 32768)]
     assert chunks[0] == 2048 > chunks[1] > chunks[2] > 0
     assert prefill_chunk_tokens(FACTS, 65536, bound) == 0  # the gather alone fills the bound
+
+
+def test_growth_transient_is_one_array_of_the_pool():
+    from plimsoll.engine.work import growth_transient_bytes
+
+    assert growth_transient_bytes(32768, 100, 4) == 32768 * 100 // 8
+    assert growth_transient_bytes(32768, 100, 0) == 0

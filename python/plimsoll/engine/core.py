@@ -35,7 +35,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from plimsoll.core.model_facts import ModelFacts, inspect_model
+from plimsoll.core.model_facts import ModelFacts, inspect_model, normalize_dtype
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import Batch, PagedView, route_attention
 from plimsoll.engine.paged import FullAttention, RecurrentState, mx_dtype, read_of, slots_of
@@ -101,6 +101,7 @@ class Engine:
              kv_dtype: str | None = None, pipeline: bool = True,
              slab_blocks: int | None = None) -> Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
+        kv_dtype = normalize_dtype(kv_dtype) if kv_dtype else None
         model, tokenizer = mlx_lm.load(str(model_dir))
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,

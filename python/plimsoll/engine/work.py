@@ -158,3 +158,12 @@ def prefill_chunk_tokens(facts: ModelFacts, context: int, transient_bytes: int, 
     if chunk >= multiple:
         chunk -= chunk % multiple
     return int(chunk)
+
+
+def growth_transient_bytes(block_bytes: int, max_blocks: int, kv_layers: int) -> int:
+    """Bytes held twice while the pool grows by a slab: one array (one layer's K or V) at
+    its old size, at most the pool's final size over ``2 × kv_layers`` arrays (the engine
+    grows one array at a time and evaluates it before the next)."""
+    if kv_layers <= 0 or max_blocks <= 0:
+        return 0
+    return -(-block_bytes * max_blocks // (2 * kv_layers))
