@@ -137,14 +137,9 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
         plan,
         resolve_model,
     )
-    from plimsoll.launch.spawn import (
-        LaunchError,
-        free_port,
-        start_worker,
-        stop_worker,
-        worker_config,
-    )
+    from plimsoll.launch.spawn import LaunchError, start_worker, stop_worker, worker_config
     from plimsoll.probes import read_snapshot
+    from plimsoll.web.serve import free_port
 
     from .report import admission_report
 

@@ -1,6 +1,6 @@
 """Gather admission's inputs from the live machine (or overrides) and run it.
 
-This is the edge around the pure :func:`plimsoll.admission.admit`: it reads the
+This is the edge around the pure :func:`plimsoll.core.admission.admit`: it reads the
 memory probe (only when an override does not already give the figure), inspects
 the model directory (headers only) and picks per-model settings from the policy.
 The launch wrapper and ``plimsoll admit`` share it, so both derive the same caps.

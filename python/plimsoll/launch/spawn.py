@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,12 +29,6 @@ from plimsoll.worker.config import WorkerConfig
 
 READY_TIMEOUT_S = 300.0
 log = logging.getLogger("plimsoll.launch")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wired_bytes(choice: str, decision: AdmissionDecision) -> int:
@@ -164,7 +157,7 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
     With ``guard`` (and root and a writable memory controller) the worker runs in its own
     cgroup, created under ``cgroup_parent``; ``proc.plimsoll_guard`` holds it and
     :func:`stop_worker` removes it. Without them the worker guards its own footprint
-    (:class:`plimsoll.guard.FootprintGuard`) against the same hard line.
+    (:class:`plimsoll.guard.process.FootprintGuard`) against the same hard line.
     """
     wg, guard_env = (start_guard(cfg, footprint_bytes, cgroup_parent, cgroup_limit_bytes)
                      if guard else (None, {}))

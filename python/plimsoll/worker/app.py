@@ -295,8 +295,8 @@ def serve_worker(cfg: WorkerConfig) -> None:
     """Run the worker under uvicorn until SIGTERM/SIGINT; limits are restored on exit."""
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    # h11 whatever else is installed: its cap on a request head bounds enormous headers
-    uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
-                timeout_graceful_shutdown=5, limit_concurrency=cfg.max_queue
-                + cfg.batch_bound + 16, http="h11")
+    from plimsoll.web.serve import basic_logging, uvicorn_options
+
+    basic_logging()
+    uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, **uvicorn_options(
+        limit_concurrency=cfg.max_queue + cfg.batch_bound + 16, graceful_s=5))
