@@ -15,9 +15,11 @@ from pathlib import Path
 from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
 from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.core.policy import Mode, ModelEntry, Policy
-from plimsoll.core.units import gib_to_bytes, mib_to_bytes
+from plimsoll.core.sizing import compute_transient_bytes
+from plimsoll.core.units import fmt_bytes, gib_to_bytes, mib_to_bytes
 from plimsoll.launch.calibration import lookup, reserve_fraction
 from plimsoll.probes.snapshot import MemorySnapshot
+from plimsoll.worker.config import WorkerConfig, prefill_chunk
 
 DEFAULT_CONTEXT = 8192
 DEFAULT_MAX_TOKENS = 1024
@@ -158,4 +160,22 @@ def plan(
         max_tokens=max_tokens,
         min_context=knob("min_context"),
     )
-    return facts, req, admit(req)
+    return facts, req, check_transient(facts, admit(req))
+
+
+def check_transient(facts: ModelFacts, d: AdmissionDecision) -> AdmissionDecision:
+    """Refuse a decision whose compute transient (the reserve less the MLX buffer cache)
+    cannot hold one prefill token at its context: the worker would refuse to start."""
+    if not d.admitted:
+        return d
+    transient = compute_transient_bytes(d.transient_reserve_bytes)
+    chunk = prefill_chunk(facts, d.context, transient, block_tokens=d.block_tokens,
+                          block_bytes=d.block_bytes, pool_blocks=d.pool_blocks,
+                          most=WorkerConfig.model_fields["prefill_chunk"].default)
+    if chunk > 0:
+        return d
+    return d.model_copy(update={"decision": "refuse", "reasons": [*d.reasons, (
+        f"refused: the compute transient of {fmt_bytes(transient)} (the transient reserve "
+        f"less the MLX buffer cache) cannot hold one prefill token at context {d.context} "
+        "(the gather of the context and the pool's growth pass it): raise the transient "
+        "reserve or lower the context")]})

@@ -62,6 +62,7 @@ def worker_config(
         mlx_cache_mb=S.mlx_cache_mb(decision.transient_reserve_bytes),
         wired_limit_bytes=wired_bytes(wire, decision), host=host, port=port,
         kv_dtype=facts.kv_dtype, block_bytes=decision.block_bytes,
+        transient_bytes=S.compute_transient_bytes(decision.transient_reserve_bytes) or None,
     )
 
 
@@ -84,6 +85,7 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         *(["--max-batch", str(cfg.max_batch)] if cfg.max_batch else []),
         *(["--kv-dtype", cfg.kv_dtype] if cfg.kv_dtype else []),
         *(["--block-bytes", str(cfg.block_bytes)] if cfg.block_bytes else []),
+        *(["--transient-bytes", str(cfg.transient_bytes)] if cfg.transient_bytes else []),
         "--host", cfg.host, "--port", str(cfg.port),
     ]
 
@@ -118,6 +120,8 @@ def mismatches(cfg: WorkerConfig, status: dict) -> list[str]:
                                 status.get("kv_bytes_bound"))
     if cfg.kv_dtype is not None:
         wanted["kv dtype"] = (cfg.kv_dtype, status.get("kv_dtype"))
+    if cfg.transient_bytes is not None:
+        wanted["transient bytes"] = (cfg.transient_bytes, status.get("transient_bytes"))
     return [f"{name}: derived {want}, worker reports {got}"
             for name, (want, got) in wanted.items() if want != got]
 

@@ -64,3 +64,5 @@ class SchedulerLimits:
     retry_after_s: int = 1
     max_batch: int = 64       # sequences running (decoding or prefilling) at once
     prefill_tokens: int = 512  # prompt tokens computed per step, over all prefills
+    transient_bytes: int = 0   # the compute transient bound (decode_bytes must stay under)
+    decode_bytes: Callable[[int, int], int] | None = None  # (rows, longest) → transient

@@ -148,7 +148,10 @@ class Scheduler(TripMixin, StatsMixin):
     def _run(self) -> None:
         with contextlib.ExitStack() as stack:
             try:
-                self.engine, self.pool = self._setup(stack)
+                parts = self._setup(stack)  # (engine, pool) or (engine, pool, limits)
+                self.engine, self.pool = parts[0], parts[1]
+                if len(parts) > 2:  # figures that need the loaded engine (its transients)
+                    self.limits = parts[2]
                 self.eos_ids = set(self.engine.tokenizer.eos_token_ids or ())
                 self._publish()
             except BaseException as err:
@@ -224,6 +227,10 @@ class Scheduler(TripMixin, StatsMixin):
         if len(self._running) >= self.limits.max_batch:
             return "batch_full", (f"all {self.limits.max_batch} decode slots (--max-batch) are "
                                   "running sequences")
+        if self._running and not self._decode_fits(req):
+            return "batch_full", (f"{len(self._running)} running sequences: one more would take "
+                                  "the decode step's transient past its bound "
+                                  f"({self.limits.transient_bytes} B)")
         ahead = [r for r in self._running.values() if r.prefilling]
         left = sum(r.prompt_len - r.written for r in ahead)
         if not ahead:
@@ -262,6 +269,8 @@ class Scheduler(TripMixin, StatsMixin):
             if self._running and self._over_trip():  # each prefill can be a spike
                 break
             req = self._waiting[0]
+            if self._running and not self._decode_fits(req):
+                break
             grant = self.pool.can_allocate(req.prompt, req.max_tokens, self._hashes(req))
             if isinstance(grant, Refusal):
                 if not grant.never_fits:
@@ -273,6 +282,16 @@ class Scheduler(TripMixin, StatsMixin):
             budget -= self._chunk(self._admit(req, grant), budget, prefills, chunks)
         self.step_log.append((self._steps + 1, tuple(w.seq_id for w in decodes), chunks))
         return Step(tuple(decodes), tuple(prefills))
+
+    def _decode_fits(self, req: GenRequest) -> bool:
+        """Whether the decode step's transient stays under its bound with ``req`` running
+        too (every row gathers the longest row's slots)."""
+        bytes_for = self.limits.decode_bytes
+        if bytes_for is None:
+            return True
+        longest = max([len(req.prompt) + req.max_tokens,
+                       *(r.prompt_len + r.req.max_tokens for r in self._running.values())])
+        return bytes_for(len(self._running) + 1, longest) <= self.limits.transient_bytes
 
     def _admit(self, req: GenRequest, grant: Grant) -> _Run:
         """Map the hit blocks, count the reservation, restore a hybrid state snapshot."""
