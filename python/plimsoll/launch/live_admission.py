@@ -170,12 +170,11 @@ def check_transient(facts: ModelFacts, d: AdmissionDecision) -> AdmissionDecisio
         return d
     transient = compute_transient_bytes(d.transient_reserve_bytes)
     chunk = prefill_chunk(facts, d.context, transient, block_tokens=d.block_tokens,
-                          block_bytes=d.block_bytes, pool_blocks=d.pool_blocks,
                           most=WorkerConfig.model_fields["prefill_chunk"].default)
     if chunk > 0:
         return d
     return d.model_copy(update={"decision": "refuse", "reasons": [*d.reasons, (
         f"refused: the compute transient of {fmt_bytes(transient)} (the transient reserve "
         f"less the MLX buffer cache) cannot hold one prefill token at context {d.context} "
-        "(the gather of the context and the pool's growth pass it): raise the transient "
+        "(the gather of the context alone passes it): raise the transient "
         "reserve or lower the context")]})

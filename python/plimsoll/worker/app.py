@@ -214,8 +214,7 @@ def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
     from plimsoll.engine.work import decode_transient_bytes
 
     chunk = prefill_chunk(eng.facts, cfg.context, cfg.transient_bytes,
-                          block_tokens=cfg.block_tokens, block_bytes=eng.block_bytes,
-                          pool_blocks=cfg.max_cache_blocks, most=cfg.prefill_chunk)
+                          block_tokens=cfg.block_tokens, most=cfg.prefill_chunk)
     if chunk <= 0:
         raise SystemExit(
             f"--transient-bytes {cfg.transient_bytes} cannot hold one prefill token at "

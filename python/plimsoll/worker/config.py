@@ -18,7 +18,7 @@ from plimsoll.core.admission import trip_fraction
 from plimsoll.core.model_facts import ModelFacts
 from plimsoll.core.sizing import default_max_batch
 from plimsoll.core.units import MIB
-from plimsoll.engine.work import growth_transient_bytes, prefill_chunk_tokens
+from plimsoll.engine.work import prefill_chunk_tokens
 
 
 class WorkerConfig(BaseModel):
@@ -81,15 +81,13 @@ class WorkerConfig(BaseModel):
 
 
 def prefill_chunk(facts: ModelFacts, context: int, transient_bytes: int | None, *,
-                  block_tokens: int, block_bytes: int, pool_blocks: int, most: int) -> int:
-    """The prefill chunk at ``context`` whose transient (scores, activations, the gather of
-    its table, and the pool's growth held twice) stays within ``transient_bytes``: a
-    multiple of the block, at most ``most``; 0 when not even one token fits. Admission
-    (launch) and the worker both call this, so they agree on it."""
+                  block_tokens: int, most: int) -> int:
+    """The prefill chunk at ``context`` whose transient (scores, activations and the gather
+    of its table) stays within ``transient_bytes``: a multiple of the block, at most
+    ``most``; 0 when not even one token fits. Admission (launch) and the worker both call
+    this, so they agree on it. (The pool's growth transient comes before a step's
+    compute, not during it, and is not counted here.)"""
     if transient_bytes is None:
         return most
-    room = transient_bytes - growth_transient_bytes(block_bytes, pool_blocks, facts.kv_layers)
-    if room <= 0:
-        return 0
-    return prefill_chunk_tokens(facts, context, room, multiple=block_tokens, most=most,
-                                block_tokens=block_tokens)
+    return prefill_chunk_tokens(facts, context, transient_bytes, multiple=block_tokens,
+                                most=most, block_tokens=block_tokens)
