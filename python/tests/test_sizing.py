@@ -110,6 +110,7 @@ def test_launch_compares_block_bytes_not_only_counts():
     cfg = worker_config(Path("/m"), "m", FACTS, d, None, None, port=1)
     good = {"pool": {"total": cfg.max_cache_blocks}, "block_bytes": d.block_bytes,
             "kv_bytes_bound": d.pool_blocks * d.block_bytes, "kv_dtype": "float32",
+            "transient_bytes": cfg.transient_bytes,
             "limits": {"memory_limit_applied_bytes": cfg.allocation_limit_bytes,
                        "cache_limit_applied_bytes": cfg.mlx_cache_bytes,
                        "trip_bytes": cfg.trip_bytes},

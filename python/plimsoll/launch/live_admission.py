@@ -160,21 +160,40 @@ def plan(
         max_tokens=max_tokens,
         min_context=knob("min_context"),
     )
-    return facts, req, check_transient(facts, admit(req))
+    return facts, req, check_transient(facts, req, admit(req))
 
 
-def check_transient(facts: ModelFacts, d: AdmissionDecision) -> AdmissionDecision:
-    """Refuse a decision whose compute transient (the reserve less the MLX buffer cache)
-    cannot hold one prefill token at its context: the worker would refuse to start."""
-    if not d.admitted:
+def _chunk(facts: ModelFacts, d: AdmissionDecision, context: int) -> int:
+    return prefill_chunk(facts, context, compute_transient_bytes(d.transient_reserve_bytes),
+                         block_tokens=d.block_tokens,
+                         most=WorkerConfig.model_fields["prefill_chunk"].default)
+
+
+def check_transient(facts: ModelFacts, req: AdmissionRequest,
+                    d: AdmissionDecision) -> AdmissionDecision:
+    """The compute transient (the reserve less the MLX buffer cache) must hold one prefill
+    chunk at the context, or the worker would refuse to start: else clamp the context to
+    the longest that fits (admission re-run on it), or refuse below the minimum."""
+    if not d.admitted or _chunk(facts, d, d.context) > 0:
         return d
     transient = compute_transient_bytes(d.transient_reserve_bytes)
-    chunk = prefill_chunk(facts, d.context, transient, block_tokens=d.block_tokens,
-                          most=WorkerConfig.model_fields["prefill_chunk"].default)
-    if chunk > 0:
-        return d
-    return d.model_copy(update={"decision": "refuse", "reasons": [*d.reasons, (
-        f"refused: the compute transient of {fmt_bytes(transient)} (the transient reserve "
-        f"less the MLX buffer cache) cannot hold one prefill token at context {d.context} "
-        "(the gather of the context alone passes it): raise the transient "
-        "reserve or lower the context")]})
+    floor = max(min(req.min_context, d.context), req.max_tokens + 1)
+    lo, hi = 0, d.context // d.block_tokens  # in blocks: the longest context that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _chunk(facts, d, mid * d.block_tokens) > 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    why = (f"the compute transient of {fmt_bytes(transient)} (the transient reserve less the "
+           f"MLX buffer cache) cannot hold one prefill chunk at context {d.context} (the "
+           "gather of the context alone passes it)")
+    if lo * d.block_tokens >= floor:
+        again = admit(req.model_copy(update={"context": lo * d.block_tokens}))
+        if again.admitted:
+            return again.model_copy(update={"decision": "clamp", "requested_context": req.context,
+                                            "reasons": [*again.reasons, f"context clamped to "
+                                                        f"{again.context}: {why}"]})
+    return d.model_copy(update={"decision": "refuse", "reasons": [
+        *d.reasons, f"refused: {why}, nor at the minimum context {floor}: raise the "
+        "transient reserve or the budget, or lower the context"]})
