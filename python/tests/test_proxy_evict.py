@@ -13,7 +13,6 @@ from plimsoll.core.sizing import (
     RELEASE_TOLERANCE_FLOOR,
     ReleaseCheck,
     envelope_bytes,
-    move_headroom_blocks,
     release_tolerance,
     right_size,
 )
@@ -99,8 +98,8 @@ def test_envelope_is_what_admission_fills(budget):
 
 def test_right_size_caps_the_pool_at_what_the_sequences_use():
     dec = admit(_req())
-    small = right_size(dec, kv_layers=4)
-    need = 4 * dec.blocks_per_seq + move_headroom_blocks(32768, 4, 16)
+    small = right_size(dec)
+    need = 4 * dec.blocks_per_seq  # no moves, so no headroom (the worker checks the same)
     assert small.pool_blocks == need < dec.pool_blocks
     assert small.footprint_bytes == (dec.weights_bytes + dec.transient_reserve_bytes
                                      + need * dec.block_bytes)
@@ -113,9 +112,19 @@ def test_right_size_caps_the_pool_at_what_the_sequences_use():
 def test_right_size_never_grows_a_clamped_pool_and_passes_a_refusal():
     clamped = admit(_req(budget_bytes=64 * MIB, concurrency=64))
     assert clamped.decision == "clamp"
-    assert right_size(clamped, 4).pool_blocks <= clamped.pool_blocks
+    assert right_size(clamped).pool_blocks <= clamped.pool_blocks
     refused = admit(_req(budget_bytes=8 * MIB))
-    assert right_size(refused, 4) is refused
+    assert right_size(refused) is refused
+
+
+def test_right_sized_pool_passes_the_workers_own_check():
+    from plimsoll.core.sizing import pool_problem
+
+    small = right_size(admit(_req()))
+    assert pool_problem(small.pool_blocks, small.context, small.block_tokens,
+                        small.fixed_blocks_per_seq, small.concurrency) is None
+    assert pool_problem(small.pool_blocks - 1, small.context, small.block_tokens,
+                        small.fixed_blocks_per_seq, small.concurrency) is not None
 
 
 def test_release_check_and_tolerance():

@@ -27,7 +27,24 @@ from plimsoll.cli.common import EXIT_REFUSED, UsageFailure, invalid_figures
 @click.option("--cache-memory-mb", type=click.IntRange(min=0), default=0, show_default=True,
               help="Cap on the prefix cache, which lives inside the pool (MiB).")
 @click.option("--max-num-seqs", type=click.IntRange(min=1), required=True,
-              help="Sequences decoded together.")
+              help="Full-context sequences admission fitted in the pool at once (the "
+              "load-time worst case; launch verifies it).")
+@click.option("--max-batch", type=click.IntRange(min=1),
+              help="Sequences running at once, a runtime bound of its own: shorter requests "
+              "fit many more than --max-num-seqs when their reservations fit "
+              "[default: max(64, --max-num-seqs)].")
+@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prompt tokens computed per step over all prefills, beside every running "
+              "decode: a long prompt delays running streams by at most this chunk per step.")
+@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
+              help="KV cache dtype (default: the model's).")
+@click.option("--transient-bytes", type=click.IntRange(min=1),
+              help="Compute transient admission counted (its reserve less the MLX buffer "
+              "cache): the prefill chunk follows the context to stay under it, and a decode "
+              "batch grows only while it does [default: unbounded; --prefill-chunk only].")
+@click.option("--block-bytes", type=click.IntRange(min=1),
+              help="Bytes per KV block admission counted: the worker refuses to start if the "
+              "loaded engine's blocks differ (launch passes it).")
 @click.option("--context", type=click.IntRange(min=2), required=True,
               help="Configured total context per sequence (prompt + output).")
 @click.option("--block-tokens", type=click.IntRange(min=1), default=16, show_default=True)

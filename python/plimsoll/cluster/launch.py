@@ -18,7 +18,6 @@ host; ranks on other hosts use ``mlx.launch`` (README).
 from __future__ import annotations
 
 import collections
-import math
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from plimsoll.cluster import plan as cp
 from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.core.policy import ModelEntry, Policy
+from plimsoll.core.sizing import blocks_for
 from plimsoll.launch.spawn import LaunchError, stop_worker, wait_ready, worker_env
 from plimsoll.worker.config import WorkerConfig
 
@@ -85,8 +85,8 @@ def admit_sharded(model_dir: Path, entry: ModelEntry, policy: Policy,
     if decision.action == "commit":
         d0 = d0.model_copy(update={
             "concurrency": decision.concurrency, "context": decision.context,
-            "blocks_per_seq": math.ceil(decision.context / d0.block_tokens)
-            + d0.fixed_blocks_per_seq,
+            "blocks_per_seq": blocks_for(decision.context, d0.block_tokens,
+                                         d0.fixed_blocks_per_seq),
             "reasons": [*d0.reasons, f"sharded over {len(ranks)} ranks: rank 0's share "
                         f"(layers {plans[0].layer_start}..{plans[0].layer_end - 1}) is "
                         "accounted here"]})

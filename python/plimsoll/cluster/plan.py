@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
 from plimsoll.core.cache_layout import CAPPED_KINDS, GROWING_KINDS, lookup
 from plimsoll.core.model_facts import DTYPE_BYTES, ModelFacts
+from plimsoll.core.sizing import mlx_cache_mb
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _EMBED_KEYS = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")
@@ -308,6 +309,6 @@ def decide(answers: list[Preflight], world_size: int) -> ClusterDecision:
 
 
 def cache_limit_mib(transient_reserve_bytes: int) -> int:
-    """A rank's MLX buffer-cache cap in MiB: half its transient reserve, as a worker's
-    (invariant 4: every cache is capped and counted inside the reserve)."""
-    return max(1, transient_reserve_bytes // 2 // (1 << 20))
+    """A rank's MLX buffer-cache cap in MiB: a worker's own figure (invariant 4: every
+    cache is capped and counted inside the reserve)."""
+    return mlx_cache_mb(transient_reserve_bytes)

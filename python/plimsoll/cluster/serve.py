@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import signal
 import threading
 import time
@@ -42,7 +41,8 @@ from starlette.concurrency import run_in_threadpool
 
 from plimsoll.cluster.exits import EXIT_OK, EXIT_OTHER, RingFailure, emit
 from plimsoll.cluster.plan import cache_limit_mib
-from plimsoll.engine.pool import KVPool
+from plimsoll.core.sizing import fixed_blocks
+from plimsoll.engine.pool import BlockPool
 from plimsoll.worker.config import WorkerConfig
 from plimsoll.worker.scheduler import Scheduler, SchedulerLimits
 
@@ -51,95 +51,101 @@ PING_S = 2.0
 SERVE_TIMEOUT_S = 60.0
 
 
-@dataclass(frozen=True)
-class Added:
-    """What :meth:`RingEngine.add` did (the fields the scheduler reads)."""
+class _Done:
+    """A ring step's result: the ring runs each step to completion before it returns."""
 
-    first_token: int
-    reused_tokens: int = 0
+    def __init__(self, result: dict[int, int]):
+        self._result = result
 
-
-@dataclass
-class _Seq:
-    slot: int
-    generated: int
-    written: int
+    def result(self) -> dict[int, int]:
+        return self._result
 
 
 class RingEngine:
     """The engine interface the worker's scheduler drives, over rank 0's ring leader.
 
-    One sequence per slot (the scheduler's ``max_num_seqs`` is the number of slots, so a
-    free slot always exists when it admits); a decode step steps every open slot once,
-    round-robin. Not thread-safe: one owner (the scheduler loop, on the main thread).
+    One sequence per slot (the scheduler's ``max_batch`` is the number of slots, so a
+    free slot always exists when it admits). The ring prefills a whole prompt at once on
+    every rank (``leader.new``), so a prompt's chunks are gathered until its last one, and
+    a decode steps its slot once; steps run to completion (no pipelining across ranks).
+    The ring keeps its own KV per slot: the scheduler's pool only counts its blocks
+    (sharing is off: ``BlockPool(sharing=False)``). Not thread-safe: one owner (the
+    scheduler loop, on the main thread).
     """
 
-    def __init__(self, leader, tokenizer, facts, slots: int):
+    def __init__(self, leader, tokenizer, facts, slots: int, block_bytes: int):
         self.leader, self.tokenizer, self.facts = leader, tokenizer, facts
+        self.block_bytes = block_bytes
+        self.state_bytes_per_seq = 0
         self._free = list(range(slots))
-        self._seqs: dict[object, _Seq] = {}
+        self._slots: dict[int, int] = {}
+        self._prompts: dict[int, list[int]] = {}
+        self._max_tokens: dict[int, int] = {}
         self._peak = 0
 
-    def add(self, seq_id, prompt: list[int], max_tokens: int, prefix=None, *,
-            temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> Added:
-        if prefix is not None:
-            raise ValueError("the ring keeps no prefixes")
-        slot = self._free.pop(0)
-        try:
-            token = self.leader.new(slot, prompt, max_tokens, temperature, top_p, seed)
-        except BaseException:
-            self._free.insert(0, slot)
-            raise
-        self._seqs[seq_id] = _Seq(slot, 1, len(prompt))
+    def expect(self, seq_id: int, max_tokens: int) -> None:
+        """The scheduler admitted ``seq_id`` with this output reservation."""
+        self._max_tokens[seq_id] = max_tokens
+        self._prompts[seq_id] = []
+
+    def run_async(self, step) -> _Done:
+        out: dict[int, int] = {}
+        for w in step.prefills:
+            self._prompts[w.seq_id].extend(w.tokens)
+            if w.sample:
+                slot = self._free.pop(0)
+                try:
+                    out[w.seq_id] = self.leader.new(
+                        slot, self._prompts.pop(w.seq_id), self._max_tokens[w.seq_id],
+                        w.sampling.temperature, w.sampling.top_p, w.sampling.seed)
+                except BaseException:
+                    self._free.insert(0, slot)
+                    raise
+                self._slots[w.seq_id] = slot
+        for w in step.decodes:
+            out[w.seq_id] = self.leader.step(self._slots[w.seq_id])
         self._note()
-        return Added(token)
+        return _Done(out)
 
-    def step(self) -> list[tuple[object, int]]:
-        out = []
-        for seq_id, s in list(self._seqs.items()):
-            token = self.leader.step(s.slot)
-            s.generated += 1
-            s.written += 1
-            out.append((seq_id, token))
-        self._note()
-        return out
+    def free_state(self, seq_id: int) -> None:
+        self._prompts.pop(seq_id, None)
+        self._max_tokens.pop(seq_id, None)
+        slot = self._slots.pop(seq_id, None)
+        if slot is not None:
+            if self.leader.broken is None:
+                self.leader.free(slot)
+            self._free.append(slot)
 
-    def generated(self, seq_id) -> int:
-        return self._seqs[seq_id].generated
+    def restore_state(self, key, seq_id: int) -> None:
+        raise KeyError(f"snapshot {key}: the ring keeps no prefixes")
 
-    def written_tokens(self, seq_id) -> int:
-        return self._seqs[seq_id].written
+    def snapshot_state(self, seq_id: int, key) -> None:
+        raise KeyError("the ring keeps no prefixes")
 
-    def finish(self, seq_id, retain: bool = False) -> None:
-        s = self._seqs.pop(seq_id)
-        if self.leader.broken is None:
-            self.leader.free(s.slot)
-        self._free.append(s.slot)
-
-    def drop_prefix(self, handle) -> None:
-        raise KeyError(f"prefix {handle}: the ring keeps no prefixes")
+    def drop_snapshot(self, key) -> None:
+        pass
 
     def clear_cache(self) -> None:
         self.leader.clear_cache()
 
-    def kv_bytes_held(self) -> int:
+    def kv_bytes_allocated(self) -> int:
         return self.leader.kv_bytes_held()
 
-    def kv_bytes_peak(self) -> int:
-        return max(self._peak, self.kv_bytes_held())
+    def state_bytes_held(self) -> int:
+        return 0
 
     def _note(self) -> None:
-        self._peak = max(self._peak, self.kv_bytes_held())
+        self._peak = max(self._peak, self.kv_bytes_allocated())
 
     @property
     def open_slots(self) -> int:
-        return len(self._seqs)
+        return len(self._slots)
 
 
 class RingScheduler(Scheduler):
     """The worker's scheduler, run on the calling thread, that stops when the ring breaks."""
 
-    def __init__(self, engine: RingEngine, pool: KVPool, limits: SchedulerLimits,
+    def __init__(self, engine: RingEngine, pool: BlockPool, limits: SchedulerLimits,
                  memory_probe):
         super().__init__(lambda _stack: (engine, pool), limits, memory_probe)
         self.fatal: RingFailure | None = None
@@ -155,10 +161,14 @@ class RingScheduler(Scheduler):
         while not self._stop.wait(PING_S / 2):
             self.wake()
 
-    def _iterate(self) -> None:
+    def _admit(self, req, grant):
+        self.engine.expect(req.id, req.max_tokens)
+        return super()._admit(req, grant)
+
+    def iterate(self) -> None:
         leader = self.engine.leader
         with contextlib.suppress(RingFailure):
-            super()._iterate()
+            super().iterate()
             if not self._running and time.monotonic() - leader.last_op >= PING_S:
                 leader.ping()
         if leader.broken is not None and self.fatal is None:
@@ -192,7 +202,7 @@ class ClusterFacts:
 
     @property
     def fixed_blocks_per_seq(self) -> int:
-        return max(math.ceil(a.plan.per_sequence_fixed_bytes / a.decision.block_bytes)
+        return max(fixed_blocks(a.plan.per_sequence_fixed_bytes, a.decision.block_bytes)
                    for a in self.answers)
 
     @property
@@ -299,15 +309,18 @@ def serve_http(leader, cf: ClusterFacts, args) -> int:
                              port=args.serve_port, default_max_tokens=args.default_max_tokens,
                              max_queue=args.max_queue, max_wait_s=args.max_wait,
                              trip_offset=args.trip_offset)
-    pool = KVPool(total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens, cache_cap_blocks=0,
-                  fixed_blocks_per_seq=cf.fixed_blocks_per_seq)
-    engine = RingEngine(leader, cf.tokenizer, cf.facts, cfg.max_num_seqs)
+    pool = BlockPool(total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
+                     cache_cap_blocks=0, fixed_blocks_per_seq=cf.fixed_blocks_per_seq,
+                     sharing=False)
+    engine = RingEngine(leader, cf.tokenizer, cf.facts, cfg.max_num_seqs,
+                        cf.facts.kv_bytes_per_token * cfg.block_tokens)
     proc = psutil.Process()
     guard = SelfGuard.find()
     probe = memory_probe_with_guard(
         lambda: {"mlx_active": leader.memory()["active"], "rss": proc.memory_info().rss}, guard)
     sched = RingScheduler(engine, pool, SchedulerLimits(
-        cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes), probe)
+        cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
+        max_batch=cfg.max_num_seqs, prefill_tokens=cfg.context), probe)
     app = make_app(cfg, backend=ring_backend(sched, cf, leader, guard))
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, **uvicorn_options(
         limit_concurrency=cfg.max_queue + cfg.max_num_seqs + 16, graceful_s=5)))

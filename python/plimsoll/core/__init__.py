@@ -5,7 +5,8 @@ the committed ``policy.schema.json``), :mod:`.model_facts` (a model's memory fac
 :mod:`.cache_layout`, the cache every layer holds, from ``config.json``;
 :mod:`.safetensors_header`, the weight bytes, from safetensors headers),
 :mod:`.admission` (the admission decision),
-:mod:`.sizing` (the shared envelope, right-sized pools, headroom and release checks),
+:mod:`.sizing` (every pool figure: blocks per sequence, fixed blocks, right-sized pools, the
+worker's start-up check, cache caps, the shared envelope and release checks),
 :mod:`.paths` (where plimsoll keeps what it builds) and :mod:`.progress` (the ``Reporter``
 that long work reports through).
 

@@ -25,7 +25,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .units import fmt_bytes
+from plimsoll.core.sizing import blocks_for, context_for, fixed_blocks, pool_problem
+from plimsoll.core.units import fmt_bytes
+
+__all__ = ["AdmissionDecision", "AdmissionRequest", "admit", "blocks_for", "fixed_blocks",
+           "trip_fraction"]
 
 Decision = Literal["admit", "clamp", "refuse"]
 TRIP_CAP = 0.99
@@ -94,16 +98,6 @@ class AdmissionDecision(BaseModel):
         return self.decision != "refuse"
 
 
-def fixed_blocks(per_sequence_fixed_bytes: int, block_bytes: int) -> int:
-    """Blocks a sequence holds whatever its length (windows, recurrent state), rounded up."""
-    return math.ceil(per_sequence_fixed_bytes / block_bytes)
-
-
-def blocks_for(tokens: int, block_tokens: int, fixed: int = 0) -> int:
-    """Blocks one sequence of ``tokens`` total context needs (DESIGN: ceil(context / block))."""
-    return math.ceil(tokens / block_tokens) + fixed
-
-
 def trip_fraction(u: float, trip_offset: float) -> float:
     return min(u + trip_offset, TRIP_CAP)
 
@@ -159,7 +153,7 @@ def admit(req: AdmissionRequest) -> AdmissionDecision:
                                          floor_blocks, floor_context))
     else:
         per_seq = blocks_for(context, req.block_tokens, fixed)
-        if concurrency * per_seq > pool:
+        if pool_problem(pool, context, req.block_tokens, fixed, concurrency):
             fit = pool // per_seq
             if fit >= 1:
                 changes.append(
@@ -168,7 +162,7 @@ def admit(req: AdmissionRequest) -> AdmissionDecision:
                 )
                 concurrency = fit
             else:
-                new_context = (pool - fixed) * req.block_tokens
+                new_context = context_for(pool, req.block_tokens, fixed)
                 changes.append(
                     f"concurrency clamped from {concurrency} to 1 and context from {context} "
                     f"to {new_context}: one sequence of {context} tokens needs {per_seq} "

@@ -1,12 +1,20 @@
-"""Pool sizing, pure: the shared envelope, move headroom, right-sized pools, release checks.
+"""Every pool figure, in one place, pure: blocks per sequence, fixed blocks, the right-sized
+pool, the worker's start-up check, the cache and MLX buffer caps, the shared envelope and the
+release check. Admission, launch, the worker, the proxy and the cluster plan all call these,
+so no two of them can disagree about what a pool holds.
+
+**No headroom.** With a block-paged pool (:mod:`plimsoll.engine.pool`) nothing moves, so
+a sequence of ``context`` tokens needs ``ceil(context / block_tokens)`` table blocks plus
+the fixed blocks of its recurrent state (or window), and ``concurrency`` of them fit when
+``concurrency × blocks_per_seq ≤ pool``. Units: bytes and tokens.
 
 **Right-sized pools.** Admission's pool fills whatever the envelope leaves (DESIGN.md),
 which is right for one worker alone but means a single worker claims the whole
 envelope and nothing can ever be co-resident. The proxy therefore caps each worker's
 pool at what its admitted concurrency and context can use at once,
-``concurrency × blocks_per_seq + move headroom``, and accounts co-resident workers by
-that smaller footprint. Admission still bounds the pool from above (it may clamp);
-right-sizing only ever shrinks it.
+``concurrency × blocks_per_seq`` (:func:`pool_for`, the figure the worker checks at start),
+and accounts co-resident workers by that smaller footprint. Admission still bounds the pool
+from above (it may clamp); right-sizing only ever shrinks it.
 
 **Verified release.** After a worker's process exits, the in-use figure must come back
 down by what the process held before a replacement may start:
@@ -30,12 +38,83 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
-from plimsoll.core.admission import AdmissionDecision
+from pydantic import BaseModel
+
 from plimsoll.core.units import MIB, fmt_bytes
+
+#: An ``AdmissionDecision`` (admission imports this module, so it is not imported back).
+Decision = TypeVar("Decision", bound=BaseModel)
 
 RELEASE_TOLERANCE_FLOOR = 64 * MIB
 RELEASE_TOLERANCE_FRACTION = 0.10
+
+
+def fixed_blocks(per_sequence_fixed_bytes: int, block_bytes: int) -> int:
+    """Blocks a sequence holds whatever its length (recurrent state, windows), rounded up."""
+    return math.ceil(per_sequence_fixed_bytes / block_bytes) if per_sequence_fixed_bytes else 0
+
+
+def blocks_for(tokens: int, block_tokens: int, fixed: int = 0) -> int:
+    """Blocks one sequence of ``tokens`` total context reserves (DESIGN: ceil(context /
+    block)), its fixed blocks included."""
+    return math.ceil(tokens / block_tokens) + fixed
+
+
+def pool_for(concurrency: int, context: int, block_tokens: int, fixed: int = 0) -> int:
+    """The right-sized pool: exactly ``concurrency`` full-context sequences at once."""
+    return concurrency * blocks_for(context, block_tokens, fixed)
+
+
+def sequences_held(pool_blocks: int, context: int, block_tokens: int, fixed: int = 0) -> int:
+    """How many full-context sequences a pool of ``pool_blocks`` holds at once."""
+    return pool_blocks // blocks_for(context, block_tokens, fixed)
+
+
+def context_for(pool_blocks: int, block_tokens: int, fixed: int = 0) -> int:
+    """The longest context one sequence may have in this pool (the clamp's target)."""
+    return max(0, pool_blocks - fixed) * block_tokens
+
+
+def pool_problem(pool_blocks: int, context: int, block_tokens: int, fixed: int,
+                 concurrency: int = 1) -> str | None:
+    """The worker's start-up check (and admission's): why a pool cannot hold
+    ``concurrency`` sequences of ``context`` tokens, or ``None`` when it can."""
+    per_seq = blocks_for(context, block_tokens, fixed)
+    if concurrency * per_seq <= pool_blocks:
+        return None
+    fixed_note = f" ({fixed} of them fixed state)" if fixed else ""
+    return (f"--max-cache-blocks {pool_blocks} cannot hold {concurrency} sequence(s) of "
+            f"--context {context}: each needs {per_seq} blocks of {block_tokens} tokens"
+            f"{fixed_note}; raise the pool to {concurrency * per_seq} blocks, or lower the "
+            f"context to {context_for(pool_blocks // concurrency, block_tokens, fixed)}"
+            + (" or --max-num-seqs" if concurrency > 1 else ""))
+
+
+def block_bytes(kv_bytes_per_token: int, block_tokens: int) -> int:
+    return kv_bytes_per_token * block_tokens
+
+
+def cache_cap_blocks(cache_memory_bytes: int, block_bytes_: int, pool_blocks: int) -> int:
+    """Cached (prefix) blocks allowed under ``--cache-memory-mb``, inside the pool."""
+    return min(cache_memory_bytes // block_bytes_, pool_blocks)
+
+
+def mlx_cache_mb(transient_reserve_bytes: int) -> int:
+    """MLX's buffer-cache cap: half the transient reserve, at least 1 MiB."""
+    return max(1, transient_reserve_bytes // 2 // MIB)
+
+
+def compute_transient_bytes(transient_reserve_bytes: int) -> int:
+    """What the reserve leaves for compute transients once MLX's buffer cache has its cap."""
+    return max(0, transient_reserve_bytes - mlx_cache_mb(transient_reserve_bytes) * MIB)
+
+
+def default_max_batch(max_num_seqs: int) -> int:
+    """Sequences decoded together by default: the runtime bound, separate from the
+    load-time worst-case ``max_num_seqs`` (short requests fit many more at once)."""
+    return max(64, max_num_seqs)
 
 
 def envelope_bytes(ceiling: int, total_ram: int, budget: int, trip_offset: float,
@@ -50,25 +129,12 @@ def envelope_bytes(ceiling: int, total_ram: int, budget: int, trip_offset: float
     return min(math.floor(max(u - u_margin, 0.0) * ceiling), budget)
 
 
-def move_headroom_blocks(prefix_tokens: int, kv_layers: int, block_tokens: int) -> int:
-    """Blocks held twice while a prefix of ``prefix_tokens`` moves: one array of it.
-
-    A move copies one layer's K (then its V) at a time and frees the source at
-    once, so the excess is one array: ``1 / (2 × kv_layers)`` of the prefix. The one
-    definition: the engine (:mod:`plimsoll.engine.plan`) and the proxy's right-sizing share it.
-    """
-    if kv_layers <= 0 or prefix_tokens <= 0:
-        return 0
-    tokens = math.ceil(prefix_tokens / block_tokens) * block_tokens
-    return math.ceil(tokens / (2 * kv_layers * block_tokens))
-
-
-def right_size(decision: AdmissionDecision, kv_layers: int) -> AdmissionDecision:
+def right_size(decision: Decision) -> Decision:
     """The decision with its pool capped at what its sequences can use at once."""
     if not decision.admitted:
         return decision
-    need = (decision.concurrency * decision.blocks_per_seq
-            + move_headroom_blocks(decision.context, kv_layers, decision.block_tokens))
+    need = pool_for(decision.concurrency, decision.context, decision.block_tokens,
+                    decision.fixed_blocks_per_seq)
     pool = min(decision.pool_blocks, need)
     if pool == decision.pool_blocks:
         return decision
@@ -79,8 +145,8 @@ def right_size(decision: AdmissionDecision, kv_layers: int) -> AdmissionDecision
         "band_low": (footprint + decision.resident_bytes) / decision.ceiling_bytes,
         "reasons": [*decision.reasons,
                     f"pool right-sized to {pool} blocks ({fmt_bytes(pool_bytes)}): "
-                    f"{decision.concurrency} × {decision.blocks_per_seq} blocks/seq + move "
-                    f"headroom, instead of the {decision.pool_blocks} the envelope leaves"],
+                    f"{decision.concurrency} × {decision.blocks_per_seq} blocks/seq, instead of "
+                    f"the {decision.pool_blocks} the envelope leaves"],
     })
 
 

@@ -37,9 +37,14 @@ def os_floor_gib(total_ram_gib: float) -> float:
 
 
 def default_policy(snapshot: MemorySnapshot, model_dir: Path | None = None) -> Policy:
-    """A policy for this machine from its live figures: every budget leaves the OS floor."""
+    """A policy for this machine from its live figures: every budget leaves the OS floor.
+
+    Inside a memory cgroup (Linux) the figure is the cgroup's limit, and the host's OS
+    lives outside it: the floor protects the host, so none is subtracted from the cgroup
+    (a 4 GiB cgroup gets a 4 GiB budget, not 2); admission's trip offset and margin still
+    keep the worker below the cgroup's line."""
     total_gib = round(snapshot.total_ram_bytes / GIB, 2)
-    floor = os_floor_gib(total_gib)
+    floor = 0.0 if snapshot.cgroup_bound else os_floor_gib(total_gib)
     budget = round(total_gib - floor, 2)
     models = {}
     if model_dir is not None:

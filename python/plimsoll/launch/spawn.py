@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from plimsoll.core import sizing as S
 from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.model_facts import ModelFacts
 from plimsoll.core.policy import ModelEntry, Policy
@@ -58,8 +59,10 @@ def worker_config(
         max_queue=max_queue, max_wait_s=max_wait_s,
         ceiling_bytes=decision.ceiling_bytes, total_ram_bytes=decision.total_ram_bytes,
         trip_offset=policy.trip_offset if policy else Policy.model_fields["trip_offset"].default,
-        mlx_cache_mb=max(1, decision.transient_reserve_bytes // 2 // MIB),
+        mlx_cache_mb=S.mlx_cache_mb(decision.transient_reserve_bytes),
         wired_limit_bytes=wired_bytes(wire, decision), host=host, port=port,
+        kv_dtype=facts.kv_dtype, block_bytes=decision.block_bytes,
+        transient_bytes=S.compute_transient_bytes(decision.transient_reserve_bytes) or None,
     )
 
 
@@ -78,6 +81,11 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         "--ceiling-bytes", str(cfg.ceiling_bytes), "--total-ram-bytes", str(cfg.total_ram_bytes),
         "--trip-offset", repr(cfg.trip_offset), "--mlx-cache-mb", str(cfg.mlx_cache_mb),
         "--wired-limit-bytes", str(cfg.wired_limit_bytes),
+        "--prefill-chunk", str(cfg.prefill_chunk),
+        *(["--max-batch", str(cfg.max_batch)] if cfg.max_batch else []),
+        *(["--kv-dtype", cfg.kv_dtype] if cfg.kv_dtype else []),
+        *(["--block-bytes", str(cfg.block_bytes)] if cfg.block_bytes else []),
+        *(["--transient-bytes", str(cfg.transient_bytes)] if cfg.transient_bytes else []),
         "--host", cfg.host, "--port", str(cfg.port),
     ]
 
@@ -106,6 +114,14 @@ def mismatches(cfg: WorkerConfig, status: dict) -> list[str]:
         "context": (cfg.context, status.get("context", {}).get("configured")),
         "max_num_seqs": (cfg.max_num_seqs, status.get("max_num_seqs")),
     }
+    if cfg.block_bytes is not None:  # bytes, not only block counts: the KV dtype took
+        wanted["block bytes"] = (cfg.block_bytes, status.get("block_bytes"))
+        wanted["pool bytes"] = (cfg.max_cache_blocks * cfg.block_bytes,
+                                status.get("kv_bytes_bound"))
+    if cfg.kv_dtype is not None:
+        wanted["kv dtype"] = (cfg.kv_dtype, status.get("kv_dtype"))
+    if cfg.transient_bytes is not None:
+        wanted["transient bytes"] = (cfg.transient_bytes, status.get("transient_bytes"))
     return [f"{name}: derived {want}, worker reports {got}"
             for name, (want, got) in wanted.items() if want != got]
 

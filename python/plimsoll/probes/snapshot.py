@@ -37,6 +37,11 @@ class MemorySnapshot(BaseModel):
     #: Cumulative page-outs/swap-outs since boot.
     page_outs: int = Field(default=0, ge=0)
 
+    @property
+    def cgroup_bound(self) -> bool:
+        """The ceiling is a memory cgroup's limit (Linux): the host lives outside it."""
+        return self.platform == "linux" and self.ceiling_source.startswith("cgroup ")
+
     @model_validator(mode="after")
     def _ceiling_within_ram(self) -> MemorySnapshot:
         if self.ceiling_bytes > self.total_ram_bytes:

@@ -23,7 +23,7 @@ from .gauges import Poll
 from .metrics import Observer
 from .metrics_edge import allowed
 
-POOL_KEYS = ("total", "used", "cached", "free", "headroom", "cache_cap")
+POOL_KEYS = ("total", "used", "cached", "free", "shared", "cache_cap")
 
 
 @cache

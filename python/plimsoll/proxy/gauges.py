@@ -83,7 +83,7 @@ def gauges(p: Poll, trip_count: Callable[[str], int]) -> list[Metric]:
         queue.add_metric([name, "worker"], (p.status.get(name) or {}).get("waiting", 0))
         inflight.add_metric([name], w.get("inflight", 0))
     blocks = gauge("plimsoll_pool_blocks", "KV pool blocks by state: used (live KV), cached "
-                   "(prefix cache), free, headroom; they sum to total.", ["model", "state"])
+                   "(prefix cache), free; they sum to total.", ["model", "state"])
     per_model = {k: gauge(f"plimsoll_{k}", doc, ["model"]) for k, doc in (
         ("pool_block_bytes", "Bytes per KV block."),
         ("running_requests", "Sequences decoding in the worker."),
@@ -109,7 +109,7 @@ def gauges(p: Poll, trip_count: Callable[[str], int]) -> list[Metric]:
             continue
         pool, lim = st.get("pool") or {}, st.get("limits") or {}
         mlx, adm = st.get("mlx") or {}, p.workers[name].get("admitted", {})
-        for s in ("total", "used", "cached", "free", "headroom"):
+        for s in ("total", "used", "cached", "free"):
             blocks.add_metric([name, s], pool.get(s, 0))
         for key, value in (
                 ("pool_block_bytes", st.get("block_bytes")),

@@ -52,7 +52,7 @@ SWAP_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 RECENT_REFUSALS = 50
 # codes a worker may send as an SSE error after the stream began that are controlled refusals
 MIDSTREAM_REFUSALS = {"memory_trip", "pool_exhausted", "queue_full", "queue_timeout",
-                      "worker_stopping"}
+                      "prefill_busy", "batch_full", "worker_stopping"}
 
 
 def outcome_of(status: int) -> str:

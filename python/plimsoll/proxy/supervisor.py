@@ -156,14 +156,14 @@ class Supervisor:
             except (ModelInspectionError, ClusterPlanError) as err:
                 raise ProxyError(503, f"model {w.name!r} cannot be sharded: {err}",
                                  "model_unreadable") from None
-            return facts, right_size(dec, facts.kv_layers)
+            return facts, right_size(dec)
         try:
             facts, _req, dec = plan(Path(w.entry.path), w.entry, self.policy, figures,
                                     Wanted(), resident_bytes=resident)
         except ModelInspectionError as err:
             raise ProxyError(503, f"model {w.name!r} cannot be inspected: {err}",
                              "model_unreadable") from None
-        return facts, right_size(dec, facts.kv_layers)
+        return facts, right_size(dec)
 
     def idle_ttl(self, w: Worker) -> float:
         """The command line's per-model TTL, else the policy entry's ``idleTtlS`` when the

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.policy import Mode, Policy
+from plimsoll.core.sizing import blocks_for
 from plimsoll.core.units import GIB, bytes_to_mib_floor, fmt_bytes, mib_to_bytes
 from plimsoll.probes.snapshot import MemorySnapshot
 
@@ -281,7 +282,7 @@ def _model_lines(c: ModelCheck, policy: Policy, mode: Mode,
                                  "transientReserve")]
         context = min(d.requested_context, d.native_max_context or d.requested_context)
         floor_context = max(min(policy.min_context, context), d.output_reservation + 1)
-        need = math.ceil(floor_context / d.block_tokens) + d.fixed_blocks_per_seq
+        need = blocks_for(floor_context, d.block_tokens, d.fixed_blocks_per_seq)
         return [Line("warn", f"model {c.name} cannot fit one sequence of {floor_context} "
                              f"tokens ({need} blocks of {fmt_bytes(d.block_bytes)}; the pool "
                              f"left after weights {fmt_bytes(d.weights_bytes)} + reserve "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,12 +28,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from plimsoll import protocol as P
-from plimsoll.engine.pool import KVPool
+from plimsoll.core import sizing as S
+from plimsoll.engine.pool import BlockPool
 from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
 from plimsoll.protocol import structured
 from plimsoll.web.body import read_body
 from plimsoll.web.errors import no_route_handler
-from plimsoll.worker.config import WorkerConfig
+from plimsoll.worker.config import WorkerConfig, prefill_chunk
 
 from . import anthropic_routes, responses_routes
 from .scheduler import (
@@ -163,6 +163,8 @@ def status_report(state: Any) -> dict[str, Any]:
         "block_bytes": state.block_bytes,
         "kv_bytes_per_token": state.kv_bytes_per_token,
         "kv_bytes_bound": cfg.max_cache_blocks * state.block_bytes,
+        "kv_dtype": getattr(state, "kv_dtype", None),
+        "transient_bytes": cfg.transient_bytes,
         "max_num_seqs": cfg.max_num_seqs,
         **stats,
         "mlx": {"active_bytes": mem["active"], "peak_bytes": mem["peak"],
@@ -185,24 +187,50 @@ def status_report(state: Any) -> dict[str, Any]:
     }
 
 
-def make_pool(cfg: WorkerConfig, eng: Any) -> KVPool:
-    """The pool the flags describe, sized against the loaded model's real figures."""
+def make_pool(cfg: WorkerConfig, eng: Any) -> BlockPool:
+    """The pool the flags describe, sized against the loaded engine's real figures; the
+    start-up check is admission's own (:func:`plimsoll.core.sizing.pool_problem`)."""
     facts = eng.facts
-    block_bytes = facts.kv_bytes_per_token * cfg.block_tokens
-    pool = KVPool(
-        total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
-        cache_cap_blocks=min(cfg.prefix_cache_bytes // block_bytes, cfg.max_cache_blocks),
-        fixed_blocks_per_seq=math.ceil(facts.per_sequence_fixed_bytes / block_bytes),
-        headroom=eng.move_headroom_blocks(cfg.context),
-        whole_prefix_only=facts.kv_layers < facts.num_layers,
-    )
-    if pool.blocks_for(cfg.context) > pool.total - pool.headroom:
+    if cfg.block_bytes is not None and eng.block_bytes != cfg.block_bytes:
         raise SystemExit(
-            f"--max-cache-blocks {cfg.max_cache_blocks} cannot hold one sequence of "
-            f"--context {cfg.context} ({pool.blocks_for(cfg.context)} blocks with "
-            f"{pool.fixed_blocks_per_seq} fixed, plus {pool.headroom} headroom): "
-            "raise the pool or lower the context")
-    return pool
+            f"--block-bytes {cfg.block_bytes} (what admission counted per block) differs "
+            f"from the loaded engine's {eng.block_bytes} B per block of {cfg.block_tokens} "
+            f"tokens (KV dtype {facts.kv_dtype}): pass the --kv-dtype admission used")
+    fixed = S.fixed_blocks(facts.per_sequence_fixed_bytes, eng.block_bytes)
+    if problem := S.pool_problem(cfg.max_cache_blocks, cfg.context, cfg.block_tokens, fixed):
+        raise SystemExit(problem)
+    return BlockPool(
+        total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
+        cache_cap_blocks=S.cache_cap_blocks(cfg.prefix_cache_bytes, eng.block_bytes,
+                                            cfg.max_cache_blocks),
+        fixed_blocks_per_seq=fixed, hybrid=eng.state_bytes_per_seq > 0,
+        extra_key=f"{cfg.model_dir.resolve()}|{facts.kv_dtype}".encode())
+
+
+def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
+    """The step's figures: the prefill chunk follows the context so its transient stays
+    under the bound admission counted, and a sequence joins the running batch only while
+    the decode step's transient stays under it too."""
+    from plimsoll.engine.work import decode_transient_bytes
+
+    if prefill_chunk(eng.facts, cfg.context, cfg.transient_bytes,
+                     block_tokens=cfg.block_tokens, most=cfg.prefill_chunk) <= 0:
+        raise SystemExit(
+            f"--transient-bytes {cfg.transient_bytes} cannot hold one prefill token at "
+            f"--context {cfg.context} (the gather of the context alone passes it): raise "
+            "the transient reserve or lower the context")
+    decode = chunk_for = None
+    if cfg.transient_bytes is not None:
+        def decode(rows: int, longest: int) -> int:
+            return decode_transient_bytes(eng.facts, rows, longest, cfg.block_tokens)
+
+        def chunk_for(prompt_tokens: int) -> int:  # short prompts take bigger chunks
+            return prefill_chunk(eng.facts, max(1, prompt_tokens), cfg.transient_bytes,
+                                 block_tokens=cfg.block_tokens, most=cfg.prefill_chunk)
+    return SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
+                           max_batch=cfg.batch_bound, prefill_tokens=cfg.prefill_chunk,
+                           transient_bytes=cfg.transient_bytes or 0, decode_bytes=decode,
+                           chunk_for=chunk_for)
 
 
 #: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
@@ -223,18 +251,19 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
         """On the scheduler thread: load, apply limits (restored at exit), size the pool."""
         from plimsoll import engine as E  # the engine edge: the only place mlx is imported
 
-        eng = E.Engine.load(cfg.model_dir, cfg.block_tokens)
+        eng = E.Engine.load(cfg.model_dir, block_tokens=cfg.block_tokens,
+                            max_blocks=cfg.max_cache_blocks, kv_dtype=cfg.kv_dtype)
         loaded["applied"] = stack.enter_context(E.process_limits(
             cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
         loaded["active_memory"] = E.active_memory
-        return eng, make_pool(cfg, eng)
+        return eng, make_pool(cfg, eng), scheduler_limits(cfg, eng)
 
     def memory_probe() -> dict[str, int]:
         return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
 
     self_guard = SelfGuard.find()  # the cgroup limit that binds us, if any
-    sched = Scheduler(setup, SchedulerLimits(cfg.max_num_seqs, cfg.max_queue,
-                                             cfg.max_wait_s, cfg.trip_bytes),
+    sched = Scheduler(setup, SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s,
+                                             cfg.trip_bytes),
                       memory_probe_with_guard(memory_probe, self_guard))
     sched.start()
     await run_in_threadpool(sched.ready.wait)
@@ -244,8 +273,9 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
     try:
         yield {"scheduler": sched, "tokenizer": eng.tokenizer,
                "native_max_context": eng.facts.native_max_context,
-               "block_bytes": eng.facts.kv_bytes_per_token * cfg.block_tokens,
-               "kv_bytes_per_token": eng.facts.kv_bytes_per_token,
+               "block_bytes": eng.block_bytes,
+               "kv_bytes_per_token": eng.block_bytes // cfg.block_tokens,
+               "kv_dtype": eng.facts.kv_dtype,
                "applied_limits": loaded["applied"], "engine_memory": eng.memory,
                "rss": lambda: proc.memory_info().rss, "guard": self_guard,
                "constrained_decoding": True}
@@ -294,4 +324,4 @@ def serve_worker(cfg: WorkerConfig) -> None:
 
     basic_logging()
     uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, **uvicorn_options(
-        limit_concurrency=cfg.max_queue + cfg.max_num_seqs + 16, graceful_s=5))
+        limit_concurrency=cfg.max_queue + cfg.batch_bound + 16, graceful_s=5))

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from plimsoll.core.admission import trip_fraction
+from plimsoll.core.model_facts import ModelFacts
+from plimsoll.core.sizing import default_max_batch
 from plimsoll.core.units import MIB
+from plimsoll.engine.work import prefill_chunk_tokens
 
 
 class WorkerConfig(BaseModel):
@@ -26,7 +30,20 @@ class WorkerConfig(BaseModel):
     #: u: the allocation cap is u × ceiling; the trip is min(u + offset, 0.99) × total RAM.
     gpu_memory_utilization: float = Field(gt=0, lt=1)
     cache_memory_mb: int = Field(ge=0, description="Prefix-cache cap, inside the pool (MiB).")
-    max_num_seqs: int = Field(gt=0)
+    max_num_seqs: int = Field(gt=0, description="The load-time worst case admission checked: "
+                              "this many full-context sequences fit the pool at once.")
+    max_batch: int | None = Field(default=None, gt=0, description=(
+        "Sequences running at once (a runtime bound: short requests fit many more than "
+        "max_num_seqs when their reservations fit); default max(64, max_num_seqs)."))
+    prefill_chunk: int = Field(default=512, gt=0, description=(
+        "Prompt tokens computed per step over all prefills, beside every running decode."))
+    kv_dtype: Literal["float16", "bfloat16", "float32"] | None = Field(
+        default=None, description="KV cache dtype; None: the model's.")
+    transient_bytes: int | None = Field(default=None, gt=0, description=(
+        "The compute transient admission counted (the reserve less the MLX buffer cache): "
+        "prefill chunks and decode batches stay under it. None: --prefill-chunk only."))
+    block_bytes: int | None = Field(default=None, gt=0, description=(
+        "Bytes per block admission counted; the worker refuses to start on another figure."))
     context: int = Field(gt=1, description="Configured total context per sequence.")
     block_tokens: int = Field(default=16, gt=0)
     max_tokens: int = Field(gt=0, description="Largest output reservation a request may ask.")
@@ -40,6 +57,10 @@ class WorkerConfig(BaseModel):
     wired_limit_bytes: int = Field(default=0, ge=0, description="0: wire nothing.")
     host: str = "127.0.0.1"
     port: int = Field(default=8081, ge=0, le=65535)
+
+    @property
+    def batch_bound(self) -> int:
+        return self.max_batch or default_max_batch(self.max_num_seqs)
 
     @property
     def allocation_limit_bytes(self) -> int:
@@ -57,3 +78,16 @@ class WorkerConfig(BaseModel):
     @property
     def mlx_cache_bytes(self) -> int:
         return self.mlx_cache_mb * MIB
+
+
+def prefill_chunk(facts: ModelFacts, context: int, transient_bytes: int | None, *,
+                  block_tokens: int, most: int) -> int:
+    """The prefill chunk at ``context`` whose transient (scores, activations and the gather
+    of its table) stays within ``transient_bytes``: a multiple of the block, at most
+    ``most``; 0 when not even one token fits. Admission (launch) and the worker both call
+    this, so they agree on it. (The pool's growth transient comes before a step's
+    compute, not during it, and is not counted here.)"""
+    if transient_bytes is None:
+        return most
+    return prefill_chunk_tokens(facts, context, transient_bytes, multiple=block_tokens,
+                                most=most, block_tokens=block_tokens)

@@ -1,94 +1,97 @@
-"""The worker's scheduler: the one owner of the engine and the KV pool.
+"""The worker's scheduler: the one owner of the engine and the block pool.
 
 Why a thread: MLX compute blocks, so the engine runs on one dedicated thread and the
 HTTP side (asyncio) talks to it only through :meth:`Scheduler.submit` and per-request
 event sinks. Every engine call and every pool verb happens on that thread, so neither
 needs a lock; the only shared state is the submission inbox and a published stats dict.
 
-Each loop iteration: take new submissions into the bounded waiting queue (over the
-bound: refused at once), expire waiters past their deadline, check the trip, admit
-waiters FIFO while the pool and ``max_num_seqs`` allow (a request reserves
-``prompt + max_tokens`` blocks *before* prefill; a retained prefix it extends is moved
-into it, so only new tokens are prefilled), run one batched decode step, and finish
-sequences that hit ``max_tokens``, EOS or were cancelled (their KV kept as a prefix
-when the cache cap allows). Running out is an event (``Refused``) for the HTTP edge to
-turn into a 503 with ``Retry-After`` — never a crash, never growth past the pool.
+Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
+
+1. take new submissions into the bounded waiting queue (over the bound: refused at once),
+   check the trip, end cancelled sequences;
+2. plan one :class:`~plimsoll.engine.work.Step`: a decode for every running sequence,
+   then prompt chunks of prefilling sequences — and of waiters admitted now, FIFO, while
+   ``max_batch`` and the pool allow — up to ``prefill_tokens`` per step. So a long prompt
+   delays running streams by at most one chunk per step. Admission maps every prompt
+   block already held or cached (a shared prefix: no copy, no recompute) and reserves
+   ``ceil((prompt + max_tokens) / block)`` blocks; physical blocks are taken as tokens
+   are written (:mod:`plimsoll.engine.pool`);
+3. submit it (``engine.run_async``) *before* reading the previous step's tokens, so graph
+   building overlaps compute: a running sequence's decode names ``tokens=None`` ("the
+   token you sampled last step"); the token a sequence that ended last step samples
+   now is dropped (its write lies inside its reservation: positions < prompt + max_tokens);
+4. expire waiters past their deadline, telling each what it waited for: blocks, a decode
+   slot, or other prompts' prefill (never a vague "slots busy");
+5. read the previous step's tokens, emit them, and end sequences that hit ``max_tokens``,
+   EOS or a finished constraint. Their full blocks stay cached (hashes registered): no
+   compaction, no moves.
+
+Hybrid models (recurrent state) cannot cut a state, so a prefix is reused only where the
+engine holds a snapshot of the state at the end of a block. The rule: whenever a submitted
+step leaves a sequence's written tokens on a block boundary (a prompt chunk — a hybrid
+prompt's chunks end on blocks — or a decode that fills a block), its state is snapshotted
+if the pool has room (each snapshot is charged ``fixed_blocks_per_seq`` under the cache
+cap, reclaimable, LRU); it becomes a hit once that block's hash is registered, and a later
+prompt maps the blocks up to the last one with a snapshot and resumes from it.
+
+Running out is an event (``Refused``) for the HTTP edge to turn into a 503 with
+``Retry-After`` — never a crash, never growth past the pool.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from plimsoll.engine.pool import KVPool, Plan, Refusal
+from plimsoll.engine.pool import BlockPool, Grant, Refusal
+from plimsoll.engine.work import Sampling, Step, Work
+from plimsoll.worker.events import (  # noqa: F401  (re-exported: the edge imports them here)
+    Event,
+    Finished,
+    GenRequest,
+    Refused,
+    SchedulerLimits,
+    Sink,
+    Started,
+    Token,
+)
+from plimsoll.worker.lines import StatsMixin, TripMixin
 
 log = logging.getLogger("plimsoll.worker")
 
 
-# --- events delivered to a request's sink (on the scheduler thread; sinks must not block) --
-@dataclass(frozen=True)
-class Started:
-    prompt_tokens: int
-    cached_tokens: int
-
-
-@dataclass(frozen=True)
-class Token:
-    token_id: int
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "length" | "eos" | "stop" (constraint done) | "cancelled"
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Refused:
-    status: int
-    message: str
-    code: str
-    retry_after: int | None = None
-
-
-Event = Started | Token | Finished | Refused
-Sink = Callable[[Event], None]
-
-
 @dataclass
-class GenRequest:
-    prompt: list[int]
-    max_tokens: int
-    sink: Sink
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    constraint: Any = None  # a TokenConstraint (engine/work.py): masks every sampled token
-    id: int = field(default_factory=itertools.count().__next__)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    deadline: float = 0.0
+class _Run:
+    """A running sequence: what is written, sampled, and still in flight."""
+
+    req: GenRequest
+    tokens: list[int]      # prompt, then every sampled token known
+    prompt_len: int
+    written: int           # positions whose KV a submitted step writes
+    cached_tokens: int
+    pending: int = 0       # sampled tokens not read yet (0 or 1)
+    generated: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.written < self.prompt_len
+
+    @property
+    def sampling(self) -> Sampling:
+        r = self.req
+        return Sampling(r.temperature, r.top_p, r.seed)
 
 
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_num_seqs: int
-    max_queue: int
-    max_wait_s: float
-    trip_bytes: int
-    retry_after_s: int = 1
-
-
-class Scheduler:
+class Scheduler(TripMixin, StatsMixin):
     """Owns engine + pool on one thread; see the module docstring for the loop."""
 
-    def __init__(self, setup: Callable[[contextlib.ExitStack], tuple[Any, KVPool]],
+    def __init__(self, setup: Callable[[contextlib.ExitStack], tuple[Any, BlockPool]],
                  limits: SchedulerLimits, memory_probe: Callable[[], dict[str, int]]):
         """``setup`` runs on the scheduler thread (MLX streams are per thread): it loads the
         engine, enters process-wide limits on the exit stack (restored when the thread
@@ -97,18 +100,25 @@ class Scheduler:
         self.limits = limits
         self.memory_probe = memory_probe  # {"mlx_active": …, "rss": …}
         self.engine: Any = None
-        self.pool: KVPool | None = None
+        self.pool: BlockPool | None = None
         self.eos_ids: set[int] = set()
         self.ready = threading.Event()
         self.setup_error: BaseException | None = None
         self._inbox: collections.deque[GenRequest] = collections.deque()
         self._waiting: collections.deque[GenRequest] = collections.deque()
-        self._running: dict[int, GenRequest] = {}
+        self._running: dict[int, _Run] = {}  # admission order
+        self._pending: tuple[Any, int] | None = None  # (Pending, step number)
+        self._stale_states: list[tuple[int, int]] = []  # (seq_id, free after step n)
+        self._steps = 0
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.tripped = ""  # why the worker is over a memory line; "" when it is not
         self.counters: collections.Counter[str] = collections.Counter()
+        self.kv_bytes_peak = 0
+        #: The last steps as planned: (step, decoded seq ids, {seq id: prefill tokens}).
+        self.step_log: collections.deque[tuple[int, tuple[int, ...], dict[int, int]]] = (
+            collections.deque(maxlen=4096))
         self.stats: dict[str, Any] = {}
 
     # --- called from any thread ---------------------------------------------------------
@@ -138,7 +148,10 @@ class Scheduler:
     def _run(self) -> None:
         with contextlib.ExitStack() as stack:
             try:
-                self.engine, self.pool = self._setup(stack)
+                parts = self._setup(stack)  # (engine, pool) or (engine, pool, limits)
+                self.engine, self.pool = parts[0], parts[1]
+                if len(parts) > 2:  # figures that need the loaded engine (its transients)
+                    self.limits = parts[2]
                 self.eos_ids = set(self.engine.tokenizer.eos_token_ids or ())
                 self._publish()
             except BaseException as err:
@@ -151,23 +164,32 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._iterate()
+                self.iterate()
             except Exception:  # a bug must not leave clients hanging: fail everything loudly
                 log.exception("scheduler iteration failed; cancelling all requests")
                 self._fail_all("internal error in the worker's scheduler")
             with self._wake:
-                if not self._inbox and not self._running and not self._stop.is_set():
+                if (not self._inbox and not self._running and self._pending is None
+                        and not self._stop.is_set()):
                     self._wake.wait(timeout=0.25 if self._waiting else None)
         self._fail_all("the worker is shutting down")
 
-    def _iterate(self) -> None:
+    def iterate(self) -> None:
+        """One step of the loop (public for pure tests that drive it with a fake engine)."""
         self._take_inbox()
-        self._expire_waiting()
         self._check_trip()
-        self._admit_waiting()
-        self._finish_cancelled()
-        if self._running:
-            self._decode_step()
+        self._end_cancelled()
+        step = self._plan()
+        submitted = None
+        if step.decodes or step.prefills:
+            self._steps += 1
+            submitted = (self.engine.run_async(step), self._steps)
+            self._after_submit(step)
+        self._expire_waiting()  # after one admission attempt, so --max-wait 0 means "no wait"
+        previous, self._pending = self._pending, submitted
+        if previous is not None:
+            self._read(*previous)
+        self._free_stale_states()
         self._publish()
 
     def _take_inbox(self) -> None:
@@ -191,126 +213,196 @@ class Scheduler:
             if req.cancelled.is_set():
                 self.counters["cancelled"] += 1
             elif now >= req.deadline:
-                # name what it waited for: blocks (the pool) or a sequence slot (the queue)
-                plan = self.pool.plan(req.prompt, req.max_tokens)
-                blocks = isinstance(plan, Refusal)
-                message = plan.message if blocks else (
-                    f"all {self.limits.max_num_seqs} sequence slots stayed busy")
-                self._refuse(req, 503, f"waited {self.limits.max_wait_s:g} s: {message}",
-                             "pool_exhausted" if blocks else "queue_timeout")
+                code, why = self._why_waiting(req)
+                self._refuse(req, 503, f"waited {self.limits.max_wait_s:g} s: {why}", code)
             else:
                 kept.append(req)
         self._waiting = kept
 
-    def _check_trip(self) -> None:
-        over = self._over_trip()
-        if over and self.pool.cached:
-            for handle in self.pool.drop_cached():
-                self.engine.drop_prefix(handle)
-            self.engine.clear_cache()
-            self.counters["trips"] += 1
-            log.warning("trip: %s; dropped cached prefixes", over)
-            over = self._over_trip()
-        if over and not self.tripped:
-            log.error("trip: %s after the emergency clear; refusing new work", over)
-        self.tripped = over
-        if over:
-            self._shed(over)
+    def _why_waiting(self, req: GenRequest) -> tuple[str, str]:
+        """What a waiter waits for, exactly: blocks, a decode slot, or other prefills."""
+        grant = self.pool.can_allocate(req.prompt, req.max_tokens, self._hashes(req))
+        if isinstance(grant, Refusal):
+            return "pool_exhausted", grant.message
+        if len(self._running) >= self.limits.max_batch:
+            return "batch_full", (f"all {self.limits.max_batch} decode slots (--max-batch) are "
+                                  "running sequences")
+        if self._running and not self._decode_fits(req):
+            return "batch_full", (f"{len(self._running)} running sequences: one more would take "
+                                  "the decode step's transient past its bound "
+                                  f"({self.limits.transient_bytes} B)")
+        ahead = [r for r in self._running.values() if r.prefilling]
+        left = sum(r.prompt_len - r.written for r in ahead)
+        if not ahead:
+            return "queue_timeout", ("the requests queued before it were admitted first "
+                                     "(or memory was near the trip line)")
+        return "prefill_busy", (f"waiting behind the prefill of {len(ahead)} prompt(s) "
+                                f"({left} tokens left at {self.limits.prefill_tokens} per "
+                                "step) and the requests queued before it")
 
-    def _shed(self, why: str) -> None:
-        """Still over after the clear: refuse everyone waiting and abort the newest running
-        request (one per iteration, so the oldest work finishes if that is enough)."""
-        message = f"memory trip: {why}; request aborted to keep the worker under its line"
-        while self._waiting:
-            self._refuse(self._waiting.popleft(), 503, message, "memory_trip")
-        if self._running:
-            req = self._running.pop(max(self._running))
-            self.engine.finish(req.id, retain=False)
-            self.pool.release(req.id)
-            self.engine.clear_cache()
-            self._refuse(req, 503, message, "memory_trip")
+    def _end_cancelled(self) -> None:
+        for run in [r for r in self._running.values() if r.req.cancelled.is_set()]:
+            self._finish(run, "cancelled")
 
-    def _over_trip(self) -> str:
-        """Why memory is over a line ("" when it is not): the trip, or the guard's soft line.
-
-        ``guard_usage``/``guard_soft`` come from the per-process guard (:mod:`plimsoll.guard`:
-        the worker's cgroup, or its own footprint): its whole footprint, not only MLX's.
-        """
-        mem = self.memory_probe()
-        for name in ("mlx_active", "rss"):
-            if mem.get(name, 0) > self.limits.trip_bytes:
-                return f"{name}={mem[name]} B is over the trip at {self.limits.trip_bytes} B"
-        soft = mem.get("guard_soft")
-        if soft and mem.get("guard_usage", 0) > soft:
-            return (f"memory usage {mem['guard_usage']} B is over the guard's soft line "
-                    f"at {soft} B")
-        return ""
-
-    def _admit_waiting(self) -> None:
-        while self._waiting and len(self._running) < self.limits.max_num_seqs:
+    # --- planning -----------------------------------------------------------------------
+    def _plan(self) -> Step:
+        """Every running decode, then prompt chunks up to the per-step prefill budget."""
+        decodes, prefills, chunks = [], [], {}
+        budget = self.limits.prefill_tokens
+        for run in list(self._running.values()):
+            if run.prefilling or run.generated + run.pending >= run.req.max_tokens:
+                continue
+            table = self.pool.grow(run.req.id, run.written + 1)
+            if table is None:  # past its reservation: cannot happen, never raise for it
+                log.error("sequence %s would pass its reservation; ended", run.req.id)
+                self._finish(run, "length")
+                continue
+            token = None if run.pending else (run.tokens[-1],)
+            decodes.append(Work(run.req.id, token, run.written, table, True,
+                                run.sampling, run.req.constraint))
+        for run in list(self._running.values()):
+            if budget <= 0:
+                break
+            if run.prefilling:
+                budget -= self._chunk(run, budget, prefills, chunks)
+        while budget > 0 and self._waiting and len(self._running) < self.limits.max_batch:
             if self._running and self._over_trip():  # each prefill can be a spike
-                return
+                break
             req = self._waiting[0]
-            plan = self.pool.plan(req.prompt, req.max_tokens)
-            if isinstance(plan, Refusal):
-                if plan.never_fits:
-                    self._waiting.popleft()
-                    self._refuse(req, 503, plan.message, "pool_exhausted")
-                    continue
-                return  # FIFO: the head waits for blocks; nothing jumps the queue
+            if self._running and not self._decode_fits(req):
+                break
+            grant = self.pool.can_allocate(req.prompt, req.max_tokens, self._hashes(req))
+            if isinstance(grant, Refusal):
+                if not grant.never_fits:
+                    break  # FIFO: the head waits for blocks; nothing jumps the queue
+                self._waiting.popleft()
+                self._refuse(req, 503, grant.message, "pool_exhausted")
+                continue
             self._waiting.popleft()
-            self._start(req, plan)
+            budget -= self._chunk(self._admit(req, grant), budget, prefills, chunks)
+        self.step_log.append((self._steps + 1, tuple(w.seq_id for w in decodes), chunks))
+        return Step(tuple(decodes), tuple(prefills))
 
-    def _start(self, req: GenRequest, plan: Plan) -> None:
-        self.pool.admit(req.id, plan)
-        for handle in plan.evict:
-            self.engine.drop_prefix(handle)
-        try:
-            extra = {"constraint": req.constraint} if req.constraint is not None else {}
-            res = self.engine.add(req.id, req.prompt, req.max_tokens, prefix=plan.prefix,
-                                  temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                  **extra)
-        except Exception as err:
-            self.pool.release(req.id)
-            log.exception("prefill failed")
-            self._refuse(req, 500, f"prefill failed: {err}", "engine_error")
-            return
+    def _decode_fits(self, req: GenRequest) -> bool:
+        """Whether the decode step's transient stays under its bound with ``req`` running
+        too (every row gathers the longest row's slots)."""
+        bytes_for = self.limits.decode_bytes
+        if bytes_for is None:
+            return True
+        longest = max([len(req.prompt) + req.max_tokens,
+                       *(r.prompt_len + r.req.max_tokens for r in self._running.values())])
+        return bytes_for(len(self._running) + 1, longest) <= self.limits.transient_bytes
+
+    def _admit(self, req: GenRequest, grant: Grant) -> _Run:
+        """Map the hit blocks, count the reservation, restore a hybrid state snapshot."""
+        self.pool.allocate(req.id, grant)
+        if grant.snapshot is not None:
+            self.engine.restore_state(grant.snapshot, req.id)
+        hit = grant.hit_count * self.pool.block_tokens
+        run = _Run(req, list(req.prompt), len(req.prompt), hit, hit)
+        self._running[req.id] = run
         self.counters["admitted"] += 1
-        self._running[req.id] = req
-        req.sink(Started(len(req.prompt), res.reused_tokens))
-        self._emit(req, res.first_token)
+        req.sink(Started(len(req.prompt), hit))
+        return run
 
-    def _decode_step(self) -> None:
-        for seq_id, token in self.engine.step():
-            self._emit(self._running[seq_id], token)
+    def _chunk(self, run: _Run, budget: int, prefills: list[Work],
+               chunks: dict[int, int]) -> int:
+        """The next chunk of ``run``'s prompt, at most ``budget`` tokens; returns its size."""
+        n = min(run.prompt_len - run.written, budget)
+        if self.limits.chunk_for is not None:  # the transient bound at this prompt's length
+            n = max(1, min(n, self.limits.chunk_for(run.prompt_len)))
+        block = self.pool.block_tokens
+        if self.pool.hybrid and run.written + n < run.prompt_len and n >= block:
+            n -= (run.written + n) % block  # end on a block: a state snapshot can go there
+        table = self.pool.grow(run.req.id, run.written + n)
+        end = run.written + n
+        prefills.append(Work(run.req.id, tuple(run.tokens[run.written:end]), run.written,
+                             table, end == run.prompt_len, run.sampling, run.req.constraint))
+        chunks[run.req.id] = n
+        return n
 
-    def _emit(self, req: GenRequest, token: int) -> None:
-        req.sink(Token(token))
-        generated = self.engine.generated(req.id)
-        if token in self.eos_ids:
-            self._finish(req, "eos")
-        elif req.constraint is not None and req.constraint.done():
-            self._finish(req, "stop")
-        elif generated >= req.max_tokens:
-            self._finish(req, "length")
+    def _hashes(self, req: GenRequest) -> list[bytes]:
+        if req.hashes is None:
+            req.hashes = self.pool.prompt_hashes(req.prompt)
+        return req.hashes
 
-    def _finish_cancelled(self) -> None:
-        for req in [r for r in self._running.values() if r.cancelled.is_set()]:
-            self._finish(req, "cancelled")
+    # --- after a step -------------------------------------------------------------------
+    def _after_submit(self, step: Step) -> None:
+        """Count what the submitted step writes and samples; register full blocks whose
+        tokens are known; snapshot hybrid state where a Work ends on a block."""
+        prefills = {w.seq_id for w in step.prefills}
+        for w in (*step.decodes, *step.prefills):
+            run = self._running[w.seq_id]
+            run.written += w.length
+            run.pending += 1 if w.sample else 0
+            if w.seq_id in prefills:
+                self.pool.count_prefill(w.length)
+                self.counters["prefill_tokens"] += w.length
+            self._commit(run)
+            if (self.pool.hybrid and run.written % self.pool.block_tokens == 0
+                    and self.pool.can_snapshot()):
+                key = ("snap", run.req.id, run.written)
+                self.engine.snapshot_state(run.req.id, key)
+                self.pool.add_snapshot(run.req.id, key)
+                self.pool.bind_snapshots(run.req.id)
+        self._drop_snapshots()
 
-    def _finish(self, req: GenRequest, reason: str) -> None:
-        generated = self.engine.generated(req.id)
-        del self._running[req.id]
-        written = self.engine.written_tokens(req.id)
-        if self.pool.can_retain(req.id, written):
-            prefix = self.engine.finish(req.id, retain=True)
-            for handle in self.pool.retain(req.id, prefix.handle, prefix.tokens):
-                self.engine.drop_prefix(handle)
-        else:
-            self.engine.finish(req.id, retain=False)
-            self.pool.release(req.id)
+    def _commit(self, run: _Run) -> None:
+        """Register the full blocks of ``run`` whose every token is known."""
+        self.pool.commit(run.req.id, run.tokens, run.written)
+        if self.pool.hybrid:
+            self.pool.bind_snapshots(run.req.id)
+
+    def _read(self, pending: Any, step: int) -> None:
+        """The tokens of step ``step``: emit them, end finished sequences. A token of a
+        sequence that ended meanwhile is dropped."""
+        for seq_id, token in pending.result().items():
+            run = self._running.get(seq_id)
+            if run is None:
+                continue
+            run.pending -= 1
+            run.generated += 1
+            run.tokens.append(token)
+            run.req.sink(Token(token))
+            constraint = run.req.constraint
+            if token in self.eos_ids:
+                self._finish(run, "eos")
+            elif constraint is not None and constraint.done():
+                self._finish(run, "stop")
+            elif run.generated >= run.req.max_tokens:
+                self._finish(run, "length")
+            else:
+                self._commit(run)
+
+    def _finish(self, run: _Run, reason: str) -> None:
+        self._end(run, reason)
         self.counters[reason] += 1
-        req.sink(Finished(reason, generated))
+        run.req.sink(Finished(reason, run.generated))
+
+    def _end(self, run: _Run, reason: str | None) -> None:
+        """Release a sequence: its full blocks stay cached (their tokens are all known
+        now: every written position is a prompt token or a token already read)."""
+        del self._running[run.req.id]
+        if reason is not None:
+            self._commit(run)
+        self.pool.free(run.req.id)
+        self._drop_snapshots()
+        # a submitted step may still write for it: drop its state once that step is read
+        self._stale_states.append((run.req.id, self._steps))
+
+    def _free_stale_states(self) -> None:
+        read_through = self._steps - (1 if self._pending is not None else 0)
+        keep = []
+        for seq_id, after in self._stale_states:
+            if after <= read_through:
+                self.engine.free_state(seq_id)
+            else:
+                keep.append((seq_id, after))
+        self._stale_states = keep
+
+    def _drop_snapshots(self) -> None:
+        for key in self.pool.take_dropped_snapshots():
+            self.engine.drop_snapshot(key)
 
     def _refuse(self, req: GenRequest, status: int, message: str, code: str) -> None:
         self.counters[f"refused_{code}"] += 1
@@ -318,30 +410,21 @@ class Scheduler:
         req.sink(Refused(status, message, code, retry))
 
     def _fail_all(self, message: str) -> None:
-        for req in list(self._running.values()):
+        self._pending = None
+        for run in list(self._running.values()):
             try:
-                self.engine.finish(req.id, retain=False)
-                self.pool.release(req.id)
+                self._end(run, None)
             except Exception:  # already gone
-                log.exception("cleanup of %s failed", req.id)
-            req.sink(Refused(500, message, "worker_error"))
+                log.exception("cleanup of %s failed", run.req.id)
+            run.req.sink(Refused(500, message, "worker_error"))
         self._running.clear()
+        with contextlib.suppress(Exception):
+            self._stale_states, stale = [], self._stale_states
+            for seq_id, _ in stale:
+                self.engine.free_state(seq_id)
         with self._wake:
             pending = list(self._inbox) + list(self._waiting)
             self._inbox.clear()
         self._waiting.clear()
         for req in pending:
             req.sink(Refused(503, message, "worker_stopping", self.limits.retry_after_s))
-
-    def _publish(self) -> None:
-        """A consistent snapshot for /v1/plimsoll/status (read from other threads)."""
-        self.stats = {
-            "pool": self.pool.stats(),
-            "running": len(self._running),
-            "waiting": len(self._waiting) + len(self._inbox),
-            "kv_bytes_held": self.engine.kv_bytes_held(),
-            "kv_bytes_peak": self.engine.kv_bytes_peak(),
-            "tripped": bool(self.tripped),
-            "trip_reason": self.tripped,
-            "counters": dict(self.counters),
-        }

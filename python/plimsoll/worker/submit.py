@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from plimsoll import protocol as P
+from plimsoll.engine.work import TokenConstraint
 from plimsoll.worker.config import WorkerConfig
 
 from .scheduler import Finished, GenRequest, Refused, Started, Token
@@ -71,7 +72,8 @@ def make_constraint(state: Any, spec: Any) -> Any:
 
 
 async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
-                 top_p: float, seed: int | None = None, constraint: Any = None
+                 top_p: float, seed: int | None = None,
+                 constraint: TokenConstraint | None = None
                  ) -> tuple[Started | Refused | None, asyncio.Queue, GenRequest]:
     """Hand a request to the scheduler; wait for admission (Started) or a Refused.
 
@@ -109,7 +111,7 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
             if isinstance(ev, Token):
                 yield assembler.feed(ev.token_id)
             elif isinstance(ev, Finished):
-                yield assembler.close("stop" if ev.reason in ("eos", "stop") else "length")
+                yield assembler.close("length" if ev.reason == "length" else "stop")
             elif isinstance(ev, Refused):
                 yield ev
                 return
