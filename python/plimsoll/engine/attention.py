@@ -30,6 +30,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
 
+from plimsoll.engine import paged_cuda
 from plimsoll.engine.paged import FullAttention, Read
 
 _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
@@ -38,10 +39,12 @@ _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
 class Batch:
     """What every layer of one forward shares: where to write, what to read, mask, offset."""
 
-    __slots__ = ("attended", "mask", "offset", "read", "write")
+    __slots__ = ("attended", "lengths", "mask", "offset", "read", "write")
 
-    def __init__(self, write: mx.array, read: Read | None, mask, offset):
+    def __init__(self, write: mx.array, read: Read | None, mask, offset,
+                 lengths: mx.array | None = None):
         self.write, self.read, self.mask, self.offset = write, read, mask, offset
+        self.lengths = lengths  # decode rows' lengths (int32): the CUDA kernel's bound
         self.attended = 0
 
 
@@ -60,6 +63,13 @@ class PagedView:
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         self.batch.attended += 1
+        read, pool = self.batch.read, self.pool
+        if (read is not None and read.index is not None and self.batch.lengths is not None
+                and sinks is None
+                and paged_cuda.usable(queries, pool.k_dim, pool.v_dim, pool.kv_heads)):
+            return paged_cuda.paged_decode(queries, pool.keys, pool.values, read.index,
+                                           self.batch.lengths, read.length, scale,
+                                           pool.block_tokens)
         if self.batch.read is None:
             keys, values = self._fresh
         else:

@@ -41,9 +41,21 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import Batch, PagedView, route_attention
-from plimsoll.engine.paged import FullAttention, RecurrentState, mx_dtype, read_of, slots_of
+from plimsoll.engine.paged import (
+    FullAttention,
+    RecurrentState,
+    mx_dtype,
+    read_of,
+    slots_of,
+    write_of,
+)
 from plimsoll.engine.sampling import Keys, sample
 from plimsoll.engine.work import Step, Work
+
+# Pool growth step: measured on the H200, a slab of max_blocks / 8 (10 GiB for a 4B model's
+# admitted pool) put the first request's peak at 2.3 x weights + KV; 256 MiB keeps the
+# excess to one slab while a 30k-token session grows in ~20 steps.
+SLAB_BYTES = 256 << 20
 
 
 class Pending:
@@ -84,9 +96,13 @@ class Engine:
         # faster single-stream decode on the CPU backend than the default stream).
         self._stream = mx.new_stream(mx.default_device())
         route_attention()
-        slab = slab_blocks or max(1, -(-max_blocks // 8))
-        self.layers = self._kinds(model, kv_dtype, slab)
+        self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
         self.block_bytes = sum(k.block_bytes for k in self.layers)
+        if slab_blocks is None:  # grow by about SLAB_BYTES: the peak follows what is written
+            slab = max(1, min(max_blocks, SLAB_BYTES // max(1, self.block_bytes)))
+            for kind in self.layers:
+                if isinstance(kind, FullAttention):
+                    kind.slab_blocks = slab
         self.state_bytes_per_seq = sum(k.bytes_per_seq for k in self.layers
                                        if isinstance(k, RecurrentState))
         self._pools = [k for k in self.layers if isinstance(k, FullAttention)]
@@ -294,7 +310,8 @@ class Engine:
             m = np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
             mask = mx.array(m)[:, None, None, :]
         offset = starts[0] if len(works) == 1 else mx.array(starts, dtype=mx.int32)
-        batch = Batch(mx.array(write), read, mask, offset)
+        batch = Batch(write_of(write), read, mask, offset,
+                      lengths=mx.array(lengths, dtype=mx.int32))
         ids = tuple(w.seq_id for w in works)
         if self._batched is not None and self._batched[0] == ids:
             stacked = [st.cache_of(e) for e in self._batched[1]]
@@ -329,7 +346,7 @@ class Engine:
         tokens = None
         for piece, start, sampled in pieces:
             n, bt = len(piece), self.block_tokens
-            write = mx.array(slots_of(w.block_table, start, start + n, bt))
+            write = write_of(slots_of(w.block_table, start, start + n, bt))
             read = None if start == 0 else read_of([w.block_table], [start + n], bt)
             batch = Batch(write, read, "causal" if n > 1 else None, start)
             caches = [st.cache_of(e) for e in entries]

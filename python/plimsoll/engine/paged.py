@@ -86,16 +86,25 @@ class FullAttention:
             del old
         self.blocks = want
 
-    def write(self, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Scatter ``keys``/``values`` (batch, heads, tokens, dim) into ``slots``."""
+    def write(self, slots: mx.array | tuple[int, int], keys: mx.array,
+              values: mx.array) -> None:
+        """Scatter ``keys``/``values`` (batch, heads, tokens, dim) into ``slots``: an index
+        array, or ``(lo, hi)`` for consecutive slots (measured on MLX's CUDA backend: a
+        slice update of one decode token is ~2x cheaper a step than the scatter)."""
         b, h, n, _ = keys.shape
         if b == 1:
             k, v = keys[0], values[0]
         else:
             k = keys.transpose(1, 0, 2, 3).reshape(h, b * n, self.k_dim)
             v = values.transpose(1, 0, 2, 3).reshape(h, b * n, self.v_dim)
-        self.keys[:, slots] = k.astype(self.dtype)
-        self.values[:, slots] = v.astype(self.dtype)
+        k, v = k.astype(self.dtype), v.astype(self.dtype)
+        if isinstance(slots, tuple):  # a run of consecutive slots: a slice update, in place
+            lo, hi = slots
+            self.keys[:, lo:hi] = k
+            self.values[:, lo:hi] = v
+            return
+        self.keys[:, slots] = k
+        self.values[:, slots] = v
 
     def gather(self, read: Read) -> tuple[mx.array, mx.array]:
         """K and V of the positions ``read`` names, as (rows, heads, length, dim).
@@ -149,6 +158,15 @@ def slots_of(table: tuple[int, ...], start: int, stop: int, block_tokens: int) -
     pos = np.arange(start, stop, dtype=np.int64)
     blocks = np.asarray(table, dtype=np.int64)[pos // block_tokens]
     return (blocks * block_tokens + pos % block_tokens).astype(np.int32)
+
+
+def write_of(slots: np.ndarray) -> mx.array | tuple[int, int]:
+    """What :meth:`FullAttention.write` takes for ``slots``: ``(lo, hi)`` when they are
+    consecutive (one decode row, a chunk inside consecutive blocks), else an index."""
+    lo = int(slots[0])
+    if (slots == lo + np.arange(slots.size)).all():
+        return lo, lo + int(slots.size)
+    return mx.array(slots)
 
 
 def read_of(tables: list[tuple[int, ...]], lengths: list[int], block_tokens: int) -> Read:

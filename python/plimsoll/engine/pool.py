@@ -129,6 +129,7 @@ class BlockPool:
         if self.total < 1 or self.block_tokens < 1:
             raise ValueError("a pool needs at least one block of at least one token")
         self._ref = [0] * self.total
+        self._shared = 0  # blocks with more than one reference (kept, not recounted)
         self._hash: list[bytes | None] = [None] * self.total
         self._by_hash: dict[bytes, int] = {}
         self._empty = list(range(self.total))  # a heap: lowest ids first keeps slabs compact
@@ -170,7 +171,7 @@ class BlockPool:
 
     @property
     def shared(self) -> int:
-        return sum(1 for r in self._ref if r > 1)
+        return self._shared
 
     def blocks_for(self, tokens: int) -> int:
         """Table blocks one sequence of ``tokens`` total context reserves."""
@@ -321,6 +322,8 @@ class BlockPool:
             del self._pending_snapshots[key]
             self.dropped_snapshots.append(key)
         for block in reversed(seq.table):
+            if self._ref[block] == 2:
+                self._shared -= 1
             self._ref[block] -= 1
             assert self._ref[block] >= 0
             if self._ref[block] == 0:
@@ -360,6 +363,8 @@ class BlockPool:
             del self._cached[block]
             self._held += 1
         self._ref[block] += 1
+        if self._ref[block] == 2:
+            self._shared += 1
 
     def _take(self) -> int:
         if self._empty:

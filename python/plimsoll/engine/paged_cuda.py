@@ -1,0 +1,149 @@
+"""Paged decode attention as one CUDA kernel (MLX's CUDA backend only; imports mlx).
+
+Why: MLX's gather on CUDA moves a decode batch's tables at ~200 GB/s (its copy reaches
+3.4 TB/s on an H200), so gathering every row's K/V into a transient and then running
+``mx.fast.scaled_dot_product_attention`` with a padding mask cost ~25 ms a step at 32
+streams of ~500 tokens (36 layers) — most of a step. This kernel reads each row's K/V
+straight from the pool through its block table, so there is no transient and no mask.
+
+Shape of the work (flash-decoding): one thread block per (row, KV head, split of
+``CHUNK`` tokens); its warps take the split's tokens in turn and keep an online
+softmax (running max, sum and V accumulator) for every query head of the KV head's
+group, so each K/V row is read once per group. The blocks write partial results
+(max, sum, accumulator) and a few MLX ops combine the splits. Accumulation in float32.
+
+Pool layout (:class:`plimsoll.engine.paged.FullAttention`): (kv_heads, slots, dim),
+slot = table[p // B] * B + p % B. Used for decode rows (one query each) without
+attention sinks and with equal K and V head sizes; anything else takes the gather path.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+CHUNK = 256  # tokens per thread block
+WARPS = 4
+
+_SOURCE = r"""
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int b = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int HQ = q_shape[1];
+    const int S = kp_shape[1];
+    const int MB = tables_shape[1];
+    const int NS = gridDim.z;
+    const int len = lengths[b];
+    const float scale = scale_arr[0];
+    constexpr int DPL = D / 32;
+    float qr[G][DPL];
+    float m[G], s[G], acc[G][DPL];
+    for (int g = 0; g < G; ++g) {
+        const T* qp = q + ((size_t)(b * HQ + kvh * G + g)) * D + lane * DPL;
+        for (int i = 0; i < DPL; ++i) {
+            qr[g][i] = static_cast<float>(qp[i]) * scale;
+            acc[g][i] = 0.f;
+        }
+        m[g] = NEG_INF; s[g] = 0.f;
+    }
+    const int lo = split * CHUNK;
+    const int hi = min(len, lo + CHUNK);
+    for (int t = lo + warp; t < hi; t += WARPS) {
+        const int slot = tables[b * MB + t / BT] * BT + t % BT;
+        const size_t row = ((size_t)kvh * S + slot) * D + lane * DPL;
+        float kf[DPL], vf[DPL];
+        for (int i = 0; i < DPL; ++i) {
+            kf[i] = static_cast<float>(kp[row + i]);
+            vf[i] = static_cast<float>(vp[row + i]);
+        }
+        for (int g = 0; g < G; ++g) {
+            float dot = 0.f;
+            for (int i = 0; i < DPL; ++i) dot += qr[g][i] * kf[i];
+            for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, o);
+            const float mn = fmaxf(m[g], dot);
+            const float c = __expf(m[g] - mn), p = __expf(dot - mn);
+            s[g] = s[g] * c + p;
+            for (int i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * c + p * vf[i];
+            m[g] = mn;
+        }
+    }
+    __shared__ float sm_m[WARPS][G], sm_s[WARPS][G], sm_a[WARPS][G][D];
+    for (int g = 0; g < G; ++g) {
+        for (int i = 0; i < DPL; ++i) sm_a[warp][g][lane * DPL + i] = acc[g][i];
+        if (lane == 0) { sm_m[warp][g] = m[g]; sm_s[warp][g] = s[g]; }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < G * D; idx += blockDim.x) {
+        const int g = idx / D, d = idx % D;
+        float M = NEG_INF;
+        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w][g]);
+        float tot = 0.f, val = 0.f;
+        if (M > NEG_INF) {
+            for (int w = 0; w < WARPS; ++w) {
+                const float e = __expf(sm_m[w][g] - M);
+                tot += sm_s[w][g] * e; val += sm_a[w][g][d] * e;
+            }
+        }
+        const size_t o = ((size_t)(b * HQ + kvh * G + g)) * NS + split;
+        part_a[o * D + d] = val;
+        if (d == 0) { part_m[o] = M; part_s[o] = tot; }
+    }
+"""
+
+_kernel = None
+
+
+_available: bool | None = None
+
+
+def available() -> bool:
+    """Whether this process runs MLX's CUDA backend (the kernel's only home)."""
+    global _available
+    if _available is None:
+        try:
+            _available = bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+        except AttributeError:  # builds without the cuda module (CPU, Metal)
+            _available = False
+    return _available
+
+
+def usable(queries: mx.array, k_dim: int, v_dim: int, kv_heads: int) -> bool:
+    """Whether :func:`paged_decode` serves this attention: CUDA, one query per row, equal
+    K and V head sizes that are a multiple of the warp, whole query-head groups."""
+    return (queries.shape[2] == 1 and k_dim == v_dim and k_dim % 32 == 0
+            and queries.shape[1] % kv_heads == 0 and available())
+
+
+def _get():
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="plimsoll_paged_decode",
+            input_names=["q", "kp", "vp", "tables", "lengths", "scale_arr"],
+            output_names=["part_a", "part_m", "part_s"],
+            source=_SOURCE)
+    return _kernel
+
+
+def paged_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tables: mx.array,
+                 lengths: mx.array, longest: int, scale: float,
+                 block_tokens: int) -> mx.array:
+    """Attention of ``queries`` (rows, q_heads, 1, dim) over each row's first
+    ``lengths[row]`` positions of its table; returns (rows, q_heads, 1, dim)."""
+    rows, hq, _, d = queries.shape
+    kvh = k_pool.shape[0]
+    splits = max(1, -(-longest // CHUNK))
+    q = queries.reshape(rows, hq, d)
+    part_a, part_m, part_s = _get()(
+        inputs=[q, k_pool, v_pool, tables, lengths, mx.array([scale], dtype=mx.float32)],
+        template=[("T", queries.dtype), ("D", d), ("G", hq // kvh), ("BT", block_tokens),
+                  ("CHUNK", CHUNK), ("WARPS", WARPS)],
+        grid=(rows * 32 * WARPS, kvh, splits), threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(rows, hq, splits, d), (rows, hq, splits), (rows, hq, splits)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32])
+    if splits == 1:
+        out = part_a[:, :, 0] / part_s
+    else:
+        top = part_m.max(axis=-1, keepdims=True)
+        w = mx.exp(part_m - top)
+        out = (part_a * w[..., None]).sum(axis=2) / (part_s * w).sum(axis=-1, keepdims=True)
+    return out.astype(queries.dtype)[:, :, None, :]
