@@ -27,6 +27,9 @@ from plimsoll.guard import process as G
 from plimsoll.worker.config import WorkerConfig
 
 READY_TIMEOUT_S = 300.0
+#: A launched worker's own drain on SIGTERM: its launcher (the proxy) drains first, then
+#: waits 10 s for the exit, so what is left ends with an error event well before that.
+WORKER_DRAIN_S = 3.0
 log = logging.getLogger("plimsoll.launch")
 
 
@@ -40,6 +43,7 @@ def worker_config(
     model_dir: Path, name: str, facts: ModelFacts, decision: AdmissionDecision,
     entry: ModelEntry | None, policy: Policy | None, *, port: int, host: str = "127.0.0.1",
     cache_memory_mb: int | None = None, max_queue: int = 64, max_wait_s: float = 30.0,
+    drain_s: float = WORKER_DRAIN_S, quiet: bool = False,
 ) -> WorkerConfig:
     """The worker's flags from an admitted decision (never from a refused one)."""
     if not decision.admitted:
@@ -60,6 +64,8 @@ def worker_config(
         trip_offset=policy.trip_offset if policy else Policy.model_fields["trip_offset"].default,
         mlx_cache_mb=max(1, decision.transient_reserve_bytes // 2 // MIB),
         wired_limit_bytes=wired_bytes(wire, decision), host=host, port=port,
+        max_tokens_over_limit=entry.max_tokens_over_limit if entry else "clamp",
+        drain_s=drain_s, quiet=quiet,
     )
 
 
@@ -79,6 +85,8 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         "--trip-offset", repr(cfg.trip_offset), "--mlx-cache-mb", str(cfg.mlx_cache_mb),
         "--wired-limit-bytes", str(cfg.wired_limit_bytes),
         "--host", cfg.host, "--port", str(cfg.port),
+        "--max-tokens-over-limit", cfg.max_tokens_over_limit,
+        "--drain-timeout", repr(cfg.drain_s), *(["--quiet"] if cfg.quiet else []),
     ]
 
 
