@@ -166,7 +166,7 @@ def test_bad_requests_are_400s_naming_the_field(fields, param, says):
     err = A.parse_messages(body(**fields))
     assert isinstance(err, ProtocolError) and err.status == 400, err
     assert err.param == param and says in err.message, err
-    shaped = ErrorResponse.model_validate(A.protocol_error_body(err))
+    shaped = ErrorResponse.model_validate(A.error_body(err.status, err.message))
     assert shaped.type == "error" and shaped.error.type == "invalid_request_error"
     assert shaped.error.message == err.message
 
@@ -178,7 +178,7 @@ def test_bodies_that_are_not_json_objects():
         assert err.status == 400 and says in err.message
     huge = A.parse_messages(b" " * (MAX_BODY_BYTES + 1))
     assert huge.status == 413
-    assert A.protocol_error_body(huge)["error"]["type"] == "request_too_large"
+    assert A.error_body(huge.status, huge.message)["error"]["type"] == "request_too_large"
 
 
 def test_count_tokens_request_takes_the_prompt_fields_only():

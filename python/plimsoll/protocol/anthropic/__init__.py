@@ -25,7 +25,6 @@ from .request import (
     error_type,
     parse_count_tokens,
     parse_messages,
-    protocol_error_body,
 )
 from .stream import (
     AnthropicAssembler,
@@ -48,6 +47,6 @@ __all__ = [
     "MessageMeta", "MessagesRequest", "StopReason", "TextBlock", "Thinking", "Tool",
     "ToolChoice", "ToolResultBlock", "ToolUseBlock", "count_tokens_body", "error_body",
     "error_type", "message", "message_end", "message_start", "new_message_id",
-    "parse_count_tokens", "parse_messages", "protocol_error_body", "render_messages",
+    "parse_count_tokens", "parse_messages", "render_messages",
     "sse_event", "stop_reason", "template_messages", "tool_use_block", "tool_use_id", "usage",
 ]

@@ -67,11 +67,6 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": error_type(status), "message": message}}
 
 
-def protocol_error_body(err: ProtocolError) -> dict[str, Any]:
-    """A :class:`ProtocolError` in Anthropic's shape (its status picks the type)."""
-    return error_body(err.status, err.message)
-
-
 # --- the request --------------------------------------------------------------------------
 
 _UNSUPPORTED_BLOCKS = {
