@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,8 +92,10 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Served:
-    s = Served(tmp_path_factory.mktemp("clients-e2e"))
+def served() -> Served:
+    # A directory of its own, not pytest's basetemp: other pytest runs on the machine prune
+    # old basetemps, and a client run can outlast several of them. Kept for a post-mortem.
+    s = Served(Path(tempfile.mkdtemp(prefix="plimsoll-clients-e2e-")))
     yield s
     s.stop()
 
@@ -116,7 +119,8 @@ def run_client(served: Served, argv: list[str], env: dict[str, str], cwd: Path,
     return made
 
 
-def test_claude_code(served, clients_bin, tmp_path):
+def test_claude_code(served, clients_bin):
+    tmp_path = Path(tempfile.mkdtemp(dir=served.tmp, prefix="claude-"))
     made = run_client(served, ["claude", "-p", "say hi"], {
         "ANTHROPIC_BASE_URL": served.url, "ANTHROPIC_API_KEY": "sk-local",
         "ANTHROPIC_MODEL": MODEL, "API_TIMEOUT_MS": str(CLIENT_TIMEOUT_S * 1000)},
@@ -124,7 +128,8 @@ def test_claude_code(served, clients_bin, tmp_path):
     assert any(r["path"] == "/v1/messages" for r in made)
 
 
-def test_opencode(served, clients_bin, tmp_path):
+def test_opencode(served, clients_bin):
+    tmp_path = Path(tempfile.mkdtemp(dir=served.tmp, prefix="opencode-"))
     (tmp_path / "opencode.json").write_text(json.dumps({
         "$schema": "https://opencode.ai/config.json",
         "provider": {"plimsoll": {
@@ -136,7 +141,8 @@ def test_opencode(served, clients_bin, tmp_path):
     assert any(r["path"] == "/v1/chat/completions" for r in made)
 
 
-def test_codex(served, clients_bin, tmp_path):
+def test_codex(served, clients_bin):
+    tmp_path = Path(tempfile.mkdtemp(dir=served.tmp, prefix="codex-"))
     probe = httpx.post(served.url + "/v1/responses", json={}, timeout=30)
     if probe.status_code == 404:
         pytest.skip("POST /v1/responses is a 404 here: Codex CLI needs the Responses API "
