@@ -127,7 +127,9 @@ def test_tool_choice_selects_the_rendered_tools():
     ({"temperature": 1.5}, "temperature", "less than or equal to 1"),
     ({"stop_sequences": [""]}, "stop_sequences", "must not be empty"),
     ({"stop_sequences": ["x"] * 17}, "stop_sequences", "at most 16"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "'user'"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages", "only system"),
+    ({"messages": [{"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]},
+                   {"role": "user", "content": "x"}]}, "messages[0]", "text blocks only"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content", "images are not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
@@ -153,18 +155,18 @@ def test_tool_choice_selects_the_rendered_tools():
      "not in tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice", "send name"),
     ({"tool_choice": {"type": "required"}}, "tool_choice.type", "'auto'"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking.type",
-     "not supported"),
+    ({"thinking": {"type": "sometimes"}}, "thinking.type", "'enabled'"),
     ({"output_config": {"format": {"type": "json_schema", "schema": {}}}},
      "output_config.format", "no constrained decoding"),
     ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
-    ({"container": "c1"}, "container", "Unknown field"),
+    ({"mcp_servers": [{"url": "x"}]}, "mcp_servers", "Unknown field"),
+    ({"tools": [WEATHER | {"future_flag": 1}]}, "tools[0].future_flag", "Unknown field"),
 ])
 def test_bad_requests_are_400s_naming_the_field(fields, param, says):
     err = A.parse_messages(body(**fields))
     assert isinstance(err, ProtocolError) and err.status == 400, err
     assert err.param == param and says in err.message, err
-    shaped = ErrorResponse.model_validate(A.protocol_error_body(err))
+    shaped = ErrorResponse.model_validate(A.error_body(err.status, err.message))
     assert shaped.type == "error" and shaped.error.type == "invalid_request_error"
     assert shaped.error.message == err.message
 
@@ -176,7 +178,7 @@ def test_bodies_that_are_not_json_objects():
         assert err.status == 400 and says in err.message
     huge = A.parse_messages(b" " * (MAX_BODY_BYTES + 1))
     assert huge.status == 413
-    assert A.protocol_error_body(huge)["error"]["type"] == "request_too_large"
+    assert A.error_body(huge.status, huge.message)["error"]["type"] == "request_too_large"
 
 
 def test_count_tokens_request_takes_the_prompt_fields_only():

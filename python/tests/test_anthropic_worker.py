@@ -122,9 +122,12 @@ def test_bad_requests_in_anthropic_shape(worker):
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
     assert "temperature" in e.value.body["error"]["message"]
+    clamped = c.messages.with_raw_response.create(model="tiny", max_tokens=10**5,
+                                                  messages=HELLO)  # over the limit: clamped
+    assert clamped.headers["x-plimsoll-max-tokens"] == "512"
     with pytest.raises(anthropic.BadRequestError) as e:
-        c.messages.create(model="tiny", max_tokens=10**5, messages=HELLO)
-    assert "output reservation limit of 512" in e.value.body["error"]["message"]
+        c.messages.create(model="tiny", max_tokens=(1 << 20) + 1, messages=HELLO)
+    assert "max_tokens" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as e:
         c.messages.create(model="claude-opus-4-1", max_tokens=8, messages=HELLO)
     assert e.value.body["error"]["type"] == "not_found_error"

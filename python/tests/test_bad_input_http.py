@@ -249,7 +249,7 @@ def test_any_value_in_any_field_is_served_or_refused_with_a_reason(servers, targ
 
 
 WRONG_MAX_TOKENS = st.one_of(
-    st.integers(max_value=0), st.integers(min_value=MAX_TOKENS + 1, max_value=2**80),
+    st.integers(max_value=0), st.integers(min_value=(1 << 20) + 1, max_value=2**80),
     st.floats(allow_nan=False, allow_infinity=False), st.booleans(), st.text(max_size=6),
     st.lists(st.integers(1, 4), max_size=2), st.dictionaries(st.text(max_size=3), st.none(),
                                                              max_size=1),
@@ -266,6 +266,15 @@ def test_huge_negative_zero_float_bool_max_tokens_are_400(servers, target, path,
     r = servers.post(target, path, json={**BASES[path], "max_tokens": value})
     err = assert_refused(r, path, 400)
     assert "max_tokens" in err["message"], err
+
+
+@HTTP
+@given(target=targets, path=st.sampled_from(ROUTES[:3]), value=st.integers(MAX_TOKENS + 1, 1 << 20))
+@example(target="proxy", path="/v1/messages", value=32000)
+def test_max_tokens_over_the_limit_is_clamped_and_reported(servers, target, path, value):
+    r = servers.post(target, path, json={**BASES[path], "max_tokens": value})
+    assert r.status_code == 200, r.text[:300]
+    assert r.headers["x-plimsoll-max-tokens"] == str(MAX_TOKENS)
 
 
 @HTTP

@@ -2,7 +2,10 @@
 
 With no ``--policy`` it serves the embedded default: a demo model built once under the
 cache directory (with progress) and a policy sized from this machine's live probes, so
-a newcomer's first command answers a chat request.
+a newcomer's first command answers a chat request. ``--model DIR|ORG/NAME`` serves a real
+model instead (a directory, or a Hugging Face repository in the local cache — never
+downloaded), sized the same way unless ``--context`` / ``--concurrency`` / ``--max-tokens``
+say otherwise; with ``--policy`` it is added to the policy's models.
 """
 
 from __future__ import annotations
@@ -50,31 +53,40 @@ from plimsoll.cli.common import UsageFailure
               metavar="CEILING_GIB[:TOTAL_GIB[:BUDGET_GIB]]",
               help="One per rank, rank 0 first: in clustered mode, models marked sharded run "
                    "split across these ranks on this host (`plimsoll cluster serve`).")
+@click.option("--model", "model_spec", metavar="DIR|ORG/NAME",
+              help="Serve this model: a local directory, or a Hugging Face repository id "
+                   "resolved from the local cache (HF_HUB_CACHE / HF_HOME; never downloaded). "
+                   "Default: the embedded demo model.")
+@click.option("--context", type=click.IntRange(min=256),
+              help="Total context per sequence for --model (or the demo). Default: the "
+                   "largest up to the model's native maximum that the budget admits at the "
+                   "concurrency.")
+@click.option("--concurrency", type=click.IntRange(min=1),
+              help="Sequences decoded together for --model (or the demo). Default: 2.")
+@click.option("--max-tokens", type=click.IntRange(min=1),
+              help="Largest output reservation for --model (or the demo); a request asking "
+                   "more is clamped. Default: a quarter of the context (at most 32768).")
+@click.option("--quiet", is_flag=True, help="No access-log line per request (proxy and "
+              "workers).")
 def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_waiting,
-                  swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks) -> None:
+                  swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks,
+                  model_spec, context, concurrency, max_tokens, quiet) -> None:
     """Serve every model of the policy behind one OpenAI-compatible endpoint.
 
     Workers start on demand through load-time admission with live inputs; a swap stops
     the old worker and verifies its memory came back before the new one starts.
     """
-    import uvicorn
-
     from plimsoll.core.paths import cache_dir
-    from plimsoll.core.policy import PolicyError, load_policy
     from plimsoll.proxy import Settings, make_app
     from plimsoll.proxy.admin import load_or_create_token
-    from plimsoll.web.serve import basic_logging, uvicorn_options
+    from plimsoll.web.serve import basic_logging
 
     basic_logging()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per relayed request
     ranks = parse_cluster_ranks(cluster_ranks)  # bad input fails before anything loads
-    if policy_file is not None:
-        try:
-            pol = load_policy(policy_file)
-        except PolicyError as err:
-            raise UsageFailure(str(err)) from None
-    else:
-        pol = embedded_default()
+    from plimsoll.cli.serve_model import served_policy
+
+    pol = served_policy(policy_file, model_spec, context, concurrency, max_tokens)
     if not pol.models:
         raise UsageFailure(f"{policy_file}: the policy lists no models: add one under 'models'")
     try:
@@ -84,14 +96,24 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     default_ttl, per_model = parse_idle_ttls(idle_ttls, set(pol.models))
     settings = Settings(max_waiting=max_waiting, swap_hold_s=swap_hold, drain_s=drain_timeout,
                         release_timeout_s=release_timeout, default_idle_ttl_s=default_ttl,
-                        idle_ttl_s=per_model, cluster_ranks=ranks)
-    app = make_app(pol, mode=mode, settings=settings, api_key=api_key, admin_token=token)
+                        idle_ttl_s=per_model, cluster_ranks=ranks, quiet=quiet)
+    from plimsoll.web.access_log import set_quiet
+    from plimsoll.web.edge import Edge
+    from plimsoll.web.graceful import Drain, serve
+    from plimsoll.web.serve import uvicorn_options
+
+    set_quiet(quiet)
+    drain = Drain(drain_timeout)
+    app = make_app(pol, mode=mode, settings=settings, api_key=api_key, admin_token=token,
+                   drain=drain)
     host = host or pol.listen.host
     port = port or pol.listen.port
     click.echo(f"plimsoll serve: http://{host}:{port}/v1 — {mode} mode, models: "
                f"{', '.join(sorted(pol.models))}; admin token in {token_path}", err=True)
-    uvicorn.run(app, host=host, port=port,
-                **uvicorn_options(limit_concurrency=1024, graceful_s=10))
+    # uvicorn's own bound (a plain 503, no Retry-After) stays behind the Edge's; its
+    # graceful timeout is the drain plus a margin (web.graceful.serve).
+    serve(Edge(app, limit=1024), drain, host=host, port=port,
+          **uvicorn_options(limit_concurrency=2048, graceful_s=0))
 
 
 def embedded_default():

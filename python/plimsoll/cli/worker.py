@@ -66,6 +66,15 @@ from plimsoll.cli.common import EXIT_REFUSED, UsageFailure, invalid_figures
               help="What to wire (Metal only): 0 wires nothing.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8081, show_default=True)
+@click.option("--max-tokens-over-limit", type=click.Choice(["clamp", "refuse"]),
+              default="clamp", show_default=True,
+              help="A request's max_tokens over --max-tokens or what the context leaves: "
+                   "clamp it (the applied figure is sent in x-plimsoll-max-tokens) or refuse "
+                   "it with a 400.")
+@click.option("--drain-timeout", "drain_s", type=click.FloatRange(min=0), default=30.0,
+              show_default=True, help="Seconds running requests may finish after SIGTERM; "
+              "then they end with the protocol's error event.")
+@click.option("--quiet", is_flag=True, help="No access-log line per request.")
 def worker_command(model_dir, model_name, max_tokens, default_max_tokens, ceiling_bytes,
                    total_ram_bytes, **flags) -> None:
     """Serve one model (OpenAI-compatible) whose live KV is a bounded pool of blocks.

@@ -10,7 +10,8 @@ fractions of the mode's budget. Field names in the file are camelCase (Nix style
 
 Invariants checked here (each error names the field):
 - each mode's budget leaves the OS floor free: ``totalRamGb − maxLocalLlmGb ≥ osFloorGb``;
-- the clustered budget is at least the standalone one;
+- the clustered budget is at least the standalone one (and is the standalone one when the
+  file leaves it out);
 - every model's output reservation fits its context.
 """
 
@@ -71,8 +72,20 @@ class ModeBudget(_Strict):
 
 
 class Modes(_Strict):
+    """``clustered`` may be left out (a host that never joins a cluster): it is then the
+    standalone budget."""
+
     standalone: ModeBudget
-    clustered: ModeBudget
+    clustered: ModeBudget = Field(
+        default=None, description="GiB while the cluster link is up; default: the standalone "
+        "budget.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _clustered_defaults_to_standalone(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("clustered") is None and "standalone" in data:
+            data = {**data, "clustered": data["standalone"]}
+        return data
 
     @model_validator(mode="after")
     def _clustered_not_below_standalone(self) -> Modes:
@@ -101,6 +114,12 @@ class ModelEntry(_Strict):
         description="Output reservation when a request names none (at most maxTokens).",
     )
     max_tokens: int = Field(default=4096, ge=1, description="Largest output reservation allowed.")
+    max_tokens_over_limit: Literal["clamp", "refuse"] = Field(
+        default="clamp",
+        description="A request's max_tokens over maxTokens or what the context leaves after "
+        "its prompt: clamp it (the answer ends with length / max_tokens if reached) or "
+        "refuse it with a 400.",
+    )
     kv_dtype: KvDtype = Field(default="auto", description=(
         "KV cache dtype; auto = the model's; q8 / q4 = quantized KV (8 / 4 bits in groups of 64, "
         "scales and biases in the model's dtype)."))
@@ -229,6 +248,32 @@ class Policy(_Strict):
     cluster: Cluster = Cluster()
     pressure: Pressure = Pressure()
     models: dict[Name, ModelEntry] = Field(default_factory=dict)
+    aliases: dict[str, Name] = Field(
+        default_factory=dict,
+        description="Model names clients send (glob patterns such as 'claude-*') and the "
+        "model of this policy that serves them.",
+    )
+    default_model: Name | None = Field(
+        default=None,
+        description="The model that serves the names coding clients send of their own "
+        "(claude-*, gpt-*, o1-*, ...) when no alias matches; default: the only model, if "
+        "the policy has one.",
+    )
+
+    @model_validator(mode="after")
+    def _aliases_name_models(self) -> Policy:
+        if not self.models:
+            return self
+        for pattern, target in self.aliases.items():
+            if target not in self.models:
+                raise ValueError(
+                    f"aliases.{pattern}: {target!r} is not a model of this policy (models: "
+                    f"{', '.join(sorted(self.models))}): name one of them")
+        if self.default_model is not None and self.default_model not in self.models:
+            raise ValueError(
+                f"defaultModel: {self.default_model!r} is not a model of this policy "
+                f"(models: {', '.join(sorted(self.models))}): name one of them")
+        return self
 
     @model_validator(mode="after")
     def _budgets_leave_os_floor(self) -> Policy:

@@ -28,6 +28,9 @@ from plimsoll.guard import process as G
 from plimsoll.worker.config import WorkerConfig
 
 READY_TIMEOUT_S = 300.0
+#: A launched worker's own drain on SIGTERM: its launcher (the proxy) drains first, then
+#: waits 10 s for the exit, so what is left ends with an error event well before that.
+WORKER_DRAIN_S = 3.0
 log = logging.getLogger("plimsoll.launch")
 
 
@@ -41,6 +44,7 @@ def worker_config(
     model_dir: Path, name: str, facts: ModelFacts, decision: AdmissionDecision,
     entry: ModelEntry | None, policy: Policy | None, *, port: int, host: str = "127.0.0.1",
     cache_memory_mb: int | None = None, max_queue: int = 64, max_wait_s: float = 30.0,
+    drain_s: float = WORKER_DRAIN_S, quiet: bool = False,
 ) -> WorkerConfig:
     """The worker's flags from an admitted decision (never from a refused one)."""
     if not decision.admitted:
@@ -63,6 +67,8 @@ def worker_config(
         wired_limit_bytes=wired_bytes(wire, decision), host=host, port=port,
         kv_dtype=facts.kv_dtype, block_bytes=decision.block_bytes,
         transient_bytes=S.compute_transient_bytes(decision.transient_reserve_bytes) or None,
+        max_tokens_over_limit=entry.max_tokens_over_limit if entry else "clamp",
+        drain_s=drain_s, quiet=quiet,
     )
 
 
@@ -87,6 +93,8 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         *(["--block-bytes", str(cfg.block_bytes)] if cfg.block_bytes else []),
         *(["--transient-bytes", str(cfg.transient_bytes)] if cfg.transient_bytes else []),
         "--host", cfg.host, "--port", str(cfg.port),
+        "--max-tokens-over-limit", cfg.max_tokens_over_limit,
+        "--drain-timeout", repr(cfg.drain_s), *(["--quiet"] if cfg.quiet else []),
     ]
 
 

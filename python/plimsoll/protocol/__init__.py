@@ -19,6 +19,7 @@ from .assembler import (
     Assembled,
     Delta,
     FinishReason,
+    ReasoningDelta,
     TextAssembler,
     TextDelta,
     ToolCallDelta,
@@ -34,6 +35,7 @@ from .errors import (
     error_body,
 )
 from .parse import decode_json_body, parse_request
+from .reasoning import Markers, markers_for
 from .render import render_chat, render_completion, template_messages
 from .requests import (
     MAX_STOP,
@@ -68,11 +70,12 @@ from .responses import (
 __all__ = [
     "MAX_BODY_BYTES", "MAX_STOP", "MAX_TOKENS_LIMIT", "SSE_DONE", "Assembled",
     "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "Delta", "FinishReason", "Kind",
-    "ProtocolError", "Request", "ResponseMeta", "TextAssembler", "TextDelta", "Tool",
+    "Markers", "ProtocolError", "ReasoningDelta", "Request", "ResponseMeta", "TextAssembler",
+    "TextDelta", "Tool",
     "ToolCallDelta", "ToolChoice", "chat_chunk", "chat_completion", "chat_delta",
     "check_body_size", "check_model", "completion", "completion_chunk", "context_overflow",
     "context_overflow_message", "decode_json_body", "delta_chunks", "error_body",
-    "final_chunks", "first_chunks", "model_card", "models_list", "new_tool_call_id",
+    "final_chunks", "first_chunks", "markers_for", "model_card", "models_list", "new_tool_call_id",
     "parse_request", "render_chat", "render_completion", "response", "sse",
     "template_messages", "usage", "usage_chunk",
 ]

@@ -16,6 +16,9 @@ Tool calls are found in the text between the tokenizer's ``tool_call_start`` and
 ``tool_call_end`` markers and parsed by its ``tool_parser`` (mlx-lm infers both from
 the chat template). A call that does not parse is kept as plain text, markers and all,
 so nothing the model wrote is lost silently.
+
+With ``reasoning`` markers (:mod:`.reasoning`), text inside a reasoning block comes out as
+:class:`ReasoningDelta` and lands in :attr:`Assembled.reasoning`, not in the answer.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .reasoning import Markers, ReasoningSplit
 from .requests import ChatCompletionRequest, Request
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -44,7 +48,15 @@ class ToolCallDelta:
     call: dict[str, Any]
 
 
-Delta = TextDelta | ToolCallDelta
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """Reasoning text (between the model's think markers): ``reasoning_content`` /
+    a ``thinking`` block, never the answer."""
+
+    text: str
+
+
+Delta = TextDelta | ToolCallDelta | ReasoningDelta
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,7 @@ class Assembled:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: FinishReason = "stop"
     completion_tokens: int = 0
+    reasoning: str = ""
 
     @property
     def content(self) -> str | None:
@@ -105,7 +118,10 @@ class TextAssembler:
     """
 
     def __init__(self, tokenizer: Any, *, stop: list[str] | tuple[str, ...] = (),
-                 max_tokens: int | None = None, tools: list[dict[str, Any]] | None = None):
+                 max_tokens: int | None = None, tools: list[dict[str, Any]] | None = None,
+                 reasoning: Markers | None = None):
+        self._split = ReasoningSplit(reasoning) if reasoning is not None else None
+        self._reasoning: list[str] = []
         self._detok = fresh_detokenizer(tokenizer)
         self._eos = set(tokenizer.eos_token_ids or ())
         self._stop = [s for s in stop if s]
@@ -128,11 +144,14 @@ class TextAssembler:
         self._finish: FinishReason | None = None
 
     @classmethod
-    def for_request(cls, tokenizer: Any, req: Request, max_tokens: int | None
-                    ) -> TextAssembler:
-        """An assembler with the request's stop strings and (for chat) active tools."""
-        tools = req.active_tools if isinstance(req, ChatCompletionRequest) else None
-        return cls(tokenizer, stop=req.stop, max_tokens=max_tokens, tools=tools)
+    def for_request(cls, tokenizer: Any, req: Request, max_tokens: int | None,
+                    reasoning: Markers | None = None) -> TextAssembler:
+        """An assembler with the request's stop strings and (for chat) active tools and
+        reasoning markers (completions return the raw text)."""
+        chat = isinstance(req, ChatCompletionRequest)
+        return cls(tokenizer, stop=req.stop, max_tokens=max_tokens,
+                   tools=req.active_tools if chat else None,
+                   reasoning=reasoning if chat else None)
 
     @property
     def done(self) -> bool:
@@ -179,6 +198,8 @@ class TextAssembler:
         if not self._stopped:
             rest = self._pending.rstrip() if self._calls else self._pending
             out += self._text(rest)
+        if self._split is not None:
+            out += self._pieces(self._split.flush())
         self._pending = ""
         self._finish = "tool_calls" if reason == "stop" and self._calls else reason
         return out
@@ -187,7 +208,8 @@ class TextAssembler:
         """The whole output; call once :attr:`done` (after :meth:`close` at the latest)."""
         if self._finish is None:
             raise RuntimeError("result() before the output is done; call close() first")
-        return Assembled("".join(self._parts), list(self._calls), self._finish, self._count)
+        return Assembled("".join(self._parts), list(self._calls), self._finish, self._count,
+                         "".join(self._reasoning))
 
     # --- internals ----------------------------------------------------------------------
 
@@ -197,8 +219,17 @@ class TextAssembler:
         if not text:
             return []
         self._after_tool = False
+        if self._split is not None:
+            return self._pieces(self._split.feed(text))
         self._parts.append(text)
         return [TextDelta(text)]
+
+    def _pieces(self, pieces: list[tuple[bool, str]]) -> list[Delta]:
+        out: list[Delta] = []
+        for reasoning, text in pieces:
+            (self._reasoning if reasoning else self._parts).append(text)
+            out.append(ReasoningDelta(text) if reasoning else TextDelta(text))
+        return out
 
     def _first_stop(self) -> int:
         hits = [i for s in self._stop if (i := self._pending.find(s)) >= 0]

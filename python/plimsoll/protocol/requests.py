@@ -3,11 +3,13 @@
 Strict by design (as simonw/llm's option models): unknown fields are refused by name
 (``extra="forbid"``) and types are not coerced (``"5"`` is not an integer, ``true`` is
 not a number), so a client bug is a 400 that names the field instead of a surprise.
-A few fields clients send out of habit are accepted and ignored when harmless (``user``,
-``parallel_tool_calls``, ``n: 1``, zero penalties, ``response_format: text``,
-``logprobs: false``); their other values are refused with what is supported (the JSON
-``response_format`` types are enforced by constrained decoding). JSON
-``null`` means "absent" everywhere.
+Fields clients send that change nothing here (``user``, ``store``, ``metadata``,
+``parallel_tool_calls``, ``prediction``, ``reasoning_effort``, …) are listed with their
+reasons in :mod:`.tolerated` (one table, each logged once) and dropped before validation.
+A few more are accepted at their harmless value only (``n: 1``, zero penalties,
+``response_format: text``, ``logprobs: false``); their other values are refused with what
+is supported (the JSON ``response_format`` types are enforced by constrained
+decoding). JSON ``null`` means "absent" everywhere.
 
 Normalisation happens here, once: message ``content`` is always a list of text parts,
 ``stop`` a list of strings, ``tool_choice`` a :class:`ToolChoice`, a completion
@@ -17,7 +19,7 @@ Normalisation happens here, once: message ``content`` is always a list of text p
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -28,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 
+from .tolerated import drop_tolerated
+
 MAX_TOKENS_LIMIT = 1 << 20
 """Sanity cap on ``max_tokens`` (the configured context is the real bound, checked later)."""
 MAX_STOP = 4
@@ -35,12 +39,17 @@ _INT64 = 1 << 63
 
 
 class _Strict(BaseModel):
+    """Strict, unknown fields refused; those :data:`.tolerated.TOLERATED` lists for
+    ``tolerated_scope`` are dropped (and logged once) first."""
+
     model_config = ConfigDict(strict=True, extra="forbid")
+    tolerated_scope: ClassVar[str | None] = None
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_absent(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            data = drop_tolerated(cls.tolerated_scope, data)
             return {k: v for k, v in data.items() if v is not None}
         return data
 
@@ -87,6 +96,7 @@ def text_parts(value: Any, unsupported: str, not_text: str) -> Any:
 class ChatMessage(_Strict):
     """One message of any role; ``developer`` is treated as ``system``."""
 
+    tolerated_scope: ClassVar[str] = "openai.message"
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: list[TextPart] | None = None
     name: str | None = None
@@ -94,9 +104,6 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None
     reasoning_content: str | None = Field(
         default=None, description="Passed to chat templates that render past reasoning.")
-    # Echoed back by clients that append a response message unchanged; ignored.
-    refusal: str | None = None
-    annotations: list[Any] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -124,10 +131,10 @@ class ChatMessage(_Strict):
 # --- tools --------------------------------------------------------------------------------
 
 class FunctionDef(_Strict):
+    tolerated_scope: ClassVar[str] = "openai.function"
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class Tool(_Strict):
@@ -143,8 +150,8 @@ class ToolChoice(_Strict):
 
 
 class StreamOptions(_Strict):
+    tolerated_scope: ClassVar[str] = "openai.stream_options"
     include_usage: bool = False
-    include_obfuscation: bool | None = None  # accepted, ignored (we add no padding)
 
 
 class JsonSchemaFormat(_Strict):
@@ -185,7 +192,6 @@ class _Sampling(_Strict):
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -226,11 +232,11 @@ class ChatCompletionRequest(_Sampling):
     call in the model's tool-call markup whose arguments match the tool's parameters.
     """
 
+    tolerated_scope: ClassVar[str] = "openai.chat"
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; several calls are always parsed
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int = 0
@@ -298,6 +304,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: one prompt (a string or token ids)."""
 
+    tolerated_scope: ClassVar[str] = "openai.completion"
     prompt: str | list[int]
     echo: bool = False
     logprobs: int = 0

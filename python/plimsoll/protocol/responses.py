@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .assembler import Assembled, Delta, TextDelta, ToolCallDelta
+from .assembler import Assembled, Delta, ReasoningDelta, TextDelta, ToolCallDelta
 
 Kind = Literal["chat", "completion"]
 SSE_DONE = b"data: [DONE]\n\n"
@@ -56,6 +56,8 @@ def chat_completion(meta: ResponseMeta, result: Assembled, usage: dict[str, Any]
                     ) -> dict[str, Any]:
     """The non-streamed ``chat.completion`` object."""
     message: dict[str, Any] = {"role": "assistant", "content": result.content}
+    if result.reasoning:
+        message["reasoning_content"] = result.reasoning
     if result.tool_calls:
         message["tool_calls"] = result.tool_calls
     return {**meta._head("chat.completion"),
@@ -73,9 +75,12 @@ def chat_chunk(meta: ResponseMeta, delta: dict[str, Any], finish_reason: str | N
 
 
 def chat_delta(delta: Delta) -> dict[str, Any]:
-    """An assembler delta as a chat ``delta`` (content text, or one indexed tool call)."""
+    """An assembler delta as a chat ``delta`` (content text, reasoning text as
+    ``reasoning_content``, or one indexed tool call)."""
     if isinstance(delta, ToolCallDelta):
         return {"tool_calls": [{"index": delta.index, **delta.call}]}
+    if isinstance(delta, ReasoningDelta):
+        return {"reasoning_content": delta.text}
     return {"content": delta.text}
 
 

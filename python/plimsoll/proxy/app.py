@@ -9,6 +9,12 @@ request is reported to its client with the reason (an SSE ``error`` event mid-st
 otherwise). The proxy's own errors speak the route's protocol: Anthropic's shape
 (``{"type": "error", "error": {"type", "message"}}``) on ``/v1/messages*``, OpenAI's
 elsewhere; both carry the machine-readable ``code`` the metrics count.
+
+A ``model`` the policy does not serve by that name is looked up in its aliases (and the
+default rule for names coding clients send, :mod:`..aliases`); the body is relayed with
+the served name. Every answer passes :class:`~..http_edge.Edge` (``Retry-After`` on each
+429/503, one access-log line); on SIGTERM, streams still relaying when the drain time is
+up end with their protocol's error event (:mod:`..graceful`).
 """
 
 from __future__ import annotations
@@ -27,13 +33,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from plimsoll.core.aliases import resolve
 from plimsoll.core.policy import Mode, Policy
 from plimsoll.web.body import read_body
+from plimsoll.web.edge import access
 from plimsoll.web.errors import error_body, is_anthropic, no_route_handler
+from plimsoll.web.graceful import Drain
 
 from .. import protocol as P
 from ..protocol import anthropic as A
 from ..protocol import responses_events as RE
+from ..protocol.reservation import HEADER as MAX_TOKENS_HEADER
 from . import admin
 from . import dashboard as dash  # GET /, GET /dashboard.json
 from . import metrics as M  # the request/event observer
@@ -44,6 +54,7 @@ from .state import Lease, State, describe_exit
 from .supervisor import Supervisor
 
 EXIT_WAIT_S = 0.5
+DRAIN_POLL_S = 0.25
 NO_ROUTE = no_route_handler("this proxy serves POST /v1/chat/completions, /v1/completions, "
                             "/v1/responses, /v1/messages, /v1/messages/count_tokens and GET "
                             "/v1/models")
@@ -69,8 +80,11 @@ def request_error(err: P.ProtocolError, *, anthropic: bool) -> JSONResponse:
                  anthropic=anthropic)
 
 
-def route_model(raw: bytes, known: list[str]) -> str | P.ProtocolError:
-    """The served model a body names (the only one when it names none), or why not.
+def route_model(raw: bytes, known: list[str], policy: Policy | None = None
+                ) -> tuple[str, bytes] | P.ProtocolError:
+    """The served model a body names (the only one when it names none; an alias of the
+    policy), and the body to relay (its ``model`` rewritten to the served name when it was
+    an alias), or why not.
 
     The body is decoded as the worker decodes it (UTF-8, one JSON object, no NaN, bounded
     depth), so a body the proxy passes on is one the worker can parse, and one it refuses
@@ -81,17 +95,20 @@ def route_model(raw: bytes, known: list[str]) -> str | P.ProtocolError:
         return data
     model = data.get("model")
     if model is None and len(known) == 1:
-        return known[0]
+        return known[0], raw
     if model is not None and not isinstance(model, str):
         return P.ProtocolError(400, f"Invalid 'model': send the model's name as a string, got "
                                f"{json.dumps(model)[:60]}; known models: "
                                f"{', '.join(known) or '(none)'}", param="model",
                                code="invalid_request")
-    if model not in known:
+    if model in known:
+        return model, raw
+    served = resolve(model, policy) if policy is not None and model is not None else None
+    if served is None or served not in known:
         return P.ProtocolError(404, f"the model {model!r} is not served here; known models: "
-                               f"{', '.join(known) or '(none)'}", param="model",
-                               code="model_not_found")
-    return model
+                               f"{', '.join(known) or '(none)'} (or an alias of the policy's "
+                               "'aliases')", param="model", code="model_not_found")
+    return served, json.dumps({**data, "model": served}, ensure_ascii=False).encode()
 
 
 class PassThrough(StreamingResponse):
@@ -128,22 +145,52 @@ async def lost_reason(lease: Lease, err: Exception) -> str:
             f"during this request{why}; retry: the next request starts it again")
 
 
+async def until_drained(task: asyncio.Future, drain: Drain | None) -> Any:
+    """``task``'s result, or None (the task cancelled) once a shutdown's drain time is up."""
+    while not task.done():
+        await asyncio.wait({task}, timeout=DRAIN_POLL_S)
+        if drain is not None and drain.expired and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await task
+            return None
+    return task.result()
+
+
+def _stream_lost(message: str, code: str, anthropic: bool, status: int = 502,
+                 responses: bool = False) -> list[bytes]:
+    body = error_body(status, message, code, anthropic=anthropic)
+    if responses:  # the Responses API's typed error event; no [DONE]
+        return [RE.sse_event({"type": "error", "sequence_number": 0, "code": code,
+                              "message": body["error"]["message"], "param": None})]
+    if anthropic:  # Anthropic's streams end at the error event; no [DONE]
+        return [A.sse_event(body)]
+    return [P.sse(body), P.SSE_DONE]
+
+
 async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = False,
-                responses: bool = False) -> AsyncIterator[bytes]:
+                responses: bool = False, drain: Drain | None = None) -> AsyncIterator[bytes]:
+    """The worker's stream, chunk by chunk; a worker lost mid-way, or a shutdown whose
+    drain time runs out, ends it with the protocol's error event."""
+    chunks = upstream.aiter_raw()
     try:
-        async for chunk in upstream.aiter_raw():
+        while True:
+            try:
+                chunk = await until_drained(asyncio.ensure_future(anext(chunks)), drain)
+            except StopAsyncIteration:
+                return
+            if chunk is None:
+                for part in _stream_lost(
+                        f"the proxy is shutting down and its drain time ({drain.drain_s:g} s) "
+                        "ran out before this stream finished", "proxy_stopping", anthropic,
+                        503, responses):
+                    yield part
+                return
             yield chunk
     except httpx.HTTPError as err:
-        body = error_body(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
-        if responses:  # the Responses API's typed error event; no [DONE]
-            yield RE.sse_event({"type": "error", "sequence_number": 0, "code": "worker_lost",
-                                "message": body["error"]["message"], "param": None})
-            return
-        if anthropic:  # Anthropic's streams end at the error event; no [DONE]
-            yield A.sse_event(body)
-            return
-        yield P.sse(body)
-        yield P.SSE_DONE
+        for part in _stream_lost(await lost_reason(lease, err), "worker_lost", anthropic,
+                                 responses=responses):
+            yield part
     finally:
         await upstream.aclose()
         lease.release()
@@ -160,10 +207,17 @@ async def generate(request: Request) -> Response:
     raw = await read_body(request)
     if isinstance(raw, P.ProtocolError):
         return request_error(raw, anthropic=anthropic)
-    model = route_model(raw, sorted(sup.workers))
-    if isinstance(model, P.ProtocolError):
-        return request_error(model, anthropic=anthropic)
+    routed = route_model(raw, sorted(sup.workers), sup.policy)
+    if isinstance(routed, P.ProtocolError):
+        return request_error(routed, anthropic=anthropic)
+    model, raw = routed
     request.state.model = model  # metrics: the label of this request
+    rec = access(request)
+    rec.model = model
+    drain: Drain = request.app.state.drain
+    if drain.draining:
+        return error(503, "the proxy is shutting down: retry once it is back", "proxy_stopping",
+                     retry_after=1, anthropic=anthropic)
     try:
         lease = await sup.acquire(model)
     except ProxyError as err:
@@ -171,18 +225,27 @@ async def generate(request: Request) -> Response:
     client: httpx.AsyncClient = request.app.state.client
     upstream_req = client.build_request("POST", lease.inc.url + request.url.path, content=raw,
                                         headers={"content-type": "application/json"})
+    sending = asyncio.ensure_future(client.send(upstream_req, stream=True))
     try:
-        upstream = await client.send(upstream_req, stream=True)
+        upstream = await until_drained(sending, drain)
     except httpx.HTTPError as err:
         lease.release()
         return error(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
+    if upstream is None:  # shutting down, and the worker had not answered within the drain
+        lease.release()
+        return error(503, f"the proxy is shutting down and its drain time ({drain.drain_s:g} s)"
+                     " ran out before the worker answered", "proxy_stopping", retry_after=1,
+                     anthropic=anthropic)
     ctype = upstream.headers.get("content-type", "application/json")
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
+    headers = {k: v for k, v in upstream.headers.items()
+               if k.lower() in ("retry-after", MAX_TOKENS_HEADER)}
+    if (reserved := upstream.headers.get(MAX_TOKENS_HEADER, "")).isdigit():
+        rec.reservation = int(reserved)
     if ctype.startswith("text/event-stream"):
-        return PassThrough(relay(upstream, lease, anthropic=anthropic,
+        return PassThrough(relay(upstream, lease, anthropic=anthropic, drain=drain,
                                  responses=request.url.path == "/v1/responses"),
-                           upstream.status_code,
-                           media_type=ctype, headers={"Cache-Control": "no-cache", **headers})
+                           upstream.status_code, media_type=ctype,
+                           headers={"Cache-Control": "no-cache", **headers})
     try:
         content = await upstream.aread()
     except httpx.HTTPError as err:
@@ -280,8 +343,13 @@ async def unload(request: Request) -> Response:
 
 
 def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | None = None,
-             api_key: str | None = None, admin_token: str, read_snapshot=None) -> Starlette:
-    """The proxy app for ``policy``. Workers are spawned only when a request needs them."""
+             api_key: str | None = None, admin_token: str, read_snapshot=None,
+             drain: Drain | None = None) -> Starlette:
+    """The proxy app for ``policy``. Workers are spawned only when a request needs them.
+
+    ``drain`` is the shutdown state :func:`..graceful.serve` marks on SIGTERM (default: one
+    of ``settings.drain_s`` that nothing marks)."""
+    drain = drain or Drain(settings.drain_s if settings else Settings().drain_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -304,7 +372,7 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
                 await obs.stop()
                 await sup.shutdown()
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/chat/completions", ME.observed(generate), methods=["POST"]),
             Route("/v1/completions", ME.observed(generate), methods=["POST"]),
@@ -326,3 +394,5 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
         lifespan=lifespan,
         exception_handlers={404: NO_ROUTE, 405: NO_ROUTE},
     )
+    app.state.drain = drain
+    return app

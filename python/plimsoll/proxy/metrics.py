@@ -221,6 +221,8 @@ class Observer:
             return
         code, message = error_code(body)
         (self.refusals if outcome == "refused" else self.errors).labels(model, code).inc()
+        if outcome != "refused":  # the dashboard's table lists what its refused counts count
+            return
         self.recent.append({"t": time.time(), "model": model, "status": status,
                             "outcome": outcome, "reason": code, "message": message[:1000]})
 

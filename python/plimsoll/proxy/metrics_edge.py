@@ -15,6 +15,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from plimsoll.web.access_log import Access
+from plimsoll.web.edge import access
+
 from .metrics import MIDSTREAM_REFUSALS, Observer, error_code
 
 
@@ -38,8 +41,10 @@ async def get_metrics(request: Request) -> Response:
 class _Watched:
     """A relayed SSE stream, scanned for first token, token count and errors as it passes."""
 
-    def __init__(self, inner: Any, obs: Observer, model: str, start: float, status: int):
+    def __init__(self, inner: Any, obs: Observer, model: str, start: float, status: int,
+                 rec: Access | None = None):
         self.inner, self.obs, self.model = inner, obs, model
+        self.rec = rec
         self.start, self.status = start, status
         self.buf = b""
         self.first: float | None = None
@@ -87,13 +92,19 @@ class _Watched:
             self.saw_end = True
         if "error" in obj:
             self.error = obj
+            if self.rec is not None:
+                self.rec.code = error_code(obj)[0]
             return
-        usage = obj.get("usage") or {}
+        usage = obj.get("usage") or (obj.get("message") or {}).get("usage") or {}
         for key in ("completion_tokens", "output_tokens"):
             if isinstance(usage.get(key), int):
                 self.usage = usage[key]
+        if self.rec is not None and usage:
+            note_usage(self.rec, usage)
         if self._has_token(obj):
             now = time.monotonic()
+            if self.rec is not None:
+                self.rec.first_token()
             self.first = self.first or now
             self.last = now
             self.deltas += 1
@@ -127,6 +138,19 @@ class _Watched:
             self.obs.finished(self.model, self.status, None, ttft_s=ttft, rate=rate)
 
 
+def note_usage(rec: Access, usage: dict[str, Any]) -> None:
+    """Token figures of an OpenAI or Anthropic ``usage`` object into the access record."""
+    prompt = usage.get("prompt_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if isinstance(usage.get("input_tokens"), int):  # Anthropic: input excludes cache reads
+        cached = usage.get("cache_read_input_tokens") or 0
+        prompt = usage["input_tokens"] + cached
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    for key, value in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+        if isinstance(value, int):
+            setattr(rec, key, value)
+
+
 def observed(endpoint: Callable[[Request], Awaitable[Response]]
              ) -> Callable[[Request], Awaitable[Response]]:
     """Count and time every request ``endpoint`` answers (it sets ``request.state.model``)."""
@@ -140,15 +164,18 @@ def observed(endpoint: Callable[[Request], Awaitable[Response]]
             return response
         if model is None:  # refused before a served model was named: no per-model label
             model = "-"
+        rec = access(request)
         if isinstance(response, StreamingResponse) and response.status_code < 400:
             response.body_iterator = _Watched(response.body_iterator, obs, model, start,
-                                              response.status_code)
+                                              response.status_code, rec)
             return response
         body: Any = None
         with contextlib.suppress(ValueError, AttributeError):
             body = json.loads(response.body)
         tokens, rate = None, None
         usage = body.get("usage") if isinstance(body, dict) else None
+        if isinstance(usage, dict):
+            note_usage(rec, usage)
         if response.status_code < 400 and isinstance(usage, dict):
             tokens = usage.get("completion_tokens", usage.get("output_tokens"))
             elapsed = time.monotonic() - start

@@ -21,3 +21,4 @@ class Settings:
     # --cluster-rank: (ceiling, total RAM, budget) bytes per rank of a sharded model, rank 0
     # first; in clustered mode a model with ``sharded: true`` runs as `plimsoll cluster serve`
     cluster_ranks: tuple[tuple[int, int, int], ...] = ()
+    quiet: bool = False  # --quiet: workers write no access-log lines either

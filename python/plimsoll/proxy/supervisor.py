@@ -281,7 +281,7 @@ class Supervisor:
             if not dec.admitted:
                 self._refuse(w, dec, figures)
             cfg = worker_config(Path(w.entry.path), w.name, facts, dec, w.entry, self.policy,
-                                port=free_port())
+                                port=free_port(), quiet=self.settings.quiet)
             self.check_pressure(f"loading model {w.name!r}")
             try:
                 await w.start(cfg, dec, self.settings.spawn_timeout_s, spawn=self.spawner(w))

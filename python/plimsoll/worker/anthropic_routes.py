@@ -1,15 +1,16 @@
 """The worker's Anthropic Messages API: ``POST /v1/messages`` and ``/v1/messages/count_tokens``.
 
-The same request path as the OpenAI routes of :mod:`plimsoll.worker.app` — body limit,
+The same request path as the OpenAI routes of :mod:`plimsoll.worker.submit` — body limit,
 model check, chat template, the output-reservation and context checks, one
 ``GenRequest`` to the scheduler, admission or a refusal — with Anthropic's shapes at both
 ends (:mod:`plimsoll.protocol.anthropic`). Admission is the same: a request reserves
 ``prompt + max_tokens`` blocks before prefill, and running out is a 503 with
 ``Retry-After`` whose body is Anthropic's ``overloaded_error``; bad input is a 400
-``invalid_request_error`` that says what to change.
+``invalid_request_error`` that says what to change. ``max_tokens`` over the worker's
+reservation is clamped as on the OpenAI routes (``x-plimsoll-max-tokens``), and reasoning
+comes back as ``thinking`` blocks.
 
-The shared request path (:mod:`.submit`) is its own module, so :mod:`.app` imports
-:data:`ROUTES` from here and nothing here imports :mod:`.app`: no import cycle.
+The shared request path is :mod:`.submit` (imported as ``W``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from starlette.routing import Route
 from plimsoll import protocol as P
 from plimsoll.protocol import anthropic as A
 from plimsoll.protocol import structured
+from plimsoll.web.access_log import Access
 from plimsoll.web.body import read_body
+from plimsoll.web.edge import access
 from plimsoll.worker import submit as W
 
 from .scheduler import Refused, Started
@@ -50,12 +53,15 @@ async def _prompt(request: Request, parse: Any) -> tuple[Any, list[int]] | JSONR
     req = parse(raw)
     if isinstance(req, P.ProtocolError):
         return protocol_error(req)
+    rec = access(request)
+    rec.model = req.model
     if err := P.check_model(req.model, state.cfg.model_name):
         return protocol_error(err)
     try:
         prompt = await run_in_threadpool(A.render_messages, state.tokenizer, req)
     except P.ProtocolError as err:
         return protocol_error(err)
+    rec.prompt = len(prompt)
     return req, prompt
 
 
@@ -79,27 +85,35 @@ async def messages(request: Request) -> Response:
     req, prompt = got
     state = request.app.state
     cfg = state.cfg
-    if err := W.check_reservation(state, len(prompt), req.max_tokens, "messages"):
-        return protocol_error(err)
+    rec = access(request)
+    res = W.reservation(state, len(prompt), req.max_tokens, "messages")
+    if isinstance(res, P.ProtocolError):
+        return protocol_error(res)
+    rec.reservation = res.max_tokens
+    if refused := W.stopping(request):
+        return error(refused.status, refused.message, refused.retry_after)
     try:
         constraint = await run_in_threadpool(_constraint, state, req)
     except P.ProtocolError as err:
         return protocol_error(err)
-    first, queue, gen = await W.submit(request, prompt, req.max_tokens,
+    first, queue, gen = await W.submit(request, prompt, res.max_tokens,
                                        temperature=req.temperature, top_p=req.top_p,
-                                       constraint=constraint)
+                                       constraint=constraint,
+                                       wait_s=W.EARLY_HEADERS_S if req.stream else None)
     if first is None:
         return Response(status_code=499)
     if isinstance(first, Refused):
         return error(first.status, first.message, first.retry_after)
-    assembler = A.AnthropicAssembler.for_messages(state.tokenizer, req, req.max_tokens)
+    assembler = A.AnthropicAssembler.for_messages(state.tokenizer, req, res.max_tokens,
+                                                  P.markers_for(state.tokenizer, prompt))
     meta = A.MessageMeta.new(cfg.model_name)
     blocks = A.BlockStream()
     stream = W.events(queue, request, gen, assembler)
     if req.stream:
-        return StreamingResponse(_sse(meta, first, stream, assembler, blocks),
+        return StreamingResponse(_sse(meta, (first, queue, request, gen), len(prompt), stream,
+                                      assembler, blocks, rec),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers=W.reserved_headers(res, {"Cache-Control": "no-cache"}))
     failure = None
     async for item in stream:
         if isinstance(item, Refused):
@@ -107,24 +121,45 @@ async def messages(request: Request) -> Response:
         else:
             blocks.feed(item)
     if failure is not None:
-        return error(failure.status, failure.message)
+        return error(failure.status, failure.message, failure.retry_after)
     if not assembler.done:  # the client left
         return Response(status_code=499)
+    rec.cached = first.cached_tokens
     result, stop = assembler.result(), assembler.stop_sequence
     return JSONResponse(A.message(meta, blocks.blocks, A.stop_reason(result, stop), stop,
-                                  _usage(first, assembler)))
+                                  _usage(first, assembler)), headers=W.reserved_headers(res))
 
 
 def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
     return A.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
 
 
-async def _sse(meta: A.MessageMeta, first: Started, stream: AsyncIterator,
-               assembler: A.AnthropicAssembler, blocks: A.BlockStream) -> AsyncIterator[bytes]:
-    for event in A.message_start(meta, A.usage(first.prompt_tokens, 0, first.cached_tokens)):
+async def _sse(meta: A.MessageMeta, waiting: tuple, prompt_tokens: int, stream: AsyncIterator,
+               assembler: A.AnthropicAssembler, blocks: A.BlockStream, rec: Access
+               ) -> AsyncIterator[bytes]:
+    """The events; a stream not started yet opens at once (``message_start`` with the
+    prompt's tokens, then a ``ping`` every few seconds until the first token), and the
+    final ``message_delta`` carries the real usage, cache reads included."""
+    first = waiting[0]
+    cached = 0 if first is W.PENDING else first.cached_tokens
+    for event in A.message_start(meta, A.usage(prompt_tokens, 0, cached)):
         yield A.sse_event(event)
+    first = None
+    async for item in W.started(*waiting, keepalive=A.sse_event({"type": "ping"})):
+        if isinstance(item, bytes):
+            yield item
+        else:
+            first = item
+    if first is None:  # the client left
+        return
+    if isinstance(first, Refused):
+        rec.code = first.code
+        yield A.sse_event(A.error_body(first.status, first.message))
+        return
+    rec.cached = first.cached_tokens
     async for item in stream:
         if isinstance(item, Refused):
+            rec.code = item.code
             yield A.sse_event(A.error_body(item.status, item.message))
             return
         for event in blocks.feed(item):

@@ -8,6 +8,12 @@ scheduler instead (:mod:`plimsoll.cluster.serve`) and every route below is the s
 code. Routes read ``request.app.state`` — no globals. Running out arrives from the scheduler as a
 ``Refused`` event and leaves here as a 503 (with ``Retry-After``) in the OpenAI error
 shape; bad input is a 400 that says what to change.
+
+A ``max_tokens`` over what the worker reserves is clamped (or refused: the
+``max_tokens_over_limit`` flag; :mod:`.protocol.reservation`), the applied reservation
+sent back in ``x-plimsoll-max-tokens``. Every answer passes :class:`~.http_edge.Edge`
+(``Retry-After`` on each 429/503, a bound on requests in flight, one access-log line), and
+a SIGTERM drains as :mod:`.graceful` says.
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ from plimsoll.core import sizing as S
 from plimsoll.engine.pool import BlockPool
 from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
 from plimsoll.protocol import structured
+from plimsoll.web.access_log import Access, set_quiet
 from plimsoll.web.body import read_body
+from plimsoll.web.edge import Edge, access
 from plimsoll.web.errors import no_route_handler
+from plimsoll.web.graceful import Drain
 from plimsoll.worker.config import WorkerConfig, prefill_chunk
 
 from . import anthropic_routes, responses_routes
@@ -44,11 +53,15 @@ from .scheduler import (
     Started,
 )
 from .submit import (
-    check_reservation,
+    EARLY_HEADERS_S,
     error,
     events,
     make_constraint,
     protocol_error,
+    reservation,
+    reserved_headers,
+    started,
+    stopping,
     submit,
 )
 
@@ -62,12 +75,14 @@ NO_ROUTE = no_route_handler("this worker serves POST /v1/chat/completions, /v1/c
 async def generate(request: Request, kind: P.Kind) -> Response:
     state = request.app.state
     cfg: WorkerConfig = state.cfg
+    rec = access(request)
     raw = await read_body(request)
     if isinstance(raw, P.ProtocolError):
         return protocol_error(raw)
     req = P.parse_request(kind, raw)
     if isinstance(req, P.ProtocolError):
         return protocol_error(req)
+    rec.model = req.model or cfg.model_name
     if err := P.check_model(req.model, cfg.model_name):
         return protocol_error(err)
     render = P.render_chat if kind == "chat" else P.render_completion
@@ -77,44 +92,71 @@ async def generate(request: Request, kind: P.Kind) -> Response:
         constraint = await run_in_threadpool(make_constraint, state, spec)
     except P.ProtocolError as err:
         return protocol_error(err)
-    max_tokens = req.max_output_tokens or cfg.default_max_tokens
-    if err := check_reservation(state, len(prompt), max_tokens,
-                                "messages" if kind == "chat" else "prompt"):
-        return protocol_error(err)
-    first, queue, gen = await submit(request, prompt, max_tokens, temperature=req.temperature,
-                                     top_p=req.top_p, seed=req.seed, constraint=constraint)
+    rec.prompt = len(prompt)
+    res = reservation(state, len(prompt), req.max_output_tokens,
+                      "messages" if kind == "chat" else "prompt")
+    if isinstance(res, P.ProtocolError):
+        return protocol_error(res)
+    rec.reservation = res.max_tokens
+    if refused := stopping(request):
+        return error(refused.status, refused.message, code=refused.code,
+                     retry_after=refused.retry_after)
+    first, queue, gen = await submit(request, prompt, res.max_tokens,
+                                     temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                     constraint=constraint,
+                                     wait_s=EARLY_HEADERS_S if req.stream else None)
     if first is None:
         return Response(status_code=499)
     if isinstance(first, Refused):
         return error(first.status, first.message, code=first.code, retry_after=first.retry_after)
-    assembler = P.TextAssembler.for_request(state.tokenizer, req, max_tokens)
+    assembler = P.TextAssembler.for_request(state.tokenizer, req, res.max_tokens,
+                                            P.markers_for(state.tokenizer, prompt))
     meta = P.ResponseMeta.new(kind, cfg.model_name)
     stream = events(queue, request, gen, assembler)
     if req.stream:
-        return StreamingResponse(_sse(meta, req, first, stream, assembler),
+        return StreamingResponse(_sse(meta, req, (first, queue, request, gen), stream,
+                                      assembler, rec),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers=reserved_headers(res, {"Cache-Control": "no-cache"}))
     failure = None
     async for item in stream:
         if isinstance(item, Refused):
             failure = item
     if failure is not None:
-        return error(failure.status, failure.message, code=failure.code)
+        return error(failure.status, failure.message, code=failure.code,
+                     retry_after=failure.retry_after)
     if not assembler.done:  # the client left
         return Response(status_code=499)
-    return JSONResponse(P.response(meta, assembler.result(), _usage(first, assembler)))
+    rec.cached = first.cached_tokens
+    return JSONResponse(P.response(meta, assembler.result(), _usage(first, assembler)),
+                        headers=reserved_headers(res))
 
 
 def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
     return P.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
 
 
-async def _sse(meta: P.ResponseMeta, req: P.Request, first: Started,
-               stream: AsyncIterator, assembler: P.TextAssembler) -> AsyncIterator[bytes]:
+async def _sse(meta: P.ResponseMeta, req: P.Request, waiting: tuple, stream: AsyncIterator,
+               assembler: P.TextAssembler, rec: Access) -> AsyncIterator[bytes]:
     for chunk in P.first_chunks(meta):
         yield P.sse(chunk)
+    first = None
+    async for item in started(*waiting, keepalive=b": keep-alive\n\n"):
+        if isinstance(item, bytes):
+            yield item
+        else:
+            first = item
+    if first is None:  # the client left
+        return
+    if isinstance(first, Refused):
+        rec.code = first.code
+        yield P.sse(P.error_body(first.status, first.message, code=first.code))
+        yield P.SSE_DONE
+        return
+    rec.cached = first.cached_tokens
     async for item in stream:
         if isinstance(item, Refused):
+            rec.code = item.code
             yield P.sse(P.error_body(item.status, item.message, code=item.code))
             yield P.SSE_DONE
             return
@@ -290,6 +332,7 @@ def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
     protocol parsing, streaming, chat templates and error shapes are this same code.
     """
     open_backend = backend or local_backend
+    drain = Drain(cfg.drain_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -301,7 +344,7 @@ def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
             log.info("PLIMSOLL_READY %s", json.dumps(status_report(app.state)))
             yield
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
@@ -314,14 +357,27 @@ def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
         exception_handlers={404: NO_ROUTE, 405: NO_ROUTE},
         lifespan=lifespan,
     )
+    app.state.drain = drain
+    return app
+
+
+def in_flight_limit(cfg: WorkerConfig) -> int:
+    """Requests the worker holds at once (running, waiting for blocks, being parsed)."""
+    return cfg.max_queue + cfg.batch_bound + 16
 
 
 def serve_worker(cfg: WorkerConfig) -> None:
-    """Run the worker under uvicorn until SIGTERM/SIGINT; limits are restored on exit."""
-    import uvicorn
-
+    """Run the worker under uvicorn until SIGTERM/SIGINT (drained, exit 0); limits are
+    restored on exit."""
+    from plimsoll.web.graceful import serve
     from plimsoll.web.serve import basic_logging, uvicorn_options
 
     basic_logging()
-    uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, **uvicorn_options(
-        limit_concurrency=cfg.max_queue + cfg.batch_bound + 16, graceful_s=5))
+    set_quiet(cfg.quiet)
+    app = make_app(cfg)
+    limit = in_flight_limit(cfg)
+    # h11 whatever else is installed: its cap on a request head bounds enormous headers.
+    # uvicorn's own concurrency bound (a plain 503 with no Retry-After) stays far behind
+    # the Edge's, which answers in the route's protocol with Retry-After.
+    serve(Edge(app, limit=limit), app.state.drain, host=cfg.host, port=cfg.port,
+          **uvicorn_options(limit_concurrency=limit + 1024, graceful_s=0))

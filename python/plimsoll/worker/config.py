@@ -57,6 +57,11 @@ class WorkerConfig(BaseModel):
     wired_limit_bytes: int = Field(default=0, ge=0, description="0: wire nothing.")
     host: str = "127.0.0.1"
     port: int = Field(default=8081, ge=0, le=65535)
+    max_tokens_over_limit: Literal["clamp", "refuse"] = Field(
+        default="clamp", description="A max_tokens over what fits: clamp it, or refuse (400).")
+    drain_s: float = Field(default=30.0, ge=0, description="Seconds running requests may "
+                           "finish after SIGTERM before they end with an error event.")
+    quiet: bool = Field(default=False, description="No access-log line per request.")
 
     @property
     def batch_bound(self) -> int:

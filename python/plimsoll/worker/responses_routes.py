@@ -105,9 +105,13 @@ async def responses(request: Request) -> Response:
         chat, prompt, constraint, convo = await run_in_threadpool(_prepare, state, req)
     except P.ProtocolError as err:
         return W.protocol_error(err)
-    max_tokens = req.max_output_tokens or cfg.default_max_tokens
-    if err := W.check_reservation(state, len(prompt), max_tokens, "input"):
-        return W.protocol_error(err)
+    res = W.reservation(state, len(prompt), req.max_output_tokens, "input")
+    if isinstance(res, P.ProtocolError):
+        return W.protocol_error(res)
+    max_tokens = res.max_tokens
+    if refused := W.stopping(request):
+        return W.error(refused.status, refused.message, code=refused.code,
+                       retry_after=refused.retry_after)
     first, queue, gen = await W.submit(request, prompt, max_tokens, temperature=req.temperature,
                                        top_p=req.top_p, seed=req.seed, constraint=constraint)
     if first is None:
@@ -121,7 +125,7 @@ async def responses(request: Request) -> Response:
     if req.stream:
         return StreamingResponse(_sse(state, req, convo, first, stream, assembler, builder),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers=W.reserved_headers(res, {"Cache-Control": "no-cache"}))
     async for item in stream:
         if isinstance(item, Refused):
             return W.error(item.status, item.message, code=item.code)
@@ -130,7 +134,8 @@ async def responses(request: Request) -> Response:
         return Response(status_code=499)
     result = assembler.result()
     _remember(state, req, convo, builder, result)
-    return JSONResponse(builder.final(result, _usage(first, assembler)))
+    return JSONResponse(builder.final(result, _usage(first, assembler)),
+                        headers=W.reserved_headers(res))
 
 
 def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:

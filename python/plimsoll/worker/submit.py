@@ -1,5 +1,7 @@
-"""Request submission, shared by the OpenAI and the Anthropic routes: the output-reservation
-check, one ``GenRequest`` handed to the scheduler, and its events as assembler deltas.
+"""Request submission, shared by the OpenAI and the Anthropic routes: the output
+reservation (clamped or refused, :mod:`plimsoll.protocol.reservation`), one ``GenRequest``
+handed to the scheduler, waiting for its start (with keep-alives for a slow one), the drain
+of a shutdown, and its events as assembler deltas.
 
 Its own module so that :mod:`.app` (the OpenAI routes and the app factory) and
 :mod:`.anthropic_routes` both import it, and neither imports the other's routes back.
@@ -8,6 +10,8 @@ Its own module so that :mod:`.app` (the OpenAI routes and the app factory) and
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,23 +20,52 @@ from starlette.responses import JSONResponse
 
 from plimsoll import protocol as P
 from plimsoll.engine.work import TokenConstraint
+from plimsoll.protocol.reservation import HEADER as MAX_TOKENS_HEADER
+from plimsoll.protocol.reservation import Reservation, reserve
+from plimsoll.web.edge import access
+from plimsoll.web.graceful import Drain
 from plimsoll.worker.config import WorkerConfig
 
 from .scheduler import Finished, GenRequest, Refused, Started, Token
 
 DISCONNECT_POLL_S = 0.25
+#: A stream not started (admitted and prefilled) within this many seconds gets its headers
+#: and opening events now, then a keep-alive every KEEPALIVE_S: clients that give up on a
+#: silent connection (Claude Code retries after minutes without a byte) keep waiting for a
+#: long prefill. A refusal after that point is the stream's error event, not an HTTP 503.
+EARLY_HEADERS_S = float(os.environ.get("PLIMSOLL_EARLY_HEADERS_S", "10"))
+KEEPALIVE_S = float(os.environ.get("PLIMSOLL_KEEPALIVE_S", "5"))
 
 
-def check_reservation(state: Any, prompt_tokens: int, max_tokens: int,
-                      prompt_param: str) -> P.ProtocolError | None:
-    """400 when the output reservation or prompt + reservation is over what was admitted."""
+class _Pending:
+    """What :func:`next_event` returns when its ``wait_s`` passed with no event."""
+
+
+PENDING = _Pending()
+
+
+def reservation(state: Any, prompt_tokens: int, asked: int | None,
+                prompt_param: str) -> Reservation | P.ProtocolError:
+    """The output reservation for this prompt (clamped, or refused by the worker's policy),
+    or the 400 for a prompt that alone fills the context."""
     cfg: WorkerConfig = state.cfg
-    if max_tokens > cfg.max_tokens:
-        return P.ProtocolError(400, f"max_tokens {max_tokens} exceeds this worker's output "
-                               f"reservation limit of {cfg.max_tokens}: lower max_tokens",
-                               param="max_tokens", code="max_tokens_too_large")
-    return P.context_overflow(state.native_max_context, cfg.context, prompt_tokens, max_tokens,
-                              prompt_param=prompt_param)
+    return reserve(asked, default=cfg.default_max_tokens, limit=cfg.max_tokens,
+                   context=cfg.context, prompt_tokens=prompt_tokens,
+                   native_max=state.native_max_context,
+                   over_limit=cfg.max_tokens_over_limit, prompt_param=prompt_param)
+
+
+def reserved_headers(res: Reservation, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The applied reservation as a response header (and any ``extra``)."""
+    return {MAX_TOKENS_HEADER: str(res.max_tokens), **(extra or {})}
+
+
+def stopping(request: Request) -> Refused | None:
+    """The 503 for a request that arrives while the worker drains for shutdown."""
+    if request.app.state.drain.draining:
+        return Refused(503, "the worker is shutting down: retry (the next request starts "
+                       "it again where a proxy manages it)", "worker_stopping", 1)
+    return None
 
 
 def error(status: int, message: str, *, code: str | None = None, param: str | None = None,
@@ -73,11 +106,13 @@ def make_constraint(state: Any, spec: Any) -> Any:
 
 async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
                  top_p: float, seed: int | None = None,
-                 constraint: TokenConstraint | None = None
-                 ) -> tuple[Started | Refused | None, asyncio.Queue, GenRequest]:
+                 constraint: TokenConstraint | None = None,
+                 wait_s: float | None = None
+                 ) -> tuple[Started | Refused | _Pending | None, asyncio.Queue, GenRequest]:
     """Hand a request to the scheduler; wait for admission (Started) or a Refused.
 
-    ``None`` means the client left while waiting (the request is then cancelled).
+    ``None`` means the client left while waiting (the request is then cancelled);
+    :data:`PENDING` that ``wait_s`` passed first (the caller waits on with :func:`started`).
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -85,12 +120,36 @@ async def submit(request: Request, prompt: list[int], max_tokens: int, *, temper
                      sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
                      temperature=temperature, top_p=top_p, seed=seed, constraint=constraint)
     request.app.state.scheduler.submit(gen)
-    return await next_event(queue, request, gen), queue, gen
+    return await next_event(queue, request, gen, wait_s), queue, gen
 
 
-async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest):
-    """Wait for the scheduler's next event; a client that left cancels its request."""
+async def started(first: Any, queue: asyncio.Queue, request: Request, gen: GenRequest,
+                  keepalive: bytes) -> AsyncIterator[Any]:
+    """While ``first`` is :data:`PENDING`: ``keepalive`` every :data:`KEEPALIVE_S`; then the
+    first event itself (Started, Refused, or None for a client that left) as the last item."""
+    while first is PENDING:
+        first = await next_event(queue, request, gen, KEEPALIVE_S)
+        if first is PENDING:
+            yield keepalive
+    yield first
+
+
+async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest,
+                     wait_s: float | None = None):
+    """Wait for the scheduler's next event; a client that left cancels its request, and one
+    still running when a shutdown's drain time is up gets a ``worker_stopping`` refusal.
+    With ``wait_s``, :data:`PENDING` once that passed with no event."""
+    drain: Drain = request.app.state.drain
+    until = None if wait_s is None else time.monotonic() + wait_s
     while True:
+        if until is not None and time.monotonic() >= until:
+            return PENDING
+        if drain.expired:
+            gen.cancelled.set()
+            request.app.state.scheduler.wake()
+            return Refused(503, f"the worker is shutting down and its drain time "
+                           f"({drain.drain_s:g} s) ran out before this request finished",
+                           "worker_stopping", 1)
         try:
             return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
         except TimeoutError:
@@ -102,13 +161,17 @@ async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest):
 
 async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
                   assembler: P.TextAssembler) -> AsyncIterator[list[P.Delta] | Refused]:
-    """Deltas until the assembler is done (then the sequence is cancelled), or a Refused."""
+    """Deltas until the assembler is done (then the sequence is cancelled), or a Refused.
+
+    The access record learns the first token's time and the completion count."""
+    rec = access(request)
     try:
         while not assembler.done:
             ev = await next_event(queue, request, gen)
             if ev is None:
                 return
             if isinstance(ev, Token):
+                rec.first_token()
                 yield assembler.feed(ev.token_id)
             elif isinstance(ev, Finished):
                 yield assembler.close("length" if ev.reason == "length" else "stop")
@@ -116,6 +179,7 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
                 yield ev
                 return
     finally:
+        rec.completion = assembler.completion_tokens
         if not gen.cancelled.is_set():  # stop string, tool call, or client gone
             gen.cancelled.set()
             request.app.state.scheduler.wake()

@@ -1,0 +1,56 @@
+"""The model entry ``plimsoll serve`` sizes for coding clients (``--model`` or the demo).
+
+The largest context up to the model's native maximum that this machine's budget admits at
+``concurrency`` sequences (found by bisection over admission itself), an output limit of a
+quarter of it (at most :data:`~.defaults.MAX_OUTPUT`; a larger request is clamped), unless
+``--context`` / ``--concurrency`` / ``--max-tokens`` say otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plimsoll.core.policy import parse_policy
+from plimsoll.probes.snapshot import MemorySnapshot
+
+from .defaults import DEFAULT_CONCURRENCY, FALLBACK_CONTEXT, MAX_OUTPUT, budgets
+
+
+def model_entry(model_dir: Path, *, context: int | None = None, concurrency: int | None = None,
+                max_tokens: int | None = None, snapshot: MemorySnapshot | None = None) -> dict:
+    """A policy model entry for ``model_dir``: what is given, the rest sized (see module)."""
+    from plimsoll.core.model_facts import inspect_model
+
+    concurrency = concurrency or DEFAULT_CONCURRENCY
+    if context is None:
+        native = inspect_model(model_dir).native_max_context or FALLBACK_CONTEXT
+        context = native if snapshot is None else largest_context(
+            model_dir, native, concurrency, snapshot)
+    limit = max_tokens or max(1, min(MAX_OUTPUT, context // 4))
+    limit = min(limit, context - 1)
+    return {"path": str(model_dir), "context": context, "concurrency": concurrency,
+            "maxTokens": limit, "defaultMaxTokens": limit}
+
+
+def largest_context(model_dir: Path, native: int, concurrency: int,
+                    snapshot: MemorySnapshot) -> int:
+    """The largest context ≤ ``native`` that admission grants ``concurrency`` sequences of
+    on this machine's budget (found by bisection; the policy minimum if none is)."""
+    from .live_admission import MemoryFigures, Wanted, plan
+
+    pol = parse_policy(budgets(snapshot), "default policy")
+    figures = MemoryFigures(ceiling_bytes=snapshot.ceiling_bytes,
+                            total_ram_bytes=snapshot.total_ram_bytes,
+                            budget_bytes=pol.budget_bytes("standalone"), source="live probe")
+
+    def fits(ctx: int) -> bool:
+        _f, _r, dec = plan(model_dir, None, pol, figures, Wanted(concurrency, ctx, ctx // 4))
+        return dec.admitted and dec.concurrency >= concurrency and dec.context >= ctx
+
+    low, high = pol.min_context, max(native, pol.min_context)
+    if fits(high):
+        return high
+    while high - low > 256:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
