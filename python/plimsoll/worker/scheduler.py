@@ -158,6 +158,8 @@ class Scheduler:
         self.step_log: collections.deque[tuple[int, tuple[int, ...], dict[int, int]]] = (
             collections.deque(maxlen=4096))
         self.stats: dict[str, Any] = {}
+        #: The disk tier under the pool (:class:`plimsoll.worker.disk_restore.DiskTier`) or None.
+        self.disk: Any = None
 
     # --- called from any thread ---------------------------------------------------------
     def start(self) -> None:
@@ -208,6 +210,16 @@ class Scheduler:
                         and not self._stop.is_set()):
                     self._wake.wait(timeout=0.25 if self._waiting else None)
         self._fail_all("the worker is shutting down")
+        self._spill_to_disk()
+
+    def _spill_to_disk(self) -> None:
+        """A clean stop: every cached block goes to the disk tier (if there is one)."""
+        if self.disk is not None:
+            try:
+                log.info("disk tier: %d cached blocks written at shutdown",
+                         self.disk.spill_all(self.pool))
+            except Exception:
+                log.exception("disk tier: the shutdown spill failed")
 
     def iterate(self) -> None:
         """One step of the loop (public for pure tests that drive it with a fake engine)."""
@@ -361,8 +373,13 @@ class Scheduler:
         if grant.snapshot is not None:
             self.engine.restore_state(grant.snapshot, req.id)
         hit = grant.hit_count * self.pool.block_tokens
+        if self.disk is not None:  # the blocks after the mapped ones, read back from disk
+            hit += self.disk.restore(self.pool, req.id, grant.hashes, grant.hit_count,
+                                     len(req.prompt))
         run = _Run(req, list(req.prompt), len(req.prompt), hit, hit)
         self._running[req.id] = run
+        if hit > grant.hit_count * self.pool.block_tokens:
+            self._commit(run)  # restored blocks are prefix hits for the next prompt at once
         self.counters["admitted"] += 1
         req.sink(Started(len(req.prompt), hit))
         return run
@@ -519,4 +536,5 @@ class Scheduler:
             "tripped": bool(self.tripped),
             "trip_reason": self.tripped,
             "counters": dict(self.counters),
+            "disk": self.disk.stats() if self.disk is not None else None,
         }
