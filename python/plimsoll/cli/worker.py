@@ -60,6 +60,11 @@ from plimsoll.cli.common import EXIT_REFUSED, UsageFailure, invalid_figures
               help="Cap on MLX's buffer cache (mx.set_cache_limit), MiB.")
 @click.option("--wired-limit-bytes", type=click.IntRange(min=0), default=0, show_default=True,
               help="What to wire (Metal only): 0 wires nothing.")
+@click.option("--disk-cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep KV blocks leaving memory (eviction, the trip's clear, shutdown) in "
+              "this directory and read them back for prompts that match [default: off].")
+@click.option("--disk-cache-gb", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Cap on the disk tier's files for this model, GiB.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8081, show_default=True)
 def worker_command(model_dir, model_name, max_tokens, default_max_tokens, ceiling_bytes,

@@ -30,6 +30,15 @@ from plimsoll.worker.disk_tier import DiskStore, tier_key
 log = logging.getLogger("plimsoll.worker.disk")
 
 
+def open_tier(root: str | Path, cap_bytes: int, model_dir: Path, engine: Any) -> DiskTier:
+    """The worker's tier for ``model_dir``: keyed on its weights' hash (the calibration
+    records' own), the engine's KV dtype, block size and bytes, mlx/mlx-lm versions."""
+    from plimsoll.launch.calibration import engine_version, weights_hash
+
+    return DiskTier.open(root, cap_bytes, engine, weights_hash=weights_hash(model_dir),
+                         kv_dtype=str(engine.facts.kv_dtype), engine_version=engine_version())
+
+
 class SpillingPool(BlockPool):
     """A block pool that tells ``on_evict(block, hash)`` before a cached block is forgotten."""
 
