@@ -42,7 +42,7 @@ def test_restart_serves_the_prompt_from_disk(tiny_model, tmp_path):
     prompt, suffix = ids(PROMPT, 1), ids(40, 2)
     a = Worker(tiny_model, disk_cache_dir=d)
     try:
-        first, n, cached = complete(a, prompt)
+        _first, n, cached = complete(a, prompt)
         assert (n, cached) == (PROMPT, 0)
         assert a.status()["disk"]["state"] == "on"
     finally:
@@ -122,7 +122,7 @@ def test_a_full_disk_turns_the_tier_off_and_serving_continues(tiny_model, small_
             complete(w, ids(500, 200 + k), 4)
         s = w.status()["disk"]
         assert s["state"] == "off" and "ENOSPC" in s["reason"]
-        text, n, _ = complete(w, ids(300, 999), 4)  # still served
+        _text, n, _ = complete(w, ids(300, 999), 4)  # still served
         assert n == 300
         assert httpx.get(w.url + "/health").status_code == 200
     finally:

@@ -94,14 +94,17 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
 
 
 def embedded_default():
-    """The demo model (built once, with progress) and a policy from the live probes."""
+    """The demo model (built once, with progress), a policy from the live probes and a
+    bounded disk tier for KV blocks under the user cache."""
+    from plimsoll.core.paths import cache_dir
     from plimsoll.core.progress import progress
     from plimsoll.launch.defaults import default_policy, ensure_demo_model
     from plimsoll.probes import read_snapshot
 
     with progress("Preparing the demo model") as report:
         model_dir = ensure_demo_model(report=report)
-    return default_policy(read_snapshot(), model_dir)
+    # a bounded disk tier under the user cache: prefixes survive idle unloads and restarts
+    return default_policy(read_snapshot(), model_dir, disk_cache_dir=cache_dir() / "kv-blocks")
 
 
 def parse_idle_ttls(values: tuple[str, ...], models: set[str]

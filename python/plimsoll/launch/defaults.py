@@ -36,7 +36,12 @@ def os_floor_gib(total_ram_gib: float) -> float:
     return max(2.0, math.ceil(total_ram_gib / 4))
 
 
-def default_policy(snapshot: MemorySnapshot, model_dir: Path | None = None) -> Policy:
+#: The embedded default's disk tier for KV blocks (``plimsoll serve`` with no policy), GiB.
+EMBEDDED_DISK_CACHE_GB = 4.0
+
+
+def default_policy(snapshot: MemorySnapshot, model_dir: Path | None = None,
+                   disk_cache_dir: Path | None = None) -> Policy:
     """A policy for this machine from its live figures: every budget leaves the OS floor.
 
     Inside a memory cgroup (Linux) the figure is the cgroup's limit, and the host's OS
@@ -61,6 +66,8 @@ def default_policy(snapshot: MemorySnapshot, model_dir: Path | None = None) -> P
                       "clustered": {"maxLocalLlmGb": budget}},
             "osFloorGb": floor,
             "models": models,
+            **({"diskCache": {"path": str(disk_cache_dir), "maxGb": EMBEDDED_DISK_CACHE_GB}}
+               if disk_cache_dir is not None else {}),
         },
         "default policy",
     )

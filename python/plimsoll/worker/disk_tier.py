@@ -29,6 +29,7 @@ prefilling them (:mod:`plimsoll.worker.disk_restore` does the scheduler side,
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -196,18 +197,14 @@ class DiskStore:
                 self.counters["corrupt"] += 1
                 self._forget(block_hash)
                 log.warning("disk tier: %s failed its checks; deleted", path.name)
-                try:
+                with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
-                except OSError:
-                    pass
                 return None
             self.counters["hits"] += 1
             self.counters["bytes_read"] += len(data)
             self._index.move_to_end(block_hash)
-        try:  # the LRU order survives a restart
+        with contextlib.suppress(OSError):  # the LRU order survives a restart
             os.utime(path)
-        except OSError:
-            pass
         return payload
 
     def note_miss(self) -> None:
@@ -283,10 +280,8 @@ class DiskStore:
                 os.close(fd)
             os.replace(tmp, self.path(block_hash))
         except OSError as err:
-            try:
+            with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
             with self._lock:
                 if err.errno in OFF_ERRNOS:
                     self._off(f"writing {self.dir}: {err.strerror} (errno "
