@@ -77,6 +77,20 @@ def error_code(body: Any) -> tuple[str, str]:
     return str(code), str(err.get("message") or "")
 
 
+#: The disk tier's figures per worker (since that worker started; status' ``disk``).
+DISK_GAUGES = (
+    ("on", "1 while on, 0 when off (status says why)."),
+    ("hits", "blocks read back instead of prefilled."),
+    ("misses", "lookups that found no usable file."),
+    ("corrupt", "files that failed their checks (deleted)."),
+    ("bytes_read", "bytes read."),
+    ("bytes_written", "bytes written."),
+    ("files", "files on disk."),
+    ("size_bytes", "bytes on disk."),
+    ("cap_bytes", "the cap on bytes on disk."),
+)
+
+
 class ObservedEventLog(EventLog):
     """The supervisor's event log, telling the observer about each event as it happens."""
 
@@ -386,7 +400,8 @@ class Observer:
             ("gpu_memory_utilization", "u, the admitted fraction of the ceiling."),
             ("admitted_footprint_bytes", "weights + reserve + pool, as admitted."),
             ("weights_bytes", "Model weights, as admitted."),
-            ("worker_tripped", "1 while the worker is over its trip point."))}
+            ("worker_tripped", "1 while the worker is over its trip point."),
+            *((f"disk_tier_{k}", f"Disk tier for KV blocks: {doc}") for k, doc in DISK_GAUGES))}
         trips = CounterMetricFamily("plimsoll_trips", "Emergency clears fired by workers "
                                     "(kept across restarts).", labels=["model"])
         out.append(trips)
@@ -416,6 +431,12 @@ class Observer:
                     ("worker_tripped", 1.0 if st.get("tripped") else 0.0)):
                 if value is not None:
                     per_model[key].add_metric([name], float(value))
+            if disk := st.get("disk"):
+                for k, _ in DISK_GAUGES:
+                    value = (1.0 if disk.get("state") == "on" else 0.0) if k == "on" \
+                        else disk.get(k)
+                    if value is not None:
+                        per_model[f"disk_tier_{k}"].add_metric([name], float(value))
         return out
 
     def exposition(self) -> bytes:
