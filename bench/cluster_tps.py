@@ -124,7 +124,8 @@ def together(url: str, tokens: int, k: int = 2) -> dict:
 
 def measure(preset: str, model: Path, repeats: int, tokens: int) -> dict:
     from plimsoll.cluster.plan import ClusterRequest
-    from plimsoll.cluster.runner import Cluster, RankSpec, ServeSpec, free_port
+    from plimsoll.cluster.runner import Cluster, RankSpec, ServeSpec
+    from plimsoll.web.serve import free_port
 
     request = ClusterRequest(concurrency=2, context=2048, max_tokens=512, min_context=1024)
     splits = {"one_rank": (4,), "two_ranks": SPLITS[preset]}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import socket
+import shlex
 import subprocess
 import sys
 import time
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from plimsoll.web.serve import free_port
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
@@ -22,12 +24,6 @@ def worker_env() -> dict[str, str]:
     if os.path.exists(OPENBLAS) and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = OPENBLAS
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -126,3 +122,19 @@ def worker(tiny_model) -> Iterator[Worker]:
     w = Worker(tiny_model)
     yield w
     w.stop()
+
+
+def parse_log_line(line: str) -> dict[str, str] | None:
+    """A watcher log line (``plimsoll.watcher.run``'s format) → {"time", "level", "event",
+    key: value, …}; None if not one."""
+    try:
+        head, level, event, *rest = shlex.split(line)
+    except ValueError:
+        return None
+    out = {"time": head, "level": level, "event": event}
+    for item in rest:
+        k, sep, v = item.partition("=")
+        if not sep:
+            return None
+        out[k] = v
+    return out if "ts" in out else None

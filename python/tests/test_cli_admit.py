@@ -46,7 +46,7 @@ def test_issue_example_follows_design_to_the_byte(tiny):
     assert got.keys() >= REQUIRED_KEYS
     facts = inspect_model(tiny)
     cfg = json.loads((tiny / "config.json").read_text())
-    # The arithmetic written out independently of plimsoll.admission:
+    # The arithmetic written out independently of plimsoll.core.admission:
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
     block_bytes = kv_per_token * 16
     ceiling, total, budget = 8192 * MIB, 16 * GIB, 8 * GIB

@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from plimsoll.watcher.run import parse_log_line
+from conftest import parse_log_line
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux sysfs")
 CMD = "from plimsoll.cli.watch import watch_link_command; watch_link_command()"

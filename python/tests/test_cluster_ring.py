@@ -26,9 +26,9 @@ from plimsoll.cluster.runner import (
     ClusterRankFailed,
     ClusterRefused,
     RankSpec,
-    free_port,
     ring_hostfile,
 )
+from plimsoll.web.serve import free_port
 
 GIB = 1 << 30
 REQUEST = ClusterRequest(concurrency=1, context=2048, max_tokens=512, min_context=1024)

@@ -16,7 +16,7 @@ from engine_drive import Blocks, drive, reference, seqs_for, sharpen, text  # no
 
 from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
-from plimsoll.engine.work import Sampling, Step, Work  # noqa: E402
+from plimsoll.engine.work import Sampling, Step, Work, growth_transient_bytes  # noqa: E402
 
 BLOCK = 16
 POOL = 64
@@ -92,7 +92,17 @@ def test_pool_grows_in_slabs_and_never_past_max_blocks(tiny_dir):
     eng.run(Step(prefills=(Work(0, tuple(prompt), 0, (0, 1), True),)))
     assert eng.blocks_allocated() == 4
     assert eng.kv_bytes_allocated() == 4 * eng.block_bytes
-    eng.run(Step(decodes=(Work(0, None, 20, (0, 9), True),)))  # block 9: grow to the cap
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    for pool in eng._pools:  # what a Work writing block 9 does first: grow to the cap
+        pool.ensure(9)
+    grown = 6 * eng.block_bytes
+    assert mx.get_active_memory() - before == grown
+    slack = 1024  # mx.zeros' fill scalars
+    assert mx.get_peak_memory() - before <= grown + growth_transient_bytes(
+        eng.block_bytes, 10, eng.facts.kv_layers) + slack
+    eng.run(Step(decodes=(Work(0, None, 20, (0, 9), True),)))
     assert eng.blocks_allocated() == 10
     with pytest.raises(ValueError, match="outside the pool of 10 blocks"):
         eng.run(Step(decodes=(Work(0, None, 21, (0, 10), True),)))
@@ -174,3 +184,34 @@ def test_bad_steps_are_refused(tiny):
     with pytest.raises(ValueError, match="twice"):
         w = Work(5, (1,), 0, (0,), True)
         tiny.run(Step(decodes=(w,), prefills=(w,)))
+
+
+def test_transients_stay_under_the_published_bounds(tiny_dir):
+    """Physical: MLX's peak over a prefill chunk and over a batched decode step stays under
+    the figures admission counts (engine.work), with scattered block ids (the gather path)."""
+    import random
+
+    from plimsoll.engine.work import decode_transient_bytes, prefill_transient_bytes
+
+    eng = _fresh(tiny_dir, max_blocks=256, slab_blocks=256)
+    ids = list(range(256))
+    random.Random(0).shuffle(ids)
+    prompt = text(eng.tokenizer, 1024, salt=9)
+    for chunk in (32, 256):
+        eng.run(Step(prefills=(Work(0, tuple(prompt[:-chunk]), 0, tuple(ids), False),)))
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        eng.run(Step(prefills=(Work(0, tuple(prompt[-chunk:]), 1024 - chunk, tuple(ids), True),)))
+        assert 0 < mx.get_peak_memory() - before <= prefill_transient_bytes(eng.facts, chunk, 1024)
+        eng.free_state(0)
+    lengths = [100 + 50 * i for i in range(8)]
+    tables = [tuple(ids[32 * i:32 * (i + 1)]) for i in range(8)]
+    for i, n in enumerate(lengths):
+        eng.run(Step(prefills=(Work(i, tuple(prompt[:n]), 0, tables[i], True),)))
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    eng.run(Step(decodes=tuple(Work(i, None, n, tables[i], True) for i, n in enumerate(lengths))))
+    bound = decode_transient_bytes(eng.facts, 8, max(lengths) + 1)
+    assert 0 < mx.get_peak_memory() - before <= bound

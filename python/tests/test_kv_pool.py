@@ -61,8 +61,8 @@ def test_refusal_is_a_value_with_figures():
 def test_running_sequences_share_full_prompt_blocks():
     p = pool(total=20)
     system = list(range(100, 112))  # 3 full blocks
-    run(p, "a", system + [1, 2])
-    g = p.can_allocate(system + [7, 8, 9], 4)
+    run(p, "a", [*system, 1, 2])
+    g = p.can_allocate([*system, 7, 8, 9], 4)
     assert g.hit_count == 3 and g.hit_blocks == p.table("a")[:3]
     held = p.held
     p.allocate("b", g)
@@ -86,7 +86,7 @@ def test_partial_match_reuses_up_to_the_first_differing_block():
     conv = list(range(40))  # 10 blocks
     run(p, "a", conv, out=[7] * 3)
     p.free("a")
-    edited = conv[:22] + [999] + conv[23:]  # one message edited inside block 5
+    edited = [*conv[:22], 999, *conv[23:]]  # one message edited inside block 5
     g = p.can_allocate(edited, 4)
     assert g.hit_count == 5  # blocks 0..4 kept; everything after the edit recomputed
 
@@ -101,7 +101,7 @@ def test_finished_blocks_stay_cached_and_are_evicted_lru_tail_first():
     p.grow("b", 16)  # 2 empty + 2 evicted: the chain's tail first
     assert p.cached == 2 and p.counters["evicted_blocks"] == 2
     p.free("b")
-    assert p.can_allocate(list(range(16)) + [1], 1).hit_count == 2  # the head survived
+    assert p.can_allocate([*list(range(16)), 1], 1).hit_count == 2  # the head survived
 
 
 def test_cache_cap_bounds_cached_blocks():
@@ -132,9 +132,9 @@ def test_hybrid_hits_stop_at_the_last_snapshot():
     p.grow("a", 20)
     p.commit("a", list(range(20)))
     p.free("a")
-    g = p.can_allocate(list(range(20)) + [5], 4)
+    g = p.can_allocate([*list(range(20)), 5], 4)
     assert g.hit_count == 3 and g.snapshot == "snap-a"  # 5 full blocks, state only at 3
-    assert p.can_allocate([9] + list(range(1, 20)), 4).hit_count == 0
+    assert p.can_allocate([9, *list(range(1, 20))], 4).hit_count == 0
     p.drop_cached()
     assert p.take_dropped_snapshots() == ["snap-a"]
 

@@ -18,13 +18,13 @@ def launch(model, *args, env_extra=None, timeout=180):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def policy_file(tmp_path, budget_gib: float, model) -> str:
+def policy_file(tmp_path, budget_gib: float, model, **entry) -> str:
     p = tmp_path / "policy.json"
     p.write_text(json.dumps({
         "schemaVersion": 1, "host": "box", "totalRamGb": 64, "osFloorGb": 4,
         "modes": {"standalone": {"maxLocalLlmGb": budget_gib},
                   "clustered": {"maxLocalLlmGb": budget_gib}},
-        "models": {"tiny": {"path": str(model), "context": 4096, "maxTokens": 256}},
+        "models": {"tiny": {"path": str(model), "context": 4096, "maxTokens": 256, **entry}},
     }))
     return str(p)
 
@@ -56,6 +56,22 @@ def test_launch_starts_a_verified_worker_and_stops_it(tiny_model, tmp_path):
         raise AssertionError("the worker outlived its launcher")
     except httpx.ConnectError:
         pass
+
+
+def test_the_policys_kv_dtype_reaches_the_worker_and_launch_checks_bytes(tiny_model, tmp_path):
+    port = free_port()
+    proc = launch("tiny", "--policy", policy_file(tmp_path, 1, tiny_model, kvDtype="float16"),
+                  "--port", str(port))
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["event"] == "ready", proc.stderr.read()
+        status = httpx.get(f"http://127.0.0.1:{port}/v1/plimsoll/status", timeout=10).json()
+        # tiny: 2 × 4 KV layers × 2 heads × 32 dims × 2 bytes (float16) × 16 tokens
+        assert status["kv_dtype"] == "float16" and status["block_bytes"] == 2 * 4 * 2 * 32 * 2 * 16
+        assert status["kv_bytes_bound"] == status["pool"]["total"] * status["block_bytes"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
 
 
 def test_launch_refuses_a_model_that_cannot_hold_one_sequence(tiny_model, tmp_path):

@@ -89,7 +89,7 @@ def test_requests_pool_limits_and_latency(proxy):
     pool = status["pool"]
     assert get(m, "plimsoll_pool_blocks", model="a", state="total") == pool["total"]
     parts = [get(m, "plimsoll_pool_blocks", model="a", state=s)
-             for s in ("used", "cached", "free", "headroom")]
+             for s in ("used", "cached", "free")]
     assert sum(parts) == pool["total"]
     assert get(m, "plimsoll_pool_blocks", model="a", state="cached") > 0  # prefix retained
     admitted = proxy.worker("a")["admitted"]

@@ -1,7 +1,7 @@
 """Nix and Python agree on the policy: every field, every unit, every refusal.
 
 The Nix side (``modules/policy.nix``, pure builtins) writes ``/etc/plimsoll/policy.json``;
-the Python side (:mod:`plimsoll.policy`) reads it. For each example host in ``hosts/``
+the Python side (:mod:`plimsoll.core.policy`) reads it. For each example host in ``hosts/``
 this test takes the JSON that ``nix-instantiate`` generates, validates it against the
 committed JSON Schema, loads it with ``plimsoll policy check``, then runs
 ``plimsoll admit`` against it for a demo model and checks that admission used the

@@ -12,8 +12,8 @@ import contextlib
 
 import pytest
 
-from plimsoll.engine.work import Step
 from plimsoll.engine.pool import BlockPool
+from plimsoll.engine.work import Step
 from plimsoll.worker.scheduler import (
     Finished,
     GenRequest,
@@ -141,7 +141,7 @@ def test_one_request_runs_its_reservation_and_leaves_its_blocks_cached():
 
 def test_reservation_exactly_full_never_raises():
     """prompt + max_tokens a whole number of blocks: the pipelined step's token fits."""
-    s, eng, pool = make(total=4, block=4)
+    s, _eng, pool = make(total=4, block=4)
     _, ev = request(s, range(10, 22), 4)  # 16 tokens = the whole pool
     drain(s)
     assert ev[-1] == Finished("length", 4)
@@ -151,9 +151,9 @@ def test_reservation_exactly_full_never_raises():
 def test_concurrent_requests_share_the_prompt_blocks_once():
     s, eng, pool = make(prefill=64)
     system = list(range(200, 216))  # 4 full blocks
-    _, a = request(s, system + [1, 2], 20)
+    _, a = request(s, [*system, 1, 2], 20)
     s.iterate()  # a's prompt is written and its blocks registered
-    _, b = request(s, system + [7], 20)
+    _, b = request(s, [*system, 7], 20)
     s.iterate()
     assert b[0] == Started(17, 16)
     assert pool.shared == 4
@@ -166,11 +166,11 @@ def test_concurrent_requests_share_the_prompt_blocks_once():
 
 
 def test_edited_conversation_keeps_the_blocks_before_the_edit():
-    s, eng, pool = make(prefill=64)
+    s, _eng, _pool = make(prefill=64)
     conv = list(range(300, 340))
     request(s, conv, 2)
     drain(s)
-    edited = conv[:21] + [999] + conv[22:]
+    edited = [*conv[:21], 999, *conv[22:]]
     _, ev = request(s, edited, 2)
     drain(s)
     assert ev[0].cached_tokens == 20  # blocks 0..4 kept, the edit's block recomputed
@@ -178,7 +178,7 @@ def test_edited_conversation_keeps_the_blocks_before_the_edit():
 
 
 def test_long_prefill_delays_running_streams_by_one_chunk_per_step():
-    s, eng, pool = make(total=4096, block=4, prefill=32, max_batch=8)
+    s, _eng, _pool = make(total=4096, block=4, prefill=32, max_batch=8)
     reqs = [request(s, range(10 * i, 10 * i + 6), 400) for i in range(3)]
     streams = [ev for _, ev in reqs]
     for _ in range(5):
@@ -190,14 +190,14 @@ def test_long_prefill_delays_running_streams_by_one_chunk_per_step():
         s.iterate()
     during = [entry for entry in s.step_log if entry[0] > start]
     assert len(during) >= 8000 // 32
-    for step, decoded, chunks in during:
+    for _step, decoded, chunks in during:
         assert sum(chunks.values()) <= 32  # at most one chunk per step
         assert {r.id for r, _ in reqs} <= set(decoded)  # every stream decoded every step
     drain(s)
 
 
 def test_max_batch_is_separate_from_max_num_seqs():
-    s, eng, pool = make(total=256, max_batch=16, prefill=512, queue=32)
+    s, eng, _pool = make(total=256, max_batch=16, prefill=512, queue=32)
     evs = [request(s, range(20 * i, 20 * i + 8), 8)[1] for i in range(20)]
     s.iterate()
     s.iterate()
@@ -208,7 +208,7 @@ def test_max_batch_is_separate_from_max_num_seqs():
 
 
 def test_eos_ends_a_sequence_and_the_pipelined_token_is_dropped():
-    s, eng, pool = make()
+    s, eng, _pool = make()
     req, ev = request(s, range(40, 45), 10)
     eng.eos_after[req.id] = 3
     drain(s)
@@ -232,7 +232,7 @@ def test_a_finished_constraint_stops_with_reason_stop():
             self.n += 1  # the fake engine does not advance; count reads instead
             return self.n >= 2
 
-    s, eng, pool = make()
+    s, eng, _pool = make()
     _, ev = request(s, range(40, 45), 10, constraint=Two())
     drain(s)
     assert ev[-1] == Finished("stop", 2)
@@ -240,7 +240,7 @@ def test_a_finished_constraint_stops_with_reason_stop():
 
 
 def test_waiting_for_blocks_is_a_503_that_says_so():
-    s, eng, pool = make(total=8, wait=0.0)
+    s, _eng, _pool = make(total=8, wait=0.0)
     request(s, range(10, 20), 20)  # 8 blocks: the whole pool
     s.iterate()
     _, ev = request(s, range(50, 54), 4)
@@ -250,7 +250,7 @@ def test_waiting_for_blocks_is_a_503_that_says_so():
 
 
 def test_waiting_behind_a_prefill_is_a_503_that_says_so():
-    s, eng, pool = make(total=4096, prefill=8, wait=0.0)
+    s, _eng, _pool = make(total=4096, prefill=8, wait=0.0)
     request(s, range(0, 2000), 4)
     s.iterate()
     _, ev = request(s, range(50, 54), 4)
@@ -261,14 +261,14 @@ def test_waiting_behind_a_prefill_is_a_503_that_says_so():
 
 
 def test_a_request_that_can_never_fit_is_refused_at_once():
-    s, eng, pool = make(total=4)
+    s, _eng, _pool = make(total=4)
     _, ev = request(s, range(10, 30), 4)
     s.iterate()
     assert isinstance(ev[-1], Refused) and "can never fit" in ev[-1].message
 
 
 def test_cancel_frees_blocks_and_keeps_full_ones_cached():
-    s, eng, pool = make()
+    s, _eng, pool = make()
     req, ev = request(s, range(60, 72), 50)
     for _ in range(4):
         s.iterate()
@@ -278,7 +278,7 @@ def test_cancel_frees_blocks_and_keeps_full_ones_cached():
 
 
 def test_eviction_under_pressure_serves_new_work():
-    s, eng, pool = make(total=12, cap=12, prefill=64)
+    s, _eng, pool = make(total=12, cap=12, prefill=64)
     for i in range(3):
         request(s, range(100 * i + 10, 100 * i + 26), 4)  # 5 blocks each, 4 cached after
         drain(s)
@@ -300,7 +300,7 @@ def test_allocated_bytes_stay_under_the_pool(n):
 
 
 def test_fail_all_releases_everything():
-    s, eng, pool = make()
+    s, _eng, pool = make()
     request(s, range(10, 20), 30)
     s.iterate()
     with contextlib.suppress(Exception):

@@ -13,6 +13,7 @@ import itertools
 import threading
 
 import pytest
+from conftest import parse_log_line
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -31,7 +32,7 @@ from plimsoll.watcher.decide import (
     decide,
 )
 from plimsoll.watcher.link import LinkState
-from plimsoll.watcher.run import EventLog, Timing, Watcher, parse_log_line
+from plimsoll.watcher.run import EventLog, Timing, Watcher
 from plimsoll.watcher.sysctl import Applied, CeilingMismatch
 
 T = Targets(standalone_mib=48 * 1024, clustered_mib=80 * 1024)

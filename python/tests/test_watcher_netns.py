@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import parse_log_line
 
 from plimsoll.core.units import GIB, MIB
-from plimsoll.watcher.run import parse_log_line
 
 IP = shutil.which("ip")
 pytestmark = pytest.mark.skipif(

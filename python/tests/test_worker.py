@@ -75,7 +75,9 @@ def test_physical_bound_under_eight_growing_conversations(worker):
     done = threading.Event()
 
     def converse(i: int) -> None:
-        history = [{"role": "system", "content": f"agent {i}"}]
+        history = [{"role": "system", "content": "You are one of eight careful coding "
+                    "agents sharing this system prompt. " * 8},
+                   {"role": "user", "content": f"agent {i}"}]
         try:
             for turn in range(3):
                 history.append({"role": "user", "content": f"tool output {turn} " * 40})
@@ -101,6 +103,7 @@ def test_physical_bound_under_eight_growing_conversations(worker):
     sampler.join()
     assert not errors, errors
     assert max(s["running"] for s in samples) > 1  # they really ran together
+    assert max(s["shared_blocks"] for s in samples) > 0  # the system prompt, held once
     for s in samples:
         assert s["kv_bytes_held"] <= bound
         assert s["kv_bytes_allocated"] <= bound  # the engine's physical arrays

@@ -17,8 +17,6 @@ import click
 
 from plimsoll.cli.common import EXIT_RANK_FAILED, EXIT_REFUSED, UsageFailure
 
-GIB = 1 << 30
-
 
 def _parse_rank(text: str) -> tuple[int, int, int]:
     """``CEILING_GIB[:TOTAL_RAM_GIB[:BUDGET_GIB]]`` → bytes; total and budget default to ceiling."""
@@ -62,7 +60,7 @@ def _request(**kw):
 def _exit_for(err: Exception) -> SystemExit:
     """A cluster failure, said on stderr with every rank's reasons, as the command's exit:
     4 when a rank failed (every rank torn down), 3 for a refusal or a refused request."""
-    from plimsoll.cluster.runner import ClusterRankFailed
+    from plimsoll.cluster.exits import ClusterRankFailed
 
     click.echo(str(err), err=True)
     return SystemExit(EXIT_RANK_FAILED if isinstance(err, ClusterRankFailed) else EXIT_REFUSED)
@@ -133,7 +131,8 @@ def generate_command(model, rank_figures, prompt, n_tokens, timeout, **request_k
     """
     from tokenizers import Tokenizer
 
-    from plimsoll.cluster.runner import Cluster, ClusterError, RankSpec
+    from plimsoll.cluster.exits import ClusterError
+    from plimsoll.cluster.runner import Cluster, RankSpec
 
     specs = [RankSpec(ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b)
              for c, t, b in map(_parse_rank, rank_figures)]
@@ -187,7 +186,8 @@ def serve_command(model, rank_figures, host, port, model_name, default_max_token
     No rank outlives this process. For ranks on other hosts, see ``mlx.launch`` in the
     README.
     """
-    from plimsoll.cluster.runner import Cluster, ClusterError, RankSpec, ServeSpec
+    from plimsoll.cluster.exits import ClusterError
+    from plimsoll.cluster.runner import Cluster, RankSpec, ServeSpec
     from plimsoll.launch.spawn import worker_env
 
     specs = [RankSpec(ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b)

@@ -1,6 +1,6 @@
 """``plimsoll doctor``: read the live probe, the policy and each model; print what to fix.
 
-The judgement is :func:`plimsoll.doctor.diagnose` (pure); this module only gathers its
+The judgement is :func:`plimsoll.reliability.doctor.diagnose` (pure); this module only gathers its
 inputs: the snapshot, the policy (or the default sized from this machine), one
 admission per registered model (alone against the envelope) and, with ``--proxy``, the
 proxy's ``GET /running``.

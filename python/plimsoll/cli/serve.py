@@ -61,8 +61,9 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     from plimsoll.core.policy import PolicyError, load_policy
     from plimsoll.proxy import Settings, make_app
     from plimsoll.proxy.admin import load_or_create_token
+    from plimsoll.web.serve import basic_logging, uvicorn_options
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    basic_logging()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per relayed request
     ranks = parse_cluster_ranks(cluster_ranks)  # bad input fails before anything loads
     if policy_file is not None:
@@ -87,10 +88,8 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     port = port or pol.listen.port
     click.echo(f"plimsoll serve: http://{host}:{port}/v1 — {mode} mode, models: "
                f"{', '.join(sorted(pol.models))}; admin token in {token_path}", err=True)
-    # h11 whatever else is installed: its 16 KiB cap on an incomplete request head is what
-    # bounds enormous or endless headers (a 400 and a close) before the app sees them.
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
-                limit_concurrency=1024, http="h11")
+    uvicorn.run(app, host=host, port=port,
+                **uvicorn_options(limit_concurrency=1024, graceful_s=10))
 
 
 def embedded_default():

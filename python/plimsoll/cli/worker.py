@@ -38,6 +38,10 @@ from plimsoll.cli.common import EXIT_REFUSED, UsageFailure, invalid_figures
               "decode: a long prompt delays running streams by at most this chunk per step.")
 @click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
               help="KV cache dtype (default: the model's).")
+@click.option("--transient-bytes", type=click.IntRange(min=1),
+              help="Compute transient admission counted (its reserve less the MLX buffer "
+              "cache): the prefill chunk follows the context to stay under it, and a decode "
+              "batch grows only while it does [default: unbounded; --prefill-chunk only].")
 @click.option("--block-bytes", type=click.IntRange(min=1),
               help="Bytes per KV block admission counted: the worker refuses to start if the "
               "loaded engine's blocks differ (launch passes it).")
@@ -148,14 +152,9 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
         plan,
         resolve_model,
     )
-    from plimsoll.launch.spawn import (
-        LaunchError,
-        free_port,
-        start_worker,
-        stop_worker,
-        worker_config,
-    )
+    from plimsoll.launch.spawn import LaunchError, start_worker, stop_worker, worker_config
     from plimsoll.probes import read_snapshot
+    from plimsoll.web.serve import free_port
 
     from .report import admission_report
 

@@ -2,13 +2,18 @@
 
 Shared by the rank process (:mod:`.rank`), its op protocol (:mod:`.protocol`), rank 0's
 HTTP server (:mod:`.serve`) and the supervisor outside (:mod:`.runner`), which reads the
-codes back; no mlx, so the supervisor and the proxy import it without the engine.
+codes back and raises the :class:`ClusterError` family; no mlx, so the supervisor, the CLI
+and the proxy import it without the engine.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from plimsoll.cluster.plan import ClusterDecision
 
 EXIT_OK, EXIT_INIT, EXIT_ROLLBACK, EXIT_PEER, EXIT_OTHER, EXIT_RAN_OUT = 0, 2, 3, 4, 5, 6
 EXIT_NAMES = {EXIT_OK: "shut down", EXIT_INIT: "could not join the ring",
@@ -43,3 +48,25 @@ def as_failure(rank: int, err: BaseException) -> RingFailure:
 def emit(event: str, **fields) -> None:
     sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
     sys.stdout.flush()
+
+
+class ClusterError(RuntimeError):
+    """A clustered load or request failed; ``reasons`` has every rank's explanation."""
+
+    def __init__(self, message: str, reasons: dict[int, list[str]]):
+        self.reasons = reasons
+        detail = "\n".join(f"  rank {r}: {line}" for r in sorted(reasons) for line in reasons[r])
+        super().__init__(message + ("\n" + detail if detail else ""))
+
+
+class ClusterRefused(ClusterError):
+    """Two-phase admission rolled back: no rank loaded anything."""
+
+    def __init__(self, decision: ClusterDecision):
+        self.decision = decision
+        super().__init__(f"clustered load refused by rank(s) {decision.refusing_ranks}; "
+                         "every rank rolled back", decision.reasons)
+
+
+class ClusterRankFailed(ClusterError):
+    """A rank died, lost its peer or stopped answering; every rank has been torn down."""

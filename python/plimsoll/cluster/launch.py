@@ -144,8 +144,8 @@ def start_cluster_worker(cfg: WorkerConfig, timeout_s: float, stdout=None, *,
                          env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
     """Start ``plimsoll cluster serve``, wait for rank 0's status, check it; or stop it.
 
-    The same contract as :func:`plimsoll.launch.start_worker`: ``(process, status)``, or a
-    :class:`~plimsoll.launch.LaunchError` with the reasons (a refusal's every-rank reasons).
+    The same contract as :func:`plimsoll.launch.spawn.start_worker`: ``(process, status)``, or a
+    :class:`~plimsoll.launch.spawn.LaunchError` with the reasons (a refusal's every-rank reasons).
     """
     argv = cluster_serve_argv(cfg, ranks, request)
     proc = subprocess.Popen(argv, env=worker_env() | (env or {}), stdout=stdout,

@@ -2,7 +2,7 @@
 
 Nothing here does I/O or imports mlx. Callers pass every rank's probe figures (its own
 ceiling, total RAM and clustered budget, measured where it runs), the model's config,
-its :class:`~plimsoll.model_facts.ModelFacts` and the per-tensor byte counts read from the
+its :class:`~plimsoll.core.model_facts.ModelFacts` and the per-tensor byte counts read from the
 safetensors headers (:mod:`plimsoll.cluster.weights`).
 
 The shape of the protocol (DESIGN.md invariant 5):
@@ -15,7 +15,7 @@ The shape of the protocol (DESIGN.md invariant 5):
    of *its* tensors' bytes from the headers — never ``weights ÷ ranks``. Each rank's KV per
    token counts only the full-attention layers it runs; its per-sequence fixed bytes only
    its sliding/linear layers. Ranks that talk to a peer also hold communication buffers.
-2. **Preflight and reserve.** Each rank runs the single-host :func:`~plimsoll.admission.admit`
+2. **Preflight and reserve.** Each rank runs the single-host :func:`~plimsoll.core.admission.admit`
    on its own figures and its own share (:func:`preflight`) and, if admitted, reserves
    (the rank process sets its allocation limit); it answers admit/refuse with its figures.
 3. **Commit all or roll back all** (:func:`decide`): every rank admitted and reserved →

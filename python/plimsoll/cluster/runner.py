@@ -19,7 +19,7 @@ not: ``mlx.launch`` exits 0 even when ranks fail, so this class watches every ra
 
 With ``guard`` (root and a writable memory controller, as for a worker) every rank runs in
 its own memory cgroup from its first instruction, limited to its own admitted footprint
-plus the guard's margin (:func:`plimsoll.guard.guard_limit`, from the same pure plan the
+plus the guard's margin (:func:`plimsoll.guard.process.guard_limit`, from the same pure plan the
 ranks make); the cgroups are removed once the ranks have exited. Without them it logs why
 and goes on (the ranks still check their own memory before every token).
 
@@ -35,7 +35,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,30 +44,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plimsoll.cluster.exits import EXIT_NAMES, EXIT_PEER
+from plimsoll.cluster.exits import (
+    EXIT_NAMES,
+    EXIT_PEER,
+    ClusterError,
+    ClusterRankFailed,
+    ClusterRefused,
+)
 from plimsoll.cluster.plan import ClusterDecision, ClusterRequest
-
-
-class ClusterError(RuntimeError):
-    """A clustered load or request failed; ``reasons`` has every rank's explanation."""
-
-    def __init__(self, message: str, reasons: dict[int, list[str]]):
-        self.reasons = reasons
-        detail = "\n".join(f"  rank {r}: {line}" for r in sorted(reasons) for line in reasons[r])
-        super().__init__(message + ("\n" + detail if detail else ""))
-
-
-class ClusterRefused(ClusterError):
-    """Two-phase admission rolled back: no rank loaded anything."""
-
-    def __init__(self, decision: ClusterDecision):
-        self.decision = decision
-        super().__init__(f"clustered load refused by rank(s) {decision.refusing_ranks}; "
-                         "every rank rolled back", decision.reasons)
-
-
-class ClusterRankFailed(ClusterError):
-    """A rank died, lost its peer or stopped answering; every rank has been torn down."""
+from plimsoll.web.serve import free_port
 
 
 @dataclass
@@ -107,12 +91,6 @@ class Generation:
     tokens_per_s: float | None
 
 
-def free_port(ip: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
-
-
 def ring_hostfile(ips_ports: list[tuple[str, int]]) -> str:
     """The ring backend's hostfile JSON: one list of ``ip:port`` per rank (as mlx.launch)."""
     return json.dumps([[f"{ip}:{port}"] for ip, port in ips_ports])
@@ -143,7 +121,7 @@ class Cluster:
         self.serve = serve
         self.serving: dict | None = None
         self.guard, self.cgroup_parent = guard, cgroup_parent
-        self.guards: list = []  # plimsoll.guard.WorkerGuard per rank (when made)
+        self.guards: list = []  # plimsoll.guard.process.WorkerGuard per rank (when made)
         self.guard_note = ""
 
     # ------------------------------------------------------------ processes

@@ -1,8 +1,8 @@
 """Rank 0 serves HTTP: the worker's own API over the ring (no mlx imported here).
 
-Why the worker's code and not a copy: :func:`plimsoll.worker_app.make_app` takes a
+Why the worker's code and not a copy: :func:`plimsoll.worker.app.make_app` takes a
 backend, and this module gives it one whose scheduler is the worker's own
-:class:`~plimsoll.scheduler.Scheduler` driving a :class:`RingEngine` instead of a local
+:class:`~plimsoll.worker.scheduler.Scheduler` driving a :class:`RingEngine` instead of a local
 engine. So the routes, OpenAI/Anthropic parsing, chat templates, SSE streaming, the
 bounded waiting queue (full → 503 ``queue_full``), per-request admission against the
 pool (``prompt + max_tokens`` blocks, over the committed context → 400) and the error
@@ -301,9 +301,10 @@ def serve_http(leader, cf: ClusterFacts, args) -> int:
     import uvicorn
 
     from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
+    from plimsoll.web.serve import basic_logging, uvicorn_options
     from plimsoll.worker.app import make_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    basic_logging()
     cfg = ring_worker_config(cf, model_name=args.model_name, host=args.serve_host,
                              port=args.serve_port, default_max_tokens=args.default_max_tokens,
                              max_queue=args.max_queue, max_wait_s=args.max_wait,
@@ -321,9 +322,8 @@ def serve_http(leader, cf: ClusterFacts, args) -> int:
         cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
         max_batch=cfg.max_num_seqs, prefill_tokens=cfg.context), probe)
     app = make_app(cfg, backend=ring_backend(sched, cf, leader, guard))
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=5,
-        limit_concurrency=cfg.max_queue + cfg.max_num_seqs + 16, http="h11"))
+    server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, **uvicorn_options(
+        limit_concurrency=cfg.max_queue + cfg.max_num_seqs + 16, graceful_s=5)))
 
     def run_server() -> None:
         try:

@@ -77,6 +77,10 @@ class ModelFacts(BaseModel):
     native_max_context: int | None = None
     kv_bytes_per_token: int = Field(ge=0)
     per_sequence_fixed_bytes: int = Field(ge=0)
+    # Activation shape (the engine's prefill transient); None where config.json lacks it.
+    num_attention_heads: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -109,6 +113,12 @@ def _require_int(cfg: dict, key: str) -> int:
             f"config.json: `{key}` is missing or not a positive integer (got {value!r}); "
             "add it (at the top level or under text_config)")
     return value
+
+
+def _optional_int(cfg: dict, key: str) -> int | None:
+    value = _lookup(cfg, key)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else None
 
 
 def normalize_dtype(name: str) -> str:
@@ -261,7 +271,10 @@ def facts_from_config(config: dict, weights_bytes: int, kv_dtype: str | None = N
             kv_dtype=dtype, kv_dtype_bytes=nbytes, weights_bytes=weights_bytes,
             native_max_context=_native_max_context(config, notes),
             kv_bytes_per_token=2 * kv_layers * kv_heads * head_dim * nbytes,
-            per_sequence_fixed_bytes=fixed, notes=notes)
+            per_sequence_fixed_bytes=fixed,
+            num_attention_heads=_optional_int(config, "num_attention_heads"),
+            hidden_size=_optional_int(config, "hidden_size"),
+            intermediate_size=_optional_int(config, "intermediate_size"), notes=notes)
     except ValidationError as e:  # a figure the arithmetic cannot hold: name the first one
         first = e.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]) or "config"

@@ -104,6 +104,11 @@ def mlx_cache_mb(transient_reserve_bytes: int) -> int:
     return max(1, transient_reserve_bytes // 2 // MIB)
 
 
+def compute_transient_bytes(transient_reserve_bytes: int) -> int:
+    """What the reserve leaves for compute transients once MLX's buffer cache has its cap."""
+    return max(0, transient_reserve_bytes - mlx_cache_mb(transient_reserve_bytes) * MIB)
+
+
 def default_max_batch(max_num_seqs: int) -> int:
     """Sequences decoded together by default: the runtime bound, separate from the
     load-time worst-case ``max_num_seqs`` (short requests fit many more at once)."""

@@ -30,10 +30,6 @@ def bytes_to_mib_floor(n: int) -> int:
     return int(n) // MIB
 
 
-def bytes_to_gib(n: int) -> float:
-    return n / GIB
-
-
 def fmt_bytes(n: int | float) -> str:
     """Human figure in binary units (the unit every budget is in)."""
     n = float(n)

@@ -4,7 +4,7 @@ Tests, demos and benchmarks need models that ``mlx_lm.load(dir)`` accepts like
 any download, with the memory shape of a real one, on machines with no hub.
 Throughput and memory do not depend on weight values, so the weights are random
 (mlx-lm's own model classes, initialised under ``mx.random.seed(seed)``) and the
-tokenizer is trained locally (:mod:`plimsoll.tokenizer_build`).
+tokenizer is trained locally (:mod:`plimsoll.demo.tokenizer`).
 
 This is the engine edge: mlx and mlx_lm are imported inside functions only, so
 importing this module stays cheap.

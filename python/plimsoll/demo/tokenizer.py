@@ -14,7 +14,7 @@ Invariants:
   (picked because the template holds ``<tool_call>`` and ``tool_call.name``) sees them;
 - the vocabulary never exceeds the size asked for (a model may pad past it);
 - trained vocabularies are cached per size under the cache directory
-  (:func:`plimsoll.paths.cache_dir`); a cache that cannot be written is skipped.
+  (:func:`plimsoll.core.paths.cache_dir`); a cache that cannot be written is skipped.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import mlx_lm
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from plimsoll.core.model_facts import ModelFacts, inspect_model
+from plimsoll.core.model_facts import ModelFacts, inspect_model, normalize_dtype
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import Batch, PagedView, route_attention
 from plimsoll.engine.paged import FullAttention, RecurrentState, mx_dtype, read_of, slots_of
@@ -88,6 +88,9 @@ class Engine:
                                        if isinstance(k, RecurrentState))
         self._pools = [k for k in self.layers if isinstance(k, FullAttention)]
         self._states: dict[int, list[st.Entries]] = {}
+        # The last decode's stacked state (its rows, in order): the next decode of the same
+        # rows reuses it instead of stacking again (its row views are what _states holds).
+        self._batched: tuple[tuple[int, ...], list[st.Entries]] | None = None
         self._snapshots: dict[object, list[st.Entries]] = {}
         self._last: dict[int, tuple[mx.array, int]] = {}  # seq -> (tokens, row), lazy
         self._keys = Keys()
@@ -98,6 +101,7 @@ class Engine:
              kv_dtype: str | None = None, pipeline: bool = True,
              slab_blocks: int | None = None) -> Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
+        kv_dtype = normalize_dtype(kv_dtype) if kv_dtype else None
         model, tokenizer = mlx_lm.load(str(model_dir))
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,
@@ -155,6 +159,7 @@ class Engine:
     def free_state(self, seq_id: int) -> None:
         """A sequence ended: drop its recurrent state, last token and random key."""
         self._states.pop(seq_id, None)
+        self._touched(seq_id)
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
 
@@ -166,9 +171,15 @@ class Engine:
     def restore_state(self, key, seq_id: int) -> None:
         """Give ``seq_id`` a copy of snapshot ``key`` (the snapshot stays)."""
         self._states[seq_id] = st.copy(self._snapshots[key])
+        self._touched(seq_id)
 
     def drop_snapshot(self, key) -> None:
         self._snapshots.pop(key, None)
+
+    def _touched(self, seq_id: int) -> None:
+        """``seq_id``'s state changed outside a decode: the stacked batch is stale."""
+        if self._batched is not None and seq_id in self._batched[0]:
+            self._batched = None
 
     def _fresh_state(self) -> list[st.Entries]:
         return [st.fresh(k.slots) for k in self.layers if isinstance(k, RecurrentState)]
@@ -278,12 +289,17 @@ class Engine:
             mask = mx.array(m)[:, None, None, :]
         offset = starts[0] if len(works) == 1 else mx.array(starts, dtype=mx.int32)
         batch = Batch(mx.array(write), read, mask, offset)
-        rows = [self._states.get(w.seq_id) or self._fresh_state() for w in works]
-        stacked = [st.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
+        ids = tuple(w.seq_id for w in works)
+        if self._batched is not None and self._batched[0] == ids:
+            stacked = [st.cache_of(e) for e in self._batched[1]]
+        else:
+            rows = [self._states.get(w.seq_id) or self._fresh_state() for w in works]
+            stacked = [st.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
         logits = self._forward(self._decode_inputs(works), batch, stacked)[:, -1, :]
         for j, c in enumerate(stacked):
             for w, entries in zip(works, st.split(c, len(works)), strict=True):
                 self._states.setdefault(w.seq_id, self._fresh_state())[j] = entries
+        self._batched = (ids, [list(c.cache) for c in stacked]) if stacked else None
         tokens = sample(logits, works, self._keys)
         for row, w in enumerate(works):
             self._last[w.seq_id] = (tokens, row)
@@ -319,4 +335,5 @@ class Engine:
             self._submit(tokens, st.arrays(entries))
         if any(isinstance(k, RecurrentState) for k in self.layers):
             self._states[w.seq_id] = entries
+            self._touched(w.seq_id)
         return None if tokens is None else ((w,), tokens)

@@ -98,13 +98,22 @@ class FullAttention:
         self.values[:, slots] = v.astype(self.dtype)
 
     def gather(self, read: Read) -> tuple[mx.array, mx.array]:
-        """K and V of the slots ``read`` names, as (batch, heads, length, dim)."""
+        """K and V of the positions ``read`` names, as (rows, heads, length, dim).
+
+        Whole blocks are gathered (a block is one contiguous run of ``B × dim`` per
+        head, so the copy moves long runs), then cut to ``read.length``.
+        """
         if read.span is not None:
             lo, hi = read.span
             return self.keys[None, :, lo:hi], self.values[None, :, lo:hi]
-        k = self.keys[:, read.index].transpose(1, 0, 2, 3)
-        v = self.values[:, read.index].transpose(1, 0, 2, 3)
-        return k, v
+        rows, nb = read.index.shape
+        h, b = self.kv_heads, self.block_tokens
+        out = []
+        for pool, dim in ((self.keys, self.k_dim), (self.values, self.v_dim)):
+            blocks = pool.reshape(h, self.blocks, b * dim)[:, read.index]
+            out.append(blocks.reshape(h, rows, nb * b, dim).transpose(1, 0, 2, 3)
+                       [:, :, :read.length])
+        return out[0], out[1]
 
 
 class RecurrentState:
@@ -125,12 +134,14 @@ class RecurrentState:
 
 
 class Read:
-    """Which pool slots one forward's attention reads: a slice (``span``) or a gather index."""
+    """Which positions one forward's attention reads: a slice of the pool (``span``), or
+    ``index`` (rows, blocks) of block ids cut to ``length`` positions."""
 
-    __slots__ = ("index", "span")
+    __slots__ = ("index", "length", "span")
 
-    def __init__(self, index: mx.array | None = None, span: tuple[int, int] | None = None):
-        self.index, self.span = index, span
+    def __init__(self, index: mx.array | None = None, length: int = 0,
+                 span: tuple[int, int] | None = None):
+        self.index, self.length, self.span = index, length, span
 
 
 def slots_of(table: tuple[int, ...], start: int, stop: int, block_tokens: int) -> np.ndarray:
@@ -144,18 +155,19 @@ def read_of(tables: list[tuple[int, ...]], lengths: list[int], block_tokens: int
     """The read of positions ``0 .. length - 1`` of every table, padded to the longest.
 
     One table whose blocks are consecutive ids is a slice (no gather copy at all);
-    otherwise an index (rows, longest) whose padding repeats the row's first slot
-    (masked by the caller).
+    otherwise the block ids of every row, padded with the row's first block (the
+    caller masks positions past a row's length).
     """
     longest = max(lengths)
+    nb = math.ceil(longest / block_tokens)
     if len(tables) == 1:
-        n = math.ceil(longest / block_tokens)
-        t = np.asarray(tables[0][:n], dtype=np.int64)
-        if n and (t == t[0] + np.arange(n)).all():
+        t = np.asarray(tables[0][:nb], dtype=np.int64)
+        if (t == t[0] + np.arange(nb)).all():
             lo = int(t[0]) * block_tokens
             return Read(span=(lo, lo + longest))
-    index = np.zeros((len(tables), longest), dtype=np.int32)
+    index = np.empty((len(tables), nb), dtype=np.int32)
     for row, (table, length) in enumerate(zip(tables, lengths, strict=True)):
-        index[row, :length] = slots_of(table, 0, length, block_tokens)
-        index[row, length:] = index[row, 0]
-    return Read(index=mx.array(index))
+        n = math.ceil(length / block_tokens)
+        index[row, :n] = table[:n]
+        index[row, n:] = table[0]
+    return Read(index=mx.array(index), length=longest)

@@ -19,6 +19,12 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:  # pragma: no cover
     import numpy
 
+    from plimsoll.core.model_facts import ModelFacts
+
+# Activations and attention scores are counted at 4 bytes (float32) whatever the model's
+# dtype: mlx's CPU attention and softmax run in float32, and it is the upper bound.
+_ACT_BYTES = 4
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -78,3 +84,86 @@ class Step:
 
     decodes: tuple[Work, ...] = ()
     prefills: tuple[Work, ...] = ()
+
+
+# ---------------------------------------------------------------- the engine's transients
+
+
+def gather_transient_bytes(facts: ModelFacts, batch_tokens: int) -> int:
+    """Bytes of the gather one attention call reads through: K and V of ``batch_tokens``
+    slots of one layer, twice (the gather plus its cast to the queries' dtype when the pool
+    dtype differs; otherwise headroom for the next layer's gather in flight).
+
+    The engine gathers whole blocks: a decode batch reads ``rows × longest`` slots with
+    ``longest`` rounded up to a whole block, a prefill chunk its table's blocks up to
+    ``start + chunk``. A single table of consecutive blocks is read as a view and needs
+    none of this: the figure is an upper bound.
+    """
+    if facts.kv_layers == 0 or batch_tokens <= 0:
+        return 0
+    per_layer_token = facts.kv_bytes_per_token // facts.kv_layers  # K and V of one layer
+    return 2 * per_layer_token * batch_tokens
+
+
+def _per_chunk_token_bytes(facts: ModelFacts, context: int) -> int:
+    """Transient bytes one more query token adds: its attention scores against
+    ``context`` keys and their softmax (mlx's unfused attention holds both), and its
+    activations in one layer."""
+    heads = facts.num_attention_heads or facts.num_key_value_heads
+    hidden = facts.hidden_size or heads * facts.head_dim
+    inter = facts.intermediate_size or 4 * hidden
+    scores = 2 * heads * context * _ACT_BYTES
+    acts = (4 * hidden + 3 * inter + 2 * heads * facts.head_dim) * _ACT_BYTES
+    return scores + acts
+
+
+def decode_transient_bytes(facts: ModelFacts, rows: int, longest: int,
+                           block_tokens: int = 16) -> int:
+    """Transient bytes of one batched decode step: the gather of ``rows × longest`` slots
+    (whole blocks) plus every row's scores and activations (one query token each)."""
+    if rows <= 0:
+        return 0
+    return (gather_transient_bytes(facts, rows * _whole(longest, block_tokens))
+            + rows * _per_chunk_token_bytes(facts, longest))
+
+
+def _whole(tokens: int, block_tokens: int) -> int:
+    return -(-tokens // block_tokens) * block_tokens
+
+
+def prefill_transient_bytes(facts: ModelFacts, chunk: int, context: int,
+                            block_tokens: int = 16) -> int:
+    """Transient bytes of one prefill chunk of ``chunk`` tokens ending at ``context``."""
+    if chunk <= 0:
+        return 0
+    context = max(context, chunk)
+    return (gather_transient_bytes(facts, _whole(context, block_tokens))
+            + chunk * _per_chunk_token_bytes(facts, context))
+
+
+def prefill_chunk_tokens(facts: ModelFacts, context: int, transient_bytes: int, *,
+                         multiple: int = 16, most: int = 2048, block_tokens: int = 16) -> int:
+    """The largest prefill chunk (a multiple of ``multiple``, at most ``most``; below
+    ``multiple`` any size) whose transient at ``context`` stays within ``transient_bytes``.
+
+    0 when not even one token fits (the gather of the context alone passes the bound):
+    the caller refuses that context rather than exceed it.
+    """
+    if context <= 0:
+        raise ValueError("context must be positive")
+    room = transient_bytes - gather_transient_bytes(facts, _whole(context, block_tokens))
+    if room <= 0:
+        return 0
+    chunk = min(most, context, room // _per_chunk_token_bytes(facts, context))
+    if chunk >= multiple:
+        chunk -= chunk % multiple
+    return int(chunk)
+
+
+def growth_transient_bytes(block_bytes: int, max_blocks: int, kv_layers: int) -> int:
+    """Bytes held twice while the pool grows by a slab: one array (one layer's K or V) at
+    its old size, at most the pool's final size over ``2 × kv_layers`` arrays (the engine
+    grows one array at a time and evaluates it before the next)."""
+    if kv_layers <= 0 or max_blocks <= 0:
+        return 0
+    return -(-block_bytes * max_blocks // (2 * kv_layers))

@@ -1,6 +1,6 @@
 """Gather admission's inputs from the live machine (or overrides) and run it.
 
-This is the edge around the pure :func:`plimsoll.admission.admit`: it reads the
+This is the edge around the pure :func:`plimsoll.core.admission.admit`: it reads the
 memory probe (only when an override does not already give the figure), inspects
 the model directory (headers only) and picks per-model settings from the policy.
 The launch wrapper and ``plimsoll admit`` share it, so both derive the same caps.
@@ -15,9 +15,11 @@ from pathlib import Path
 from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
 from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.core.policy import Mode, ModelEntry, Policy
-from plimsoll.core.units import gib_to_bytes, mib_to_bytes
+from plimsoll.core.sizing import compute_transient_bytes
+from plimsoll.core.units import fmt_bytes, gib_to_bytes, mib_to_bytes
 from plimsoll.launch.calibration import lookup, reserve_fraction
 from plimsoll.probes.snapshot import MemorySnapshot
+from plimsoll.worker.config import WorkerConfig, prefill_chunk
 
 DEFAULT_CONTEXT = 8192
 DEFAULT_MAX_TOKENS = 1024
@@ -158,4 +160,40 @@ def plan(
         max_tokens=max_tokens,
         min_context=knob("min_context"),
     )
-    return facts, req, admit(req)
+    return facts, req, check_transient(facts, req, admit(req))
+
+
+def _chunk(facts: ModelFacts, d: AdmissionDecision, context: int) -> int:
+    return prefill_chunk(facts, context, compute_transient_bytes(d.transient_reserve_bytes),
+                         block_tokens=d.block_tokens,
+                         most=WorkerConfig.model_fields["prefill_chunk"].default)
+
+
+def check_transient(facts: ModelFacts, req: AdmissionRequest,
+                    d: AdmissionDecision) -> AdmissionDecision:
+    """The compute transient (the reserve less the MLX buffer cache) must hold one prefill
+    chunk at the context, or the worker would refuse to start: else clamp the context to
+    the longest that fits (admission re-run on it), or refuse below the minimum."""
+    if not d.admitted or _chunk(facts, d, d.context) > 0:
+        return d
+    transient = compute_transient_bytes(d.transient_reserve_bytes)
+    floor = max(min(req.min_context, d.context), req.max_tokens + 1)
+    lo, hi = 0, d.context // d.block_tokens  # in blocks: the longest context that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _chunk(facts, d, mid * d.block_tokens) > 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    why = (f"the compute transient of {fmt_bytes(transient)} (the transient reserve less the "
+           f"MLX buffer cache) cannot hold one prefill chunk at context {d.context} (the "
+           "gather of the context alone passes it)")
+    if lo * d.block_tokens >= floor:
+        again = admit(req.model_copy(update={"context": lo * d.block_tokens}))
+        if again.admitted:
+            return again.model_copy(update={"decision": "clamp", "requested_context": req.context,
+                                            "reasons": [*again.reasons, f"context clamped to "
+                                                        f"{again.context}: {why}"]})
+    return d.model_copy(update={"decision": "refuse", "reasons": [
+        *d.reasons, f"refused: {why}, nor at the minimum context {floor}: raise the "
+        "transient reserve or the budget, or lower the context"]})

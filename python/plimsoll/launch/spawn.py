@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,12 +29,6 @@ from plimsoll.worker.config import WorkerConfig
 
 READY_TIMEOUT_S = 300.0
 log = logging.getLogger("plimsoll.launch")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wired_bytes(choice: str, decision: AdmissionDecision) -> int:
@@ -77,6 +70,7 @@ def worker_config(
         kv_dtype=facts.kv_dtype, block_bytes=decision.block_bytes,
         disk_cache_dir=disk_cache_dir,
         **({"disk_cache_gb": disk_gb} if disk_gb else {}),
+        transient_bytes=S.compute_transient_bytes(decision.transient_reserve_bytes) or None,
     )
 
 
@@ -101,6 +95,7 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         *(["--block-bytes", str(cfg.block_bytes)] if cfg.block_bytes else []),
         *(["--disk-cache-dir", str(cfg.disk_cache_dir), "--disk-cache-gb",
            repr(cfg.disk_cache_gb)] if cfg.disk_cache_dir is not None else []),
+        *(["--transient-bytes", str(cfg.transient_bytes)] if cfg.transient_bytes else []),
         "--host", cfg.host, "--port", str(cfg.port),
     ]
 
@@ -135,6 +130,8 @@ def mismatches(cfg: WorkerConfig, status: dict) -> list[str]:
                                 status.get("kv_bytes_bound"))
     if cfg.kv_dtype is not None:
         wanted["kv dtype"] = (cfg.kv_dtype, status.get("kv_dtype"))
+    if cfg.transient_bytes is not None:
+        wanted["transient bytes"] = (cfg.transient_bytes, status.get("transient_bytes"))
     return [f"{name}: derived {want}, worker reports {got}"
             for name, (want, got) in wanted.items() if want != got]
 
@@ -174,7 +171,7 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
     With ``guard`` (and root and a writable memory controller) the worker runs in its own
     cgroup, created under ``cgroup_parent``; ``proc.plimsoll_guard`` holds it and
     :func:`stop_worker` removes it. Without them the worker guards its own footprint
-    (:class:`plimsoll.guard.FootprintGuard`) against the same hard line.
+    (:class:`plimsoll.guard.process.FootprintGuard`) against the same hard line.
     """
     wg, guard_env = (start_guard(cfg, footprint_bytes, cgroup_parent, cgroup_limit_bytes)
                      if guard else (None, {}))

@@ -4,6 +4,9 @@ One module per OS with the same shape (pure parsers, thin readers, ``read_snapsh
 behind this one call, as psutil does with ``_pslinux``/``_psosx``. The per-OS modules
 are imported on demand so a Linux host never loads the libproc/ctypes code and vice
 versa.
+
+May import: :mod:`plimsoll.core.units` only (a leaf; ``.importlinter`` checks it). mlx once,
+lazily, in :mod:`.darwin` (Metal's recommended working set, macOS only).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ No mlx and no I/O: the HTTP app calls these functions and the tokenizer (mlx-lm'
 engine) → a :class:`TextAssembler` fed each generated id → the builders of
 :mod:`.responses` (and :func:`sse` for streams). Every refusal is a
 :class:`ProtocolError` in the OpenAI error shape.
+
+May import: nothing of plimsoll (pure; pydantic only). The HTTP edge around it is
+:mod:`plimsoll.web`.
 """
 
 from .assembler import (

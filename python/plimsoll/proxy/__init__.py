@@ -1,16 +1,28 @@
-"""The swapping proxy: one OpenAI endpoint, workers spawned through admission, no overlap.
+"""The swapping proxy: one OpenAI/Anthropic endpoint, workers spawned through admission.
 
-- :mod:`.evict` — the pure eviction decision (which running workers must stop);
-- :mod:`.sizing` — pure arithmetic: the shared envelope, right-sized pools, release checks;
+Owns:
+- :mod:`.evict` / :mod:`.pressure` — the pure decisions (which workers must stop; the
+  tripwire's levels and actions);
 - :mod:`.state` — one state machine per worker process (stopped → starting → ready →
   stopping), the only writer of that state;
-- :mod:`.supervisor` — the transition lock, bounded waiting queues, bring-ups, verified
-  release, idle unload;
-- :mod:`.app` / :mod:`.admin` — the HTTP edge (Starlette app factory) and the admin
-  contract the link watcher calls.
+- :mod:`.supervisor` — bounded waiting queues, bring-ups, evictions, idle unload, under
+  :mod:`.lock` (the transition lock) and :mod:`.release` (verified release);
+- :mod:`.tripwire` — the memory-pressure backstop, acting through the narrow
+  :class:`~.tripwire.Host` interface the supervisor implements;
+- :mod:`.events`, :mod:`.errors`, :mod:`.settings` — the event log, the refusals, the figures;
+- :mod:`.app` / :mod:`.admin` / :mod:`.metrics` / :mod:`.dashboard` — the HTTP edge
+  (Starlette app factory), the admin contract the link watcher calls, Prometheus metrics
+  and the dashboard.
+
+May import: :mod:`plimsoll.cluster` (to start a sharded model), :mod:`plimsoll.launch`,
+:mod:`plimsoll.worker.config` (the figures a worker starts with), :mod:`plimsoll.guard`,
+:mod:`plimsoll.web`, :mod:`plimsoll.protocol`, :mod:`plimsoll.probes`, :mod:`plimsoll.core`;
+never the engine (workers are processes it spawns).
 """
 
 from .app import make_app
-from .supervisor import ProxyError, Settings, Supervisor
+from .errors import ProxyError
+from .settings import Settings
+from .supervisor import Supervisor
 
 __all__ = ["ProxyError", "Settings", "Supervisor", "make_app"]

@@ -38,9 +38,10 @@ from starlette.responses import JSONResponse, Response
 from plimsoll.web.body import read_body
 
 from ..protocol import decode_json_body, error_body
+from .errors import ProxyError
 from .evict import choose_evictions
 from .state import State
-from .supervisor import ProxyError, Supervisor
+from .supervisor import Supervisor
 
 log = logging.getLogger("plimsoll.proxy")
 MODES = ("standalone", "clustered")

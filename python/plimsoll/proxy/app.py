@@ -35,9 +35,12 @@ from .. import protocol as P
 from ..protocol import anthropic as A
 from . import admin
 from . import dashboard as dash  # GET /, GET /dashboard.json
-from . import metrics as M  # GET /metrics and the request/event observer
+from . import metrics as M  # the request/event observer
+from . import metrics_edge as ME  # GET /metrics, and the request path observed
+from .errors import ProxyError
+from .settings import Settings
 from .state import Lease, State, describe_exit
-from .supervisor import ProxyError, Settings, Supervisor
+from .supervisor import Supervisor
 
 EXIT_WAIT_S = 0.5
 NO_ROUTE = no_route_handler("this proxy serves POST /v1/chat/completions, /v1/completions, "
@@ -295,9 +298,9 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
 
     return Starlette(
         routes=[
-            Route("/v1/chat/completions", M.observed(generate), methods=["POST"]),
-            Route("/v1/completions", M.observed(generate), methods=["POST"]),
-            Route("/v1/messages", M.observed(generate), methods=["POST"]),  # Anthropic
+            Route("/v1/chat/completions", ME.observed(generate), methods=["POST"]),
+            Route("/v1/completions", ME.observed(generate), methods=["POST"]),
+            Route("/v1/messages", ME.observed(generate), methods=["POST"]),  # Anthropic
             Route("/v1/messages/count_tokens", generate, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
@@ -307,7 +310,7 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
             Route("/admin/mode", admin.post_mode, methods=["POST"]),
             Route("/admin/mode", admin.get_mode, methods=["GET"]),
             Route("/admin/events", admin.get_events, methods=["GET"]),
-            Route("/metrics", M.get_metrics, methods=["GET"]),
+            Route("/metrics", ME.get_metrics, methods=["GET"]),
             Route("/", dash.page, methods=["GET"]),
             Route("/dashboard.json", dash.data, methods=["GET"]),
         ],

@@ -19,9 +19,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from .metrics import Observer, Poll, allowed
+from .gauges import Poll
+from .metrics import Observer
+from .metrics_edge import allowed
 
-POOL_KEYS = ("total", "used", "cached", "free", "headroom", "cache_cap")
+POOL_KEYS = ("total", "used", "cached", "free", "shared", "cache_cap")
 
 
 @cache

@@ -6,9 +6,9 @@ One :class:`Observer` per proxy. It has three sources:
   pressure, page-outs), the policy's budgets, the supervisor's workers and queues, and each
   running worker's ``GET /v1/plimsoll/status`` (pool blocks, MLX memory, RSS, limits,
   trip). A custom collector turns the last poll into gauges; ``/metrics`` polls first.
-- **the request path** — :func:`observed` wraps the proxy's generate endpoint and counts
-  each request by outcome and refusal reason, and times its first token and its decode
-  rate (from the relayed SSE events, or a non-streamed answer's ``usage``).
+- **the request path** — :func:`.metrics_edge.observed` wraps the proxy's generate
+  endpoint and counts each request by outcome and refusal reason, and times its first
+  token and its decode rate (from the relayed SSE events, or a non-streamed answer's ``usage``).
 - **the event log** — :class:`ObservedEventLog` sees every supervisor event as it is
   recorded: loads, swaps (a load that evicted another model) and their durations from the
   first eviction or spawn to ``ready``, evictions, crashes, mode changes.
@@ -17,6 +17,9 @@ Counters kept by a worker (its trips) reset when the worker restarts; the observ
 each ended incarnation's last figure to a per-model base, so the exposed counter only
 grows. A background sampler polls every ``sample_s`` and keeps the dashboard's timeline
 (bounded: ``history_s / sample_s`` points).
+
+The gauges built from a poll are :mod:`.gauges`; the HTTP edge (``GET /metrics`` and the
+:func:`~.metrics_edge.observed` wrapper) is :mod:`.metrics_edge`.
 """
 
 from __future__ import annotations
@@ -24,37 +27,32 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from prometheus_client.core import Metric
 
 from plimsoll.core.policy import Policy
 from plimsoll.core.units import gib_to_bytes
 
 from .events import Event, EventLog
+from .gauges import Poll, gauges
 from .state import State
 
 log = logging.getLogger("plimsoll.proxy")
 
 STATUS_TIMEOUT_S = 2.0
-PRESSURE_LEVELS = {"unknown": -1, "normal": 0, "warn": 1, "critical": 2}
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 SWAP_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 RECENT_REFUSALS = 50
 # codes a worker may send as an SSE error after the stream began that are controlled refusals
 MIDSTREAM_REFUSALS = {"memory_trip", "pool_exhausted", "queue_full", "queue_timeout",
-                      "worker_stopping"}
+                      "prefill_busy", "batch_full", "worker_stopping"}
 
 
 def outcome_of(status: int) -> str:
@@ -77,20 +75,6 @@ def error_code(body: Any) -> tuple[str, str]:
     return str(code), str(err.get("message") or "")
 
 
-#: The disk tier's figures per worker (since that worker started; status' ``disk``).
-DISK_GAUGES = (
-    ("on", "1 while on, 0 when off (status says why)."),
-    ("hits", "blocks read back instead of prefilled."),
-    ("misses", "lookups that found no usable file."),
-    ("corrupt", "files that failed their checks (deleted)."),
-    ("bytes_read", "bytes read."),
-    ("bytes_written", "bytes written."),
-    ("files", "files on disk."),
-    ("size_bytes", "bytes on disk."),
-    ("cap_bytes", "the cap on bytes on disk."),
-)
-
-
 class ObservedEventLog(EventLog):
     """The supervisor's event log, telling the observer about each event as it happens."""
 
@@ -105,17 +89,6 @@ class ObservedEventLog(EventLog):
         except Exception:  # metrics must never break a transition
             log.exception("metrics: event %s not counted", kind)
         return ev
-
-
-@dataclass
-class Poll:
-    """One reading of the live state (what the collector and the dashboard show)."""
-
-    t: float = 0.0
-    host: dict[str, Any] = field(default_factory=dict)
-    workers: dict[str, dict[str, Any]] = field(default_factory=dict)  # supervisor's view
-    status: dict[str, dict[str, Any]] = field(default_factory=dict)  # each worker's own
-    tripwire: dict[str, Any] = field(default_factory=dict)  # the pressure tripwire's state
 
 
 class Observer:
@@ -333,111 +306,7 @@ class Observer:
     # --- the exposition -------------------------------------------------------------------
     def collect(self) -> list[Metric]:
         """The gauges of the last poll (called by the registry at scrape time)."""
-        p, out = self.last, []
-
-        def gauge(name: str, doc: str, labels: list[str] | None = None) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            out.append(g)
-            return g
-
-        h = p.host
-        if h:
-            for key, doc in (("total_ram_bytes", "Physical RAM the probe sees."),
-                             ("ceiling_bytes", "The live hard ceiling (wired limit, cgroup)."),
-                             ("budget_bytes", "The current mode's maxLocalLlmGb, in bytes."),
-                             ("envelope_bytes", "What all workers' footprints must fit."),
-                             ("os_floor_bytes", "What must always stay free for the OS."),
-                             ("in_use_bytes", "The probe's host in-use figure.")):
-                gauge(f"plimsoll_host_{key}", doc).add_metric([], h[key])
-            g = gauge("plimsoll_mode", "1 for the current mode.", ["mode"])
-            for m in ("standalone", "clustered"):
-                g.add_metric([m], 1.0 if h["mode"] == m else 0.0)
-            gauge("plimsoll_pressure_level", "Memory pressure: -1 unknown, 0 normal, 1 warn, "
-                  "2 critical.").add_metric([], PRESSURE_LEVELS.get(h["pressure"], -1))
-            pc = CounterMetricFamily("plimsoll_host_page_outs", "Page-outs since boot.")
-            pc.add_metric([], h["page_outs"])
-            out.append(pc)
-        t = p.tripwire
-        if t.get("enabled"):
-            gauge("plimsoll_tripwire_level", "The memory-pressure tripwire's level as acted on "
-                  "(with hysteresis): 0 normal, 1 warn (admission closed), 2 critical "
-                  "(unloading).").add_metric([], PRESSURE_LEVELS[t["level"]])
-            gauge("plimsoll_tripwire_admitting", "1 while the tripwire lets new requests and "
-                  "loads in.").add_metric([], 1.0 if t["admitting"] else 0.0)
-            reading = t.get("reading") or {}
-            for key, name, doc in (
-                    ("some_avg10", "psi_some_avg10", "Linux PSI memory some avg10 (%)."),
-                    ("full_avg10", "psi_full_avg10", "Linux PSI memory full avg10 (%)."),
-                    ("darwin_level", "darwin_level", "macOS kern.memorystatus_vm_pressure_"
-                     "level (1 normal, 2 warn, 4 critical)."),
-                    ("page_outs_per_s", "page_outs_per_second", "Pages/s leaving RAM for "
-                     "disk between the tripwire's last two readings.")):
-                if reading.get(key) is not None:
-                    gauge(f"plimsoll_pressure_{name}", doc).add_metric([], float(reading[key]))
-        state = gauge("plimsoll_worker_state", "1 for each worker's state.", ["model", "state"])
-        queue = gauge("plimsoll_queue_length", "Requests waiting: for the model to load "
-                      "(proxy) or for pool blocks/slots (worker).", ["model", "where"])
-        inflight = gauge("plimsoll_inflight_requests", "Requests relayed now.", ["model"])
-        for name, w in sorted(p.workers.items()):
-            for s in State:
-                state.add_metric([name, str(s)], 1.0 if w["state"] == str(s) else 0.0)
-            queue.add_metric([name, "proxy"], w.get("waiting_for_load", 0))
-            queue.add_metric([name, "worker"], (p.status.get(name) or {}).get("waiting", 0))
-            inflight.add_metric([name], w.get("inflight", 0))
-        blocks = gauge("plimsoll_pool_blocks", "KV pool blocks by state: used (live KV), cached "
-                       "(prefix cache), free, headroom; they sum to total.", ["model", "state"])
-        per_model = {k: gauge(f"plimsoll_{k}", doc, ["model"]) for k, doc in (
-            ("pool_block_bytes", "Bytes per KV block."),
-            ("running_requests", "Sequences decoding in the worker."),
-            ("mlx_active_bytes", "MLX active memory of the worker."),
-            ("mlx_peak_bytes", "MLX peak memory of the worker."),
-            ("mlx_cache_bytes", "MLX buffer cache of the worker."),
-            ("worker_rss_bytes", "Resident set of the worker process."),
-            ("kv_held_bytes", "KV bytes the engine holds."),
-            ("worker_ceiling_bytes", "The ceiling the worker was admitted under."),
-            ("allocation_limit_bytes", "u × ceiling: the worker's MLX allocation limit."),
-            ("trip_bytes", "min(u + offset, 0.99) × total RAM: the emergency clear."),
-            ("gpu_memory_utilization", "u, the admitted fraction of the ceiling."),
-            ("admitted_footprint_bytes", "weights + reserve + pool, as admitted."),
-            ("weights_bytes", "Model weights, as admitted."),
-            ("worker_tripped", "1 while the worker is over its trip point."),
-            *((f"disk_tier_{k}", f"Disk tier for KV blocks: {doc}") for k, doc in DISK_GAUGES))}
-        trips = CounterMetricFamily("plimsoll_trips", "Emergency clears fired by workers "
-                                    "(kept across restarts).", labels=["model"])
-        out.append(trips)
-        for name in sorted(p.workers):
-            trips.add_metric([name], self.trips(name))
-            st = p.status.get(name)
-            if st is None:
-                continue
-            pool, lim = st.get("pool") or {}, st.get("limits") or {}
-            mlx, adm = st.get("mlx") or {}, p.workers[name].get("admitted", {})
-            for s in ("total", "used", "cached", "free", "headroom"):
-                blocks.add_metric([name, s], pool.get(s, 0))
-            for key, value in (
-                    ("pool_block_bytes", st.get("block_bytes")),
-                    ("running_requests", st.get("running")),
-                    ("mlx_active_bytes", mlx.get("active_bytes")),
-                    ("mlx_peak_bytes", mlx.get("peak_bytes")),
-                    ("mlx_cache_bytes", mlx.get("cache_bytes")),
-                    ("worker_rss_bytes", st.get("rss_bytes")),
-                    ("kv_held_bytes", st.get("kv_bytes_held")),
-                    ("worker_ceiling_bytes", lim.get("ceiling_bytes")),
-                    ("allocation_limit_bytes", lim.get("allocation_limit_bytes")),
-                    ("trip_bytes", lim.get("trip_bytes")),
-                    ("gpu_memory_utilization", lim.get("gpu_memory_utilization")),
-                    ("admitted_footprint_bytes", adm.get("footprint_bytes")),
-                    ("weights_bytes", adm.get("weights_bytes")),
-                    ("worker_tripped", 1.0 if st.get("tripped") else 0.0)):
-                if value is not None:
-                    per_model[key].add_metric([name], float(value))
-            if disk := st.get("disk"):
-                for k, _ in DISK_GAUGES:
-                    value = (1.0 if disk.get("state") == "on" else 0.0) if k == "on" \
-                        else disk.get(k)
-                    if value is not None:
-                        per_model[f"disk_tier_{k}"].add_metric([name], float(value))
-        return out
+        return gauges(self.last, self.trips)
 
     def exposition(self) -> bytes:
         return generate_latest(_Both(self.registry, self))
@@ -453,146 +322,4 @@ class _Both:
         yield from self.registry.collect()
         yield from self.observer.collect()
 
-
-# --- the HTTP edge ------------------------------------------------------------------------
-def allowed(request: Request) -> bool:
-    from .admin import bearer_ok
-
-    key = request.app.state.api_key
-    return key is None or bearer_ok(request, key)
-
-
-async def get_metrics(request: Request) -> Response:
-    if not allowed(request):
-        from .admin import unauthorized
-
-        return unauthorized("API key")
-    obs: Observer = request.app.state.observer
-    await obs.poll()
-    return Response(obs.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-
-class _Watched:
-    """A relayed SSE stream, scanned for first token, token count and errors as it passes."""
-
-    def __init__(self, inner: Any, obs: Observer, model: str, start: float, status: int):
-        self.inner, self.obs, self.model = inner, obs, model
-        self.start, self.status = start, status
-        self.buf = b""
-        self.first: float | None = None
-        self.last: float | None = None
-        self.deltas = 0
-        self.usage: int | None = None
-        self.error: dict[str, Any] | None = None
-        self.done = False
-        self.saw_end = False  # the stream's own end marker passed: a later close is not a cancel
-
-    def __aiter__(self) -> _Watched:
-        return self
-
-    async def __anext__(self) -> bytes:
-        try:
-            chunk = await self.inner.__anext__()
-        except StopAsyncIteration:
-            self._end(complete=True)
-            raise
-        self._scan(chunk)
-        return chunk
-
-    async def aclose(self) -> None:
-        self._end(complete=self.saw_end)
-        await self.inner.aclose()
-
-    def _scan(self, chunk: bytes) -> None:
-        self.buf += chunk
-        *events, self.buf = self.buf.split(b"\n\n")
-        for raw in events:
-            for line in raw.split(b"\n"):
-                if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
-                    self.saw_end = True
-                elif line.startswith(b"data:"):
-                    self._data(line[5:].strip())
-
-    def _data(self, data: bytes) -> None:
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return
-        if not isinstance(obj, dict):
-            return
-        if obj.get("type") == "message_stop":  # Anthropic's end of stream
-            self.saw_end = True
-        if "error" in obj:
-            self.error = obj
-            return
-        usage = obj.get("usage") or {}
-        for key in ("completion_tokens", "output_tokens"):
-            if isinstance(usage.get(key), int):
-                self.usage = usage[key]
-        if self._has_token(obj):
-            now = time.monotonic()
-            self.first = self.first or now
-            self.last = now
-            self.deltas += 1
-
-    @staticmethod
-    def _has_token(obj: dict[str, Any]) -> bool:
-        if obj.get("type") == "content_block_delta":  # Anthropic
-            return True
-        for choice in obj.get("choices") or ():
-            delta = choice.get("delta") or {}
-            if delta.get("content") or delta.get("tool_calls") or choice.get("text"):
-                return True
-        return False
-
-    def _end(self, complete: bool) -> None:
-        if self.done:
-            return
-        self.done = True
-        ttft = self.first - self.start if self.first is not None else None
-        tokens = self.usage if self.usage is not None else self.deltas
-        rate = None
-        if self.first is not None and self.last is not None and self.last > self.first:
-            rate = max(tokens - 1, 0) / (self.last - self.first)
-        if self.error is not None:  # an SSE error event: the status is not in it
-            code, _msg = error_code(self.error)
-            status = 503 if code in MIDSTREAM_REFUSALS else 502
-            self.obs.finished(self.model, status, self.error, ttft_s=ttft)
-        elif not complete:
-            self.obs.finished(self.model, 499, None, ttft_s=ttft)
-        else:
-            self.obs.finished(self.model, self.status, None, ttft_s=ttft, rate=rate)
-
-
-def observed(endpoint: Callable[[Request], Awaitable[Response]]
-             ) -> Callable[[Request], Awaitable[Response]]:
-    """Count and time every request ``endpoint`` answers (it sets ``request.state.model``)."""
-
-    async def wrapper(request: Request) -> Response:
-        start = time.monotonic()
-        response = await endpoint(request)
-        obs: Observer | None = getattr(request.app.state, "observer", None)
-        model = getattr(request.state, "model", None)
-        if obs is None:
-            return response
-        if model is None:  # refused before a served model was named: no per-model label
-            model = "-"
-        if isinstance(response, StreamingResponse) and response.status_code < 400:
-            response.body_iterator = _Watched(response.body_iterator, obs, model, start,
-                                              response.status_code)
-            return response
-        body: Any = None
-        with contextlib.suppress(ValueError, AttributeError):
-            body = json.loads(response.body)
-        tokens, rate = None, None
-        usage = body.get("usage") if isinstance(body, dict) else None
-        if response.status_code < 400 and isinstance(usage, dict):
-            tokens = usage.get("completion_tokens", usage.get("output_tokens"))
-            elapsed = time.monotonic() - start
-            if isinstance(tokens, int) and tokens > 0 and elapsed > 0:
-                rate = tokens / elapsed
-        obs.finished(model, response.status_code, body, tokens=tokens, rate=rate)
-        return response
-
-    return wrapper
 

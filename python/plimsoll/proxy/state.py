@@ -150,7 +150,7 @@ class Worker:
                     timeout_s: float, spawn: Callable[..., Any] | None = None) -> Incarnation:
         """Spawn through the launch wrapper (verified limits); raises LaunchError.
 
-        ``spawn`` replaces :func:`~plimsoll.launch.start_worker` (same call, same result):
+        ``spawn`` replaces :func:`~plimsoll.launch.spawn.start_worker` (same call, same result):
         a sharded model starts as ``plimsoll cluster serve``, still one process here."""
         async with self._lock:
             self._set(State.STARTING)

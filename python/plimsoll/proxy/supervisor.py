@@ -27,8 +27,8 @@ import contextlib
 import functools
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -44,45 +44,21 @@ from plimsoll.launch.live_admission import (
     memory_figures,
     plan,
 )
-from plimsoll.launch.spawn import LaunchError, free_port, worker_config
+from plimsoll.launch.spawn import LaunchError, worker_config
+from plimsoll.web.serve import free_port
 
 from ..probes.held import anon_bytes_except, held_bytes
 from ..probes.snapshot import MemorySnapshot
+from .errors import ProxyError
 from .events import EventLog, log
 from .evict import Resident, choose_evictions
+from .lock import TransitionLock
+from .release import Releases
+from .settings import Settings
 from .state import Lease, State, Worker
 from .tripwire import Tripwire, watch
 
-RELEASE_POLL_S = 0.05
 REAP_INTERVAL_S = 0.25
-
-
-@dataclass(frozen=True)
-class Settings:
-    max_waiting: int = 16  # requests per model waiting for it to load; beyond: 429
-    wait_timeout_s: float = 600.0  # a waiting request gives up after this: 503
-    retry_after_s: int = 5
-    swap_hold_s: float = 2.0  # a model in use keeps its slot this long after its load
-    idle_grace_s: float = 0.5  # ...unless it has had no request for this long
-    drain_s: float = 30.0  # in-flight requests may finish for this long before the stop
-    release_timeout_s: float = 10.0  # memory must come back within this, else 503
-    spawn_timeout_s: float = 300.0
-    admin_deadline_s: float = 60.0  # a downshift makes room within this, else 409
-    default_idle_ttl_s: float = 300.0  # models with no TTL of their own
-    idle_ttl_s: tuple[tuple[str, float], ...] = ()  # (model, seconds) from the command line
-    # --cluster-rank: (ceiling, total RAM, budget) bytes per rank of a sharded model, rank 0
-    # first; in clustered mode a model with ``sharded: true`` runs as `plimsoll cluster serve`
-    cluster_ranks: tuple[tuple[int, int, int], ...] = ()
-
-
-class ProxyError(Exception):
-    """A refusal the HTTP edge turns into an OpenAI-shaped error."""
-
-    def __init__(self, status: int, message: str, code: str, *, retry_after: int | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-        self.retry_after, self.extra = retry_after, extra or {}
 
 
 class Supervisor:
@@ -95,16 +71,13 @@ class Supervisor:
         self.settings = settings or Settings()
         self.events = events or EventLog()
         self._snapshot = read_snapshot
-        self.workers = {name: Worker(name, entry, self.events, self.measure, self._crashed)
+        self.releases = Releases(self.events, self.unaccounted, self.settings)
+        self.workers = {name: Worker(name, entry, self.events, self.measure,
+                                     self.releases.crashed)
                         for name, entry in policy.models.items()}
         self.waiting: Counter[str] = Counter()
-        self.pending: list[ReleaseCheck] = []
-        self._lock = asyncio.Lock()
+        self._transitions = TransitionLock()
         self._bringups: dict[str, asyncio.Task] = {}
-        self._verifying: set[asyncio.Task] = set()
-        self._admin_pending = 0
-        self._admin_idle = asyncio.Event()
-        self._admin_idle.set()
         self._reaper: asyncio.Task | None = None
         self.pressure = Tripwire(policy.pressure, self.events)  # the memory-pressure backstop
         self._pressure_task: asyncio.Task | None = None
@@ -144,13 +117,16 @@ class Supervisor:
         return envelope_bytes(figures.ceiling_bytes, figures.total_ram_bytes,
                               figures.budget_bytes, p.trip_offset, p.u_margin)
 
-    def residents(self, workers: list[Worker]) -> list[Resident]:
+    def residents(self, workers: list[Worker], sized: bool = True) -> list[Resident]:
+        """Ready workers as the pure decisions see them; ``sized=False`` leaves the byte
+        figures at 0 (the tripwire's choice needs none, and reads no process)."""
         out = []
         for w in workers:
             inc = w.current
             if w.state is State.READY and inc is not None:
-                out.append(Resident(w.name, inc.decision.footprint_bytes,
-                                    self.observed_bytes(inc.pid), inc.last_used,
+                admitted = inc.decision.footprint_bytes if sized else 0
+                observed = self.observed_bytes(inc.pid) if sized else 0
+                out.append(Resident(w.name, admitted, observed, inc.last_used,
                                     inc.inflight > 0))
         return out
 
@@ -260,33 +236,10 @@ class Supervisor:
             self._bringups[w.name] = task
         return task
 
-    @contextlib.asynccontextmanager
-    async def transition(self, admin: bool = False,
-                         timeout_s: float | None = None) -> AsyncIterator[None]:
-        """The transition lock; an admin holder goes ahead of queued bring-ups.
-
-        ``timeout_s`` bounds only the wait for the lock (TimeoutError), never the body.
-        """
-        if admin:
-            self._admin_pending += 1
-            self._admin_idle.clear()
-        try:
-            while True:
-                async with asyncio.timeout(timeout_s):
-                    await self._lock.acquire()
-                if admin or not self._admin_pending:
-                    break
-                self._lock.release()
-                await self._admin_idle.wait()
-            try:
-                yield
-            finally:
-                self._lock.release()
-        finally:
-            if admin:
-                self._admin_pending -= 1
-                if not self._admin_pending:
-                    self._admin_idle.set()
+    def transition(self, admin: bool = False,
+                   timeout_s: float | None = None) -> AbstractAsyncContextManager[None]:
+        """The transition lock (:class:`.lock.TransitionLock`); admin holders go first."""
+        return self._transitions.hold(admin, timeout_s)
 
     async def _bring_up(self, w: Worker) -> None:
         async with self.transition():
@@ -359,50 +312,19 @@ class Supervisor:
         """Stop ``w`` and verify its memory came back; 503 with the figures if it does not."""
         check = await w.stop(reason, self.settings.drain_s if drain_s is None else drain_s)
         if check is not None and not await self.verify(check, deadline_s):
-            now = await asyncio.to_thread(self.unaccounted)
-            raise ProxyError(503, check.describe(now) + ": refusing to load over it",
-                             "release_unverified", retry_after=self.settings.retry_after_s,
-                             extra={"release": check.figures(now)})
+            raise await self.releases.unverified(check)
+
+    @property
+    def pending(self) -> list[ReleaseCheck]:
+        """Releases not yet verified: no spawn until each is (see :mod:`.release`)."""
+        return self.releases.pending
 
     async def verify(self, check: ReleaseCheck, timeout_s: float | None = None) -> bool:
-        """Poll the in-use figure until the check holds; an unverified check stays pending."""
-        start = time.monotonic()
-        deadline = start + (self.settings.release_timeout_s if timeout_s is None else timeout_s)
-        while True:
-            now = await asyncio.to_thread(self.unaccounted)
-            if check.released(now):
-                self.events.record("release-verified", check.model,
-                                   waited_s=round(time.monotonic() - start, 3),
-                                   **check.figures(now))
-                return True
-            if time.monotonic() >= deadline:
-                self.events.record("release-unverified", check.model, **check.figures(now))
-                if check not in self.pending:
-                    self.pending.append(check)
-                return False
-            await asyncio.sleep(RELEASE_POLL_S)
+        return await self.releases.verify(check, timeout_s)
 
     async def settle_releases(self) -> None:
-        """Before any spawn: crash releases finish verifying; pending ones are re-checked."""
-        if self._verifying:
-            await asyncio.gather(*self._verifying, return_exceptions=True)
-        for check in list(self.pending):
-            self.pending.remove(check)
-            if not await self.verify(check):
-                now = await asyncio.to_thread(self.unaccounted)
-                raise ProxyError(503, check.describe(now) + ": refusing to load over it",
-                                 "release_unverified", retry_after=self.settings.retry_after_s,
-                                 extra={"release": check.figures(now)})
+        await self.releases.settle()
 
-    async def _crashed(self, w: Worker, check: ReleaseCheck) -> None:
-        task = asyncio.current_task()
-        if task is not None:
-            self._verifying.add(task)
-        try:
-            await self.verify(check)
-        finally:
-            if task is not None:
-                self._verifying.discard(task)
 
     # --- unload, idle TTL, shutdown ---------------------------------------------------------
     async def unload(self, names: list[str]) -> dict[str, Any]:
@@ -434,8 +356,7 @@ class Supervisor:
         for w in self.workers.values():
             inc, ttl = w.current, self.idle_ttl(w)
             if (ttl <= 0 or w.state is not State.READY or inc is None or inc.inflight
-                    or time.monotonic() - inc.last_used < ttl or self._lock.locked()
-                    or self._admin_pending):
+                    or time.monotonic() - inc.last_used < ttl or self._transitions.busy):
                 continue
             async with self.transition():
                 inc = w.current
@@ -446,10 +367,32 @@ class Supervisor:
                 with contextlib.suppress(ProxyError):  # unverified: recorded, stays pending
                     await self.stop_verified(w, f"idle for more than {ttl:g} s", drain_s=0)
 
+    # --- the tripwire's interface (:class:`.tripwire.Host`) --------------------------------
+    def ready_residents(self) -> list[Resident]:
+        return self.residents(list(self.workers.values()), sized=False)
+
+    async def unload_verified(self, name: str,
+                              why: Callable[[], tuple[str, dict[str, Any]] | None], *,
+                              event: str, lock_timeout_s: float) -> None:
+        try:
+            async with self.transition(admin=True, timeout_s=lock_timeout_s):
+                w = self.workers[name]
+                inc = w.current
+                if w.state is not State.READY or inc is None or (wanted := why()) is None:
+                    return
+                reason, detail = wanted
+                self.events.record(event, name, pid=inc.pid, inflight=inc.inflight,
+                                   idle_s=round(time.monotonic() - inc.last_used, 3), **detail)
+                with contextlib.suppress(ProxyError):  # unverified: recorded, stays pending
+                    await self.stop_verified(w, reason)
+        except TimeoutError:
+            return  # a load or a swap holds the lock; the next critical reading tries again
+
     def start_background(self) -> None:
         self._reaper = asyncio.create_task(self.reap_idle(), name="reap-idle")
         if self.pressure.enabled:
-            self._pressure_task = asyncio.create_task(watch(self), name="pressure-tripwire")
+            self._pressure_task = asyncio.create_task(watch(self.pressure, self),
+                                                      name="pressure-tripwire")
 
     async def shutdown(self) -> None:
         tasks = [t for t in (self._reaper, self._pressure_task, *self._bringups.values())

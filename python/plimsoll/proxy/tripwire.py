@@ -3,9 +3,10 @@
 The decisions are :mod:`.pressure`'s (pure); this module owns the one mutable
 :class:`~.pressure.TripState`, the ``closed`` event that requests waiting for a load race
 against, and the background loop (:func:`watch`, started by
-``Supervisor.start_background``). It acts only through the supervisor's own paths — the
-transition lock and ``stop_verified`` (drain, stop, verify the memory came back) — so an
-unload under pressure is the same verified release as any other.
+``Supervisor.start_background``). It acts only through :class:`Host`, two calls the
+supervisor implements — the ready residents, and an unload under the transition lock by
+``stop_verified`` (drain, stop, verify the memory came back) — so an unload under pressure
+is the same verified release as any other, and this module imports nothing of the supervisor.
 
 Invariants: while the level is not ``normal`` every new request and every new load is
 refused with a reason (:meth:`Tripwire.refusal`), and every request waiting for a load is
@@ -16,12 +17,11 @@ runs at a time, and readings continue while it drains.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from plimsoll.core.policy import Pressure
 
@@ -29,10 +29,6 @@ from ..probes.pressure import PressureReading, read_pressure
 from .events import EventLog, log
 from .evict import Resident
 from .pressure import RANK, Actions, TripState, classify, decide, page_out_rate, step
-from .state import State
-
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
 
 
 @dataclass(frozen=True)
@@ -140,58 +136,52 @@ class Tripwire:
         return out
 
 
-# --- the loop (supervisor glue) -------------------------------------------------------------
-def residents(sup: Supervisor) -> list[Resident]:
-    """Ready workers as the decision sees them (sizes do not matter to it)."""
-    out = []
-    for w in sup.workers.values():
-        inc = w.current
-        if w.state is State.READY and inc is not None:
-            out.append(Resident(w.name, 0, 0, inc.last_used, inc.inflight > 0))
-    return out
+# --- the loop: acts through the narrow Host interface -----------------------------------
+class Host(Protocol):
+    """What the tripwire needs of the supervisor, and nothing more (it imports none of it)."""
+
+    def ready_residents(self) -> list[Resident]:
+        """Ready workers as the decision sees them (sizes do not matter to it)."""
+
+    async def unload_verified(self, name: str,
+                              why: Callable[[], tuple[str, dict[str, Any]] | None], *,
+                              event: str, lock_timeout_s: float) -> None:
+        """Under the transition lock (waiting at most ``lock_timeout_s``), if ``name`` is
+        ready and ``why()`` gives a ``(reason, detail)``: record ``event`` with ``detail``,
+        then stop it the verified way (drain, stop, memory back)."""
 
 
-async def tick(sup: Supervisor) -> Actions:
+async def tick(tw: Tripwire, host: Host) -> Actions:
     """Read, decide, and start (not await) the one unload the decision names."""
-    tw = sup.pressure
     reading = await asyncio.to_thread(tw.read)
-    actions = tw.observe(reading, residents(sup))
+    actions = tw.observe(reading, host.ready_residents())
     busy = tw.unloading is not None and not tw.unloading.done()
     if actions.unload is not None and not busy:
-        tw.unloading = asyncio.create_task(unload(sup, actions.unload),
+        tw.unloading = asyncio.create_task(unload(tw, host, actions.unload),
                                            name=f"pressure-unload-{actions.unload}")
     return actions
 
 
-async def unload(sup: Supervisor, name: str) -> None:
+async def unload(tw: Tripwire, host: Host, name: str) -> None:
     """Stop ``name`` the verified way; give up this round if a transition holds the lock."""
-    from .supervisor import ProxyError
 
-    tw = sup.pressure
-    try:
-        async with sup.transition(admin=True, timeout_s=tw.thresholds.poll_s):
-            w = sup.workers[name]
-            inc = w.current
-            if w.state is not State.READY or inc is None or tw.state.raw != "critical":
-                return
-            tw.unloads += 1
-            sup.events.record("pressure-unload", name, pid=inc.pid, inflight=inc.inflight,
-                              idle_s=round(time.monotonic() - inc.last_used, 3),
-                              reasons=list(tw.state.reasons))
-            reason = "unloaded under memory pressure: " + "; ".join(tw.state.reasons)
-            with contextlib.suppress(ProxyError):  # unverified: recorded, stays pending
-                await sup.stop_verified(w, reason)
-    except TimeoutError:
-        return  # a load or a swap holds the lock; the next critical reading tries again
+    def why() -> tuple[str, dict[str, Any]] | None:
+        if tw.state.raw != "critical":
+            return None
+        tw.unloads += 1
+        reasons = list(tw.state.reasons)
+        return "unloaded under memory pressure: " + "; ".join(reasons), {"reasons": reasons}
+
+    await host.unload_verified(name, why, event="pressure-unload",
+                               lock_timeout_s=tw.thresholds.poll_s)
 
 
-async def watch(sup: Supervisor) -> None:
+async def watch(tw: Tripwire, host: Host) -> None:
     """Poll every ``pollS`` for the proxy's life; one bad reading never stops the loop."""
-    tw = sup.pressure
     try:
         while True:
             try:
-                await tick(sup)
+                await tick(tw, host)
             except Exception:
                 log.exception("pressure tripwire: tick failed; retrying")
             await asyncio.sleep(tw.thresholds.poll_s)

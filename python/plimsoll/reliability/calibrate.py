@@ -69,8 +69,9 @@ def calibrate(model_dir: Path, *, concurrency: int | None = None, context: int |
     import httpx
 
     from plimsoll.launch import live_admission as LA
-    from plimsoll.launch.spawn import free_port, start_worker, stop_worker, worker_config
+    from plimsoll.launch.spawn import start_worker, stop_worker, worker_config
     from plimsoll.probes import read_snapshot
+    from plimsoll.web.serve import free_port
 
     model_dir = Path(model_dir)
     if figures is None:

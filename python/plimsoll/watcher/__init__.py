@@ -11,4 +11,6 @@ Layout: ``decide`` is the pure core (observation in, action out); ``link`` reads
 link and ``sysctl`` writes the ceiling (the only two effects, each behind one
 interface); ``proxy_client`` is the one network call (the local proxy's admin
 endpoint); ``run`` is the loop that wires them together.
+
+May import: :mod:`plimsoll.probes`, :mod:`plimsoll.core`; the proxy only over HTTP.
 """

@@ -9,13 +9,12 @@ a retry backoff, whichever comes first.
 Every ceiling write is logged *before* it happens with the in-use figure checked right
 before it (``ceiling-write … in_use_bytes=…``), and again once verified. The log is one
 line per event — ``<UTC time> <LEVEL> <event> key=value … ts=<unix> msg="…"`` — so an
-operator can read it and a test can parse it (:func:`parse_log_line`).
+operator can read it and a test can parse it (``shlex.split`` of one line).
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import threading
 import time
@@ -70,21 +69,6 @@ def _value(v: Any) -> str:
     s = str(v)
     return json.dumps(s, ensure_ascii=False) if (not s or any(c in s for c in " \"'\\=\t")) \
         else s
-
-
-def parse_log_line(line: str) -> dict[str, str] | None:
-    """A watcher log line → {"time", "level", "event", key: value, …}; None if not one."""
-    try:
-        head, level, event, *rest = shlex.split(line)
-    except ValueError:
-        return None
-    out = {"time": head, "level": level, "event": event}
-    for item in rest:
-        k, sep, v = item.partition("=")
-        if not sep:
-            return None
-        out[k] = v
-    return out if "ts" in out else None
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from plimsoll.engine.pool import BlockPool
 from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
 from plimsoll.web.body import read_body
 from plimsoll.web.errors import no_route_handler
-from plimsoll.worker.config import WorkerConfig
+from plimsoll.worker.config import WorkerConfig, prefill_chunk
 
 from . import anthropic_routes
 from .scheduler import (
@@ -164,6 +164,7 @@ def status_report(state: Any) -> dict[str, Any]:
         "kv_bytes_per_token": state.kv_bytes_per_token,
         "kv_bytes_bound": cfg.max_cache_blocks * state.block_bytes,
         "kv_dtype": getattr(state, "kv_dtype", None),
+        "transient_bytes": cfg.transient_bytes,
         "max_num_seqs": cfg.max_num_seqs,
         **stats,
         "mlx": {"active_bytes": mem["active"], "peak_bytes": mem["peak"],
@@ -206,9 +207,26 @@ def make_pool(cfg: WorkerConfig, eng: Any, pool_cls: type[BlockPool] = BlockPool
         extra_key=f"{cfg.model_dir.resolve()}|{facts.kv_dtype}".encode())
 
 
-def scheduler_limits(cfg: WorkerConfig) -> SchedulerLimits:
+def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
+    """The step's figures: the prefill chunk follows the context so its transient stays
+    under the bound admission counted, and a sequence joins the running batch only while
+    the decode step's transient stays under it too."""
+    from plimsoll.engine.work import decode_transient_bytes
+
+    chunk = prefill_chunk(eng.facts, cfg.context, cfg.transient_bytes,
+                          block_tokens=cfg.block_tokens, most=cfg.prefill_chunk)
+    if chunk <= 0:
+        raise SystemExit(
+            f"--transient-bytes {cfg.transient_bytes} cannot hold one prefill token at "
+            f"--context {cfg.context} (the gather of the context alone passes it): raise "
+            "the transient reserve or lower the context")
+    decode = None
+    if cfg.transient_bytes is not None:
+        def decode(rows: int, longest: int) -> int:
+            return decode_transient_bytes(eng.facts, rows, longest, cfg.block_tokens)
     return SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
-                           max_batch=cfg.batch_bound, prefill_tokens=cfg.prefill_chunk)
+                           max_batch=cfg.batch_bound, prefill_tokens=chunk,
+                           transient_bytes=cfg.transient_bytes or 0, decode_bytes=decode)
 
 
 #: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
@@ -235,19 +253,20 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
             cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
         loaded["active_memory"] = E.active_memory
         if cfg.disk_cache_dir is None:
-            return eng, make_pool(cfg, eng)
+            return eng, make_pool(cfg, eng), scheduler_limits(cfg, eng)
         from plimsoll.worker.disk_restore import SpillingPool, open_tier
 
         pool = make_pool(cfg, eng, SpillingPool)
         sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
         sched.disk.attach(pool)
-        return eng, pool
+        return eng, pool, scheduler_limits(cfg, eng)
 
     def memory_probe() -> dict[str, int]:
         return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
 
     self_guard = SelfGuard.find()  # the cgroup limit that binds us, if any
-    sched = Scheduler(setup, scheduler_limits(cfg),
+    sched = Scheduler(setup, SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s,
+                                             cfg.trip_bytes),
                       memory_probe_with_guard(memory_probe, self_guard))
     sched.start()
     await run_in_threadpool(sched.ready.wait)
@@ -304,8 +323,8 @@ def serve_worker(cfg: WorkerConfig) -> None:
     """Run the worker under uvicorn until SIGTERM/SIGINT; limits are restored on exit."""
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    # h11 whatever else is installed: its cap on a request head bounds enormous headers
-    uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, log_level="warning",
-                timeout_graceful_shutdown=5, limit_concurrency=cfg.max_queue
-                + cfg.batch_bound + 16, http="h11")
+    from plimsoll.web.serve import basic_logging, uvicorn_options
+
+    basic_logging()
+    uvicorn.run(make_app(cfg), host=cfg.host, port=cfg.port, **uvicorn_options(
+        limit_concurrency=cfg.max_queue + cfg.batch_bound + 16, graceful_s=5))

@@ -15,8 +15,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from plimsoll.core.admission import trip_fraction
+from plimsoll.core.model_facts import ModelFacts
 from plimsoll.core.sizing import default_max_batch
 from plimsoll.core.units import MIB
+from plimsoll.engine.work import prefill_chunk_tokens
 
 
 class WorkerConfig(BaseModel):
@@ -37,6 +39,9 @@ class WorkerConfig(BaseModel):
         "Prompt tokens computed per step over all prefills, beside every running decode."))
     kv_dtype: Literal["float16", "bfloat16", "float32"] | None = Field(
         default=None, description="KV cache dtype; None: the model's.")
+    transient_bytes: int | None = Field(default=None, gt=0, description=(
+        "The compute transient admission counted (the reserve less the MLX buffer cache): "
+        "prefill chunks and decode batches stay under it. None: --prefill-chunk only."))
     block_bytes: int | None = Field(default=None, gt=0, description=(
         "Bytes per block admission counted; the worker refuses to start on another figure."))
     context: int = Field(gt=1, description="Configured total context per sequence.")
@@ -81,3 +86,16 @@ class WorkerConfig(BaseModel):
     @property
     def mlx_cache_bytes(self) -> int:
         return self.mlx_cache_mb * MIB
+
+
+def prefill_chunk(facts: ModelFacts, context: int, transient_bytes: int | None, *,
+                  block_tokens: int, most: int) -> int:
+    """The prefill chunk at ``context`` whose transient (scores, activations and the gather
+    of its table) stays within ``transient_bytes``: a multiple of the block, at most
+    ``most``; 0 when not even one token fits. Admission (launch) and the worker both call
+    this, so they agree on it. (The pool's growth transient comes before a step's
+    compute, not during it, and is not counted here.)"""
+    if transient_bytes is None:
+        return most
+    return prefill_chunk_tokens(facts, context, transient_bytes, multiple=block_tokens,
+                                most=most, block_tokens=block_tokens)

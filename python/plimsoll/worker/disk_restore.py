@@ -106,6 +106,13 @@ class DiskTier:
         self.store.flush()
         return n
 
+    def shutdown(self, pool: BlockPool) -> None:
+        """The scheduler stops cleanly: spill, and never let a failure stop the stop."""
+        try:
+            log.info("disk tier: %d cached blocks written at shutdown", self.spill_all(pool))
+        except Exception:
+            log.exception("disk tier: the shutdown spill failed")
+
     # --- in -------------------------------------------------------------------------------
     def restore(self, pool: BlockPool, seq_id: Hashable, hashes: Sequence[bytes],
                 mapped: int, prompt_len: int) -> int:

@@ -26,6 +26,14 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
    EOS or a finished constraint. Their full blocks stay cached (hashes registered): no
    compaction, no moves.
 
+Hybrid models (recurrent state) cannot cut a state, so a prefix is reused only where the
+engine holds a snapshot of the state at the end of a block. The rule: whenever a submitted
+step leaves a sequence's written tokens on a block boundary (a prompt chunk — a hybrid
+prompt's chunks end on blocks — or a decode that fills a block), its state is snapshotted
+if the pool has room (each snapshot is charged ``fixed_blocks_per_seq`` under the cache
+cap, reclaimable, LRU); it becomes a hit once that block's hash is registered, and a later
+prompt maps the blocks up to the last one with a snapshot and resumes from it.
+
 Running out is an event (``Refused``) for the HTTP edge to turn into a 503 with
 ``Retry-After`` — never a crash, never growth past the pool.
 """
@@ -34,74 +42,28 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from plimsoll.engine.pool import BlockPool, Grant, Refusal
-from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
+from plimsoll.engine.work import Sampling, Step, Work
+from plimsoll.worker.events import (  # noqa: F401  (re-exported: the edge imports them here)
+    Event,
+    Finished,
+    GenRequest,
+    Refused,
+    SchedulerLimits,
+    Sink,
+    Started,
+    Token,
+)
+from plimsoll.worker.lines import StatsMixin, TripMixin
 
 log = logging.getLogger("plimsoll.worker")
-
-
-# --- events delivered to a request's sink (on the scheduler thread; sinks must not block) --
-@dataclass(frozen=True)
-class Started:
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens mapped from shared blocks (not computed)
-
-
-@dataclass(frozen=True)
-class Token:
-    token_id: int
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "length" | "eos" | "stop" (a constraint finished) | "cancelled"
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Refused:
-    status: int
-    message: str
-    code: str
-    retry_after: int | None = None
-
-
-Event = Started | Token | Finished | Refused
-Sink = Callable[[Event], None]
-
-
-@dataclass
-class GenRequest:
-    prompt: list[int]
-    max_tokens: int
-    sink: Sink
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    constraint: TokenConstraint | None = None
-    id: int = field(default_factory=itertools.count().__next__)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    deadline: float = 0.0
-    hashes: list[bytes] | None = None  # the prompt's block hashes, computed once
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_num_seqs: int         # the load-time worst case admission checked (reported)
-    max_queue: int
-    max_wait_s: float
-    trip_bytes: int
-    retry_after_s: int = 1
-    max_batch: int = 64       # sequences running (decoding or prefilling) at once
-    prefill_tokens: int = 512  # prompt tokens computed per step, over all prefills
 
 
 @dataclass
@@ -126,7 +88,7 @@ class _Run:
         return Sampling(r.temperature, r.top_p, r.seed)
 
 
-class Scheduler:
+class Scheduler(TripMixin, StatsMixin):
     """Owns engine + pool on one thread; see the module docstring for the loop."""
 
     def __init__(self, setup: Callable[[contextlib.ExitStack], tuple[Any, BlockPool]],
@@ -158,8 +120,7 @@ class Scheduler:
         self.step_log: collections.deque[tuple[int, tuple[int, ...], dict[int, int]]] = (
             collections.deque(maxlen=4096))
         self.stats: dict[str, Any] = {}
-        #: The disk tier under the pool (:class:`plimsoll.worker.disk_restore.DiskTier`) or None.
-        self.disk: Any = None
+        self.disk: Any = None  # the tier under the pool (worker/disk_restore.DiskTier) or None
 
     # --- called from any thread ---------------------------------------------------------
     def start(self) -> None:
@@ -188,7 +149,10 @@ class Scheduler:
     def _run(self) -> None:
         with contextlib.ExitStack() as stack:
             try:
-                self.engine, self.pool = self._setup(stack)
+                parts = self._setup(stack)  # (engine, pool) or (engine, pool, limits)
+                self.engine, self.pool = parts[0], parts[1]
+                if len(parts) > 2:  # figures that need the loaded engine (its transients)
+                    self.limits = parts[2]
                 self.eos_ids = set(self.engine.tokenizer.eos_token_ids or ())
                 self._publish()
             except BaseException as err:
@@ -210,16 +174,8 @@ class Scheduler:
                         and not self._stop.is_set()):
                     self._wake.wait(timeout=0.25 if self._waiting else None)
         self._fail_all("the worker is shutting down")
-        self._spill_to_disk()
-
-    def _spill_to_disk(self) -> None:
-        """A clean stop: every cached block goes to the disk tier (if there is one)."""
-        if self.disk is not None:
-            try:
-                log.info("disk tier: %d cached blocks written at shutdown",
-                         self.disk.spill_all(self.pool))
-            except Exception:
-                log.exception("disk tier: the shutdown spill failed")
+        if self.disk is not None:  # a clean stop: every cached block goes to disk
+            self.disk.shutdown(self.pool)
 
     def iterate(self) -> None:
         """One step of the loop (public for pure tests that drive it with a fake engine)."""
@@ -274,6 +230,10 @@ class Scheduler:
         if len(self._running) >= self.limits.max_batch:
             return "batch_full", (f"all {self.limits.max_batch} decode slots (--max-batch) are "
                                   "running sequences")
+        if self._running and not self._decode_fits(req):
+            return "batch_full", (f"{len(self._running)} running sequences: one more would take "
+                                  "the decode step's transient past its bound "
+                                  f"({self.limits.transient_bytes} B)")
         ahead = [r for r in self._running.values() if r.prefilling]
         left = sum(r.prompt_len - r.written for r in ahead)
         if not ahead:
@@ -282,49 +242,6 @@ class Scheduler:
         return "prefill_busy", (f"waiting behind the prefill of {len(ahead)} prompt(s) "
                                 f"({left} tokens left at {self.limits.prefill_tokens} per "
                                 "step) and the requests queued before it")
-
-    def _check_trip(self) -> None:
-        over = self._over_trip()
-        if over and self.pool.cached:
-            self.pool.drop_cached()
-            self._drop_snapshots()
-            self.engine.clear_cache()
-            self.counters["trips"] += 1
-            log.warning("trip: %s; dropped cached blocks", over)
-            over = self._over_trip()
-        if over and not self.tripped:
-            log.error("trip: %s after the emergency clear; refusing new work", over)
-        self.tripped = over
-        if over:
-            self._shed(over)
-
-    def _shed(self, why: str) -> None:
-        """Still over after the clear: refuse everyone waiting and abort the newest running
-        request (one per iteration, so the oldest work finishes if that is enough)."""
-        message = f"memory trip: {why}; request aborted to keep the worker under its line"
-        while self._waiting:
-            self._refuse(self._waiting.popleft(), 503, message, "memory_trip")
-        if self._running:
-            run = self._running[max(self._running)]
-            self._end(run, None)
-            self.engine.clear_cache()
-            self._refuse(run.req, 503, message, "memory_trip")
-
-    def _over_trip(self) -> str:
-        """Why memory is over a line ("" when it is not): the trip, or the guard's soft line.
-
-        ``guard_usage``/``guard_soft`` come from the per-process guard (:mod:`plimsoll.guard`:
-        the worker's cgroup, or its own footprint): its whole footprint, not only MLX's.
-        """
-        mem = self.memory_probe()
-        for name in ("mlx_active", "rss"):
-            if mem.get(name, 0) > self.limits.trip_bytes:
-                return f"{name}={mem[name]} B is over the trip at {self.limits.trip_bytes} B"
-        soft = mem.get("guard_soft")
-        if soft and mem.get("guard_usage", 0) > soft:
-            return (f"memory usage {mem['guard_usage']} B is over the guard's soft line "
-                    f"at {soft} B")
-        return ""
 
     def _end_cancelled(self) -> None:
         for run in [r for r in self._running.values() if r.req.cancelled.is_set()]:
@@ -355,6 +272,8 @@ class Scheduler:
             if self._running and self._over_trip():  # each prefill can be a spike
                 break
             req = self._waiting[0]
+            if self._running and not self._decode_fits(req):
+                break
             grant = self.pool.can_allocate(req.prompt, req.max_tokens, self._hashes(req))
             if isinstance(grant, Refusal):
                 if not grant.never_fits:
@@ -367,18 +286,28 @@ class Scheduler:
         self.step_log.append((self._steps + 1, tuple(w.seq_id for w in decodes), chunks))
         return Step(tuple(decodes), tuple(prefills))
 
+    def _decode_fits(self, req: GenRequest) -> bool:
+        """Whether the decode step's transient stays under its bound with ``req`` running
+        too (every row gathers the longest row's slots)."""
+        bytes_for = self.limits.decode_bytes
+        if bytes_for is None:
+            return True
+        longest = max([len(req.prompt) + req.max_tokens,
+                       *(r.prompt_len + r.req.max_tokens for r in self._running.values())])
+        return bytes_for(len(self._running) + 1, longest) <= self.limits.transient_bytes
+
     def _admit(self, req: GenRequest, grant: Grant) -> _Run:
         """Map the hit blocks, count the reservation, restore a hybrid state snapshot."""
         self.pool.allocate(req.id, grant)
         if grant.snapshot is not None:
             self.engine.restore_state(grant.snapshot, req.id)
         hit = grant.hit_count * self.pool.block_tokens
-        if self.disk is not None:  # the blocks after the mapped ones, read back from disk
+        if self.disk is not None:  # the prompt's next blocks, read back from disk
             hit += self.disk.restore(self.pool, req.id, grant.hashes, grant.hit_count,
                                      len(req.prompt))
         run = _Run(req, list(req.prompt), len(req.prompt), hit, hit)
         self._running[req.id] = run
-        if hit > grant.hit_count * self.pool.block_tokens:
+        if self.disk is not None:
             self._commit(run)  # restored blocks are prefix hits for the next prompt at once
         self.counters["admitted"] += 1
         req.sink(Started(len(req.prompt), hit))
@@ -505,36 +434,3 @@ class Scheduler:
         self._waiting.clear()
         for req in pending:
             req.sink(Refused(503, message, "worker_stopping", self.limits.retry_after_s))
-
-    def _publish(self) -> None:
-        """A consistent snapshot for /v1/plimsoll/status (read from other threads)."""
-        pool, eng = self.pool, self.engine
-        allocated = eng.kv_bytes_allocated()
-        self.kv_bytes_peak = max(self.kv_bytes_peak, allocated)
-        prefilling = sum(1 for r in self._running.values() if r.prefilling)
-        c = pool.counters
-        self.stats = {
-            "pool": pool.stats(),
-            "running": len(self._running),
-            "decoding": len(self._running) - prefilling,
-            "prefilling": prefilling,
-            "waiting": len(self._waiting) + len(self._inbox),
-            "max_batch": self.limits.max_batch,
-            "prefill_tokens_per_step": self.limits.prefill_tokens,
-            # distinct blocks held, live + cached, a shared block once
-            "kv_bytes_held": (pool.held + pool.cached) * eng.block_bytes,
-            "kv_bytes_live": pool.held * eng.block_bytes,
-            "kv_bytes_allocated": allocated,
-            "kv_bytes_peak": self.kv_bytes_peak,
-            "state_bytes_held": eng.state_bytes_held(),
-            "shared_blocks": pool.shared,
-            "prefix": {"hit_blocks": c["hit_blocks"], "miss_blocks": c["miss_blocks"],
-                       "hit_tokens": c["hit_tokens"], "miss_tokens": c["miss_tokens"],
-                       "evicted_blocks": c["evicted_blocks"]},
-            "prefill_tokens_computed": self.counters["prefill_tokens"],
-            "steps": self._steps,
-            "tripped": bool(self.tripped),
-            "trip_reason": self.tripped,
-            "counters": dict(self.counters),
-            "disk": self.disk.stats() if self.disk is not None else None,
-        }

@@ -54,7 +54,7 @@ def start_server(model_dir: Path, cgroup, env: dict[str, str] | None,
     ``/health``. Raises RuntimeError if it exits or is not ready in time."""
     import httpx
 
-    from plimsoll.launch.spawn import free_port
+    from plimsoll.web.serve import free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "plimsoll.guard", "enter", str(cgroup.path), "--",

@@ -14,7 +14,7 @@ soft and hard lines (halfway between) and records the sizes in the workload; the
 reuses those absolute sizes.
 
 The things they drive (prompts, workload, target, helpers, the scratch file) live in
-:mod:`plimsoll.verify.target`.
+:mod:`.target`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What ``plimsoll verify`` watches while it injects faults: one probe per OS, one sampler.
 
-The fault code (:mod:`plimsoll.verify.faults`) never reads a platform file itself; it asks
+The fault code (:mod:`.faults`) never reads a platform file itself; it asks
 a :class:`Sampler` for the figures of a time window, and the sampler asks a probe chosen
 per OS for one :class:`Sample` at a time:
 

@@ -1,13 +1,13 @@
 """``plimsoll verify``: the cap-comprehensiveness run (DESIGN.md invariant 7).
 
 A real worker runs in its own memory cgroup whose hard limit stands in for the wired
-ceiling; each fault kind (:mod:`plimsoll.verify.faults`) is injected in turn, the last one
-several at once, while a sampler (:mod:`plimsoll.verify.probe`, one probe per OS) records
+ceiling; each fault kind (:mod:`.faults`) is injected in turn, the last one
+several at once, while a sampler (:mod:`.probe`, one probe per OS) records
 RSS, MLX active memory, the cgroup's usage, fail count and OOM kills, host page-outs and
 memory pressure. Pass = zero OOM kills, zero page-outs, the worker alive at the end, and
 every phase controlled (each overload answered 503/429, or 400 naming the limit, instead
 of growth past the line). The same run then drives ``mlx_lm.server`` under the same limit
-and workload (:mod:`plimsoll.verify.contrast`), so the report shows both side by side.
+and workload (:mod:`.contrast`), so the report shows both side by side.
 
 Fault kinds: ``first_inference`` (full concurrency × full context on a fresh worker),
 ``long_prefill`` (one prompt at the context, one past it), ``overload`` (more requests
@@ -68,7 +68,8 @@ def run_verify(model_dir: Path, *, limit_bytes: int = 1024 * MIB, concurrency: i
     mlx_lm and a cgroup are available) replay it on mlx_lm.server; return the report."""
     from plimsoll.guard import process as G
     from plimsoll.launch import live_admission as LA
-    from plimsoll.launch.spawn import free_port, start_worker, stop_worker, worker_config
+    from plimsoll.launch.spawn import start_worker, stop_worker, worker_config
+    from plimsoll.web.serve import free_port
 
     from . import contrast as VC
 

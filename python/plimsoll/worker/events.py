@@ -1,0 +1,68 @@
+"""What the scheduler and the HTTP edge exchange: requests, limits and the events a request's
+sink receives (on the scheduler thread; sinks must not block). Pure values, no engine."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from plimsoll.engine.work import TokenConstraint
+
+
+@dataclass(frozen=True)
+class Started:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens mapped from shared blocks (not computed)
+
+
+@dataclass(frozen=True)
+class Token:
+    token_id: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "length" | "eos" | "stop" (a constraint finished) | "cancelled"
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    status: int
+    message: str
+    code: str
+    retry_after: int | None = None
+
+
+Event = Started | Token | Finished | Refused
+Sink = Callable[[Event], None]
+
+
+@dataclass
+class GenRequest:
+    prompt: list[int]
+    max_tokens: int
+    sink: Sink
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    constraint: TokenConstraint | None = None
+    id: int = field(default_factory=itertools.count().__next__)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    deadline: float = 0.0
+    hashes: list[bytes] | None = None  # the prompt's block hashes, computed once
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int         # the load-time worst case admission checked (reported)
+    max_queue: int
+    max_wait_s: float
+    trip_bytes: int
+    retry_after_s: int = 1
+    max_batch: int = 64       # sequences running (decoding or prefilling) at once
+    prefill_tokens: int = 512  # prompt tokens computed per step, over all prefills
+    transient_bytes: int = 0   # the compute transient bound (decode_bytes must stay under)
+    decode_bytes: Callable[[int, int], int] | None = None  # (rows, longest) → transient
