@@ -33,7 +33,7 @@ log = logging.getLogger("plimsoll.worker.disk")
 def open_tier(root: str | Path, cap_bytes: int, model_dir: Path, engine: Any) -> DiskTier:
     """The worker's tier for ``model_dir``: keyed on its weights' hash (the calibration
     records' own), the engine's KV dtype, block size and bytes, mlx/mlx-lm versions."""
-    from plimsoll.launch.calibration import engine_version, weights_hash
+    from plimsoll.core.weights_key import engine_version, weights_hash
 
     return DiskTier.open(root, cap_bytes, engine, weights_hash=weights_hash(model_dir),
                          kv_dtype=str(engine.facts.kv_dtype), engine_version=engine_version())
