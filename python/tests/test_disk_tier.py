@@ -179,3 +179,44 @@ def test_a_read_only_filesystem_turns_the_tier_off(small_fs):
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=False)
     s.close()
+
+
+def test_the_policy_disk_cache_reaches_the_worker_flags(tmp_path):
+    """diskCache: the model's own, else the host's, else off; launch's flags win."""
+    from pathlib import Path
+
+    from plimsoll.core.admission import AdmissionRequest, admit
+    from plimsoll.core.model_facts import facts_from_config
+    from plimsoll.core.policy import PolicyError, parse_policy
+    from plimsoll.core.units import GIB, KIB, MIB
+    from plimsoll.demo.model import PRESETS
+    from plimsoll.launch.spawn import worker_argv, worker_config
+
+    facts = facts_from_config({**PRESETS["tiny"], "torch_dtype": "float32"}, 10 * MIB)
+    d = admit(AdmissionRequest(ceiling_bytes=8 * GIB, total_ram_bytes=8 * GIB,
+                               budget_bytes=8 * GIB, weights_bytes=GIB,
+                               kv_bytes_per_token=64 * KIB, transient_reserve=0.05,
+                               block_tokens=16, concurrency=1, context=4096, max_tokens=256))
+    base = {"schemaVersion": 1, "host": "h", "totalRamGb": 16, "osFloorGb": 4,
+            "modes": {"standalone": {"maxLocalLlmGb": 8}, "clustered": {"maxLocalLlmGb": 8}},
+            "diskCache": {"path": str(tmp_path / "host")},
+            "models": {"a": {"path": "/a", "context": 4096},
+                       "b": {"path": "/b", "context": 4096,
+                             "diskCache": {"path": "~/kv-b", "maxGb": 2.5}}}}
+    pol = parse_policy(base)
+
+    def cfg(name, **kw):
+        return worker_config(Path("/m"), name, facts, d, pol.models[name], pol, port=1, **kw)
+
+    a, b = cfg("a"), cfg("b")
+    assert (a.disk_cache_dir, a.disk_cache_gb) == (tmp_path / "host", 10)
+    assert (b.disk_cache_dir, b.disk_cache_gb) == (Path("~/kv-b").expanduser(), 2.5)
+    argv = worker_argv(b)
+    assert argv[argv.index("--disk-cache-dir") + 1] == str(Path("~/kv-b").expanduser())
+    assert argv[argv.index("--disk-cache-gb") + 1] == "2.5"
+    flag = cfg("a", disk_cache_dir=tmp_path / "flag", disk_cache_gb=1.0)
+    assert (flag.disk_cache_dir, flag.disk_cache_gb) == (tmp_path / "flag", 1.0)
+    off = worker_config(Path("/m"), "m", facts, d, None, None, port=1)
+    assert off.disk_cache_dir is None and "--disk-cache-dir" not in worker_argv(off)
+    with pytest.raises(PolicyError, match="maxGb"):
+        parse_policy({**base, "diskCache": {"path": "/x", "maxGb": 0}})
