@@ -200,8 +200,8 @@ def test_the_policy_disk_cache_reaches_the_worker_flags(tmp_path):
     base = {"schemaVersion": 1, "host": "h", "totalRamGb": 16, "osFloorGb": 4,
             "modes": {"standalone": {"maxLocalLlmGb": 8}, "clustered": {"maxLocalLlmGb": 8}},
             "diskCache": {"path": str(tmp_path / "host")},
-            "models": {"a": {"path": "/a", "context": 4096},
-                       "b": {"path": "/b", "context": 4096,
+            "models": {"a": {"path": "/a", "context": 8192},
+                       "b": {"path": "/b", "context": 8192,
                              "diskCache": {"path": "~/kv-b", "maxGb": 2.5}}}}
     pol = parse_policy(base)
 
