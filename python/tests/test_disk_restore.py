@@ -62,6 +62,9 @@ def test_blocks_spilled_at_shutdown_are_restored_into_a_new_engine(tiny_dir, tmp
     prompt = text(eng.tokenizer, 12 * BLOCK + 7, salt=2)
     first = Req(s, prompt, 6)
     drain(s)
+    s.disk.store.flush()
+    assert s.disk.store.files >= 12  # written behind the finished request, before any stop
+    assert s.pool.cached >= 12  # and still cached in memory
     assert s.disk.spill_all(s.pool) >= 12
     written = s.disk.stats()["files_written"]
     assert written >= 12 and s.pool.cached == 0
@@ -113,7 +116,9 @@ def test_a_damaged_file_is_prefilled_instead(tiny_dir, tmp_path):
     drain(s)
     assert again.started.cached_tokens == 4 * BLOCK  # up to the damaged block
     assert again.tokens == reference(eng.model, prompt, 6)
-    assert not path.exists() and s.stats["disk"]["corrupt"] == 1
+    assert s.stats["disk"]["corrupt"] == 1
+    s.disk.store.flush()  # deleted, prefilled, then written again behind the request: whole
+    assert s.disk.store.get(hashes[4]) is not None
     s.disk.close()
 
 

@@ -8,6 +8,9 @@ the way in (the scheduler thread only; mlx only through :mod:`plimsoll.engine.bl
   :meth:`DiskTier.spill_all` (which evicts everything cached through the same path). The
   engine export copies one block to host memory; the store's writer thread writes it
   (a queue bounded in bytes).
+- **Write-behind.** When a sequence ends, its newly cached blocks are queued for disk at
+  once while the buffer has room (:meth:`DiskTier.write_behind`), so a stop — the proxy's
+  idle unload gives a worker 10 s — has little left to write, and a crash loses little.
 - **Restore.** At admission, after the pool maps what memory still holds, the prompt's next
   block hashes are looked up on disk; each one found is given a block of the request's own
   reservation (:meth:`BlockPool.grow`: admission already counted it), read, checked and
@@ -40,9 +43,23 @@ def open_tier(root: str | Path, cap_bytes: int, model_dir: Path, engine: Any) ->
 
 
 class SpillingPool(BlockPool):
-    """A block pool that tells ``on_evict(block, hash)`` before a cached block is forgotten."""
+    """A block pool that tells ``on_evict(block, hash)`` before a cached block is forgotten,
+    and ``on_cached([(block, hash), …])`` when a sequence's freed blocks become cached."""
 
     on_evict: Callable[[int, bytes], None] | None = None
+    on_cached: Callable[[list[tuple[int, bytes]]], None] | None = None
+
+    def free(self, seq_id: Hashable) -> None:
+        seq = self._seqs.get(seq_id)
+        table = list(seq.table) if seq is not None and self.on_cached is not None else []
+        super().free(seq_id)
+        cached = [(b, self._hash[b]) for b in table
+                  if self._ref[b] == 0 and self._hash[b] is not None]
+        if cached:
+            try:
+                self.on_cached(cached)
+            except Exception:
+                log.exception("disk tier: writing behind freed blocks failed")
 
     def _evict(self, block: int) -> None:
         h = self._hash[block]
@@ -83,6 +100,7 @@ class DiskTier:
     def attach(self, pool: BlockPool) -> None:
         if isinstance(pool, SpillingPool) and not self.unavailable:
             pool.on_evict = self.spill
+            pool.on_cached = self.write_behind
 
     # --- out ------------------------------------------------------------------------------
     def spill(self, block: int, block_hash: bytes) -> None:
@@ -93,6 +111,21 @@ class DiskTier:
 
         if self.store.put(block_hash, export_block(self.engine, block), wait=self._wait):
             self.spilled_blocks += 1
+
+    def write_behind(self, blocks: list[tuple[int, bytes]]) -> None:
+        """A sequence ended: start writing its newly cached blocks (while the buffer has
+        room; the rest go at eviction or shutdown), so a stop has little left to write."""
+        if not self.usable:
+            return
+        from plimsoll.engine.block_io import export_block
+
+        for block, block_hash in blocks:
+            if block_hash in self.store:
+                continue
+            if not self.store.has_room(self.engine.block_bytes):
+                return
+            if self.store.put(block_hash, export_block(self.engine, block)):
+                self.spilled_blocks += 1
 
     def spill_all(self, pool: BlockPool) -> int:
         """A clean shutdown: every cached block goes to disk (waiting for buffer room)."""

@@ -234,6 +234,12 @@ class DiskStore:
             self._room.notify_all()
         return True
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a write of ``nbytes`` would be queued now without waiting."""
+        with self._lock:
+            return (self.state == "on" and not self._closed
+                    and (not self._queued or self._queued + nbytes <= self.buffer_bytes))
+
     def flush(self, timeout: float | None = 30.0) -> None:
         """Wait until every queued write is on disk (or the tier is off)."""
         with self._lock:
