@@ -65,7 +65,7 @@ def test_restart_serves_the_prompt_from_disk(tiny_model, tmp_path):
         assert text == expect
         disk = b.status()["disk"]
         assert disk["hits"] >= PROMPT // 16 - 1 and disk["bytes_read"] > 0
-        assert disk["size_bytes"] == sum(p.stat().st_size for p in files(d))
+        assert disk["files"] >= disk["hits"] and 0 < disk["size_bytes"] <= disk["cap_bytes"]
         assert b.status()["prefill_tokens_computed"] == n - cached
     finally:
         b.stop()
