@@ -182,9 +182,9 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "command": " ".join(["python", "bench/disk_tier.py", *sys.argv[1:]]),
     }
-    out = HERE / "results" / f"disk_tier-{args.preset}"
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
+    out = HERE / "results"
+    (out / f"disk_tier-{args.preset}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"disk_tier-{args.preset}.md").write_text(markdown(result))
     print(json.dumps(result, indent=2))
 
 
