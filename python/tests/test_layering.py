@@ -54,7 +54,7 @@ def test_the_real_tree_keeps_every_contract() -> None:
     ("probes/linux.py", "from plimsoll.core import policy  # a leaf reads only units",
      "probes is a leaf"),
     ("proxy/app.py", "import mlx.core  # the proxy never loads the engine", "mlx and mlx_lm"),
-    ("engine/plan.py", "import mlx_lm  # plan is the pure half of the engine",
+    ("engine/work.py", "import mlx_lm  # work is the pure contract of the engine",
      "mlx and mlx_lm"),
     ("proxy/events.py", "from plimsoll.proxy import app  # app already imports events",
      "No import cycles"),

@@ -1,6 +1,6 @@
 """Prometheus ``/metrics`` on a real proxy, parsed with prometheus-client's own parser.
 
-Models "a" and "b" are the tiny demo model with a large context (~305 MiB admitted each):
+Models "a" and "b" are the tiny demo model with a large context (~373 MiB admitted each):
 they cannot share the 512 MiB standalone envelope, so a request to "b" after "a" is a swap.
 "huge" claims a 4 MiB/token KV cache and is refused by admission before anything loads.
 """
@@ -29,6 +29,8 @@ def proxy(tiny_model, tmp_path_factory) -> Iterator[Proxy]:
     big = {"context": 32768, "maxTokens": 1024, "concurrency": 4}
     (tmp / "policy.json").write_text(json.dumps({
         "schemaVersion": 1, "host": "box", "totalRamGb": 64, "osFloorGb": 4,
+        # a reserve whose compute part holds a prefill chunk at the whole 32k context
+        "transientReserve": 0.2,
         "modes": {"standalone": {"maxLocalLlmGb": 0.5}, "clustered": {"maxLocalLlmGb": 1}},
         "models": {"a": {"path": str(tiny_model), **big}, "b": {"path": str(tiny_model), **big},
                    "huge": {"path": str(huge), "context": 4096, "maxTokens": 256}},

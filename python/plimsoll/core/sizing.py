@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TypeVar
+
+from pydantic import BaseModel
 
 from plimsoll.core.units import MIB, fmt_bytes
 
-if TYPE_CHECKING:  # admission imports this module: the type only, no cycle
-    from plimsoll.core.admission import AdmissionDecision
+#: An ``AdmissionDecision`` (admission imports this module, so it is not imported back).
+Decision = TypeVar("Decision", bound=BaseModel)
 
 RELEASE_TOLERANCE_FLOOR = 64 * MIB
 RELEASE_TOLERANCE_FRACTION = 0.10
@@ -127,7 +129,7 @@ def envelope_bytes(ceiling: int, total_ram: int, budget: int, trip_offset: float
     return min(math.floor(max(u - u_margin, 0.0) * ceiling), budget)
 
 
-def right_size(decision: AdmissionDecision) -> AdmissionDecision:
+def right_size(decision: Decision) -> Decision:
     """The decision with its pool capped at what its sequences can use at once."""
     if not decision.admitted:
         return decision

@@ -5,14 +5,14 @@ TokenConstraint, Work, Step, and the transient arithmetic admission counts),
 :mod:`.core` (the Engine: steps, pipelining, recurrent state), :mod:`.paged` (the
 physical pools, one kind per cache layer), :mod:`.attention` (the cache views mlx-lm's
 models see and the routed attention), :mod:`.sampling`, :mod:`.state` (recurrent state
-of hybrid models), :mod:`.limits` (process-wide MLX limits), :mod:`.plan` and
-:mod:`.pool` (pure block arithmetic and the KV pool in blocks).
+of hybrid models), :mod:`.limits` (process-wide MLX limits) and :mod:`.pool` (the pure
+block pool).
 
 May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, sampling,
 state and limits only).
 
-The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``,
-``.plan`` and ``.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads
+The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``
+and ``.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads
 the mlx edge.
 """
 
@@ -26,39 +26,23 @@ from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
 _EXPORTS = {
     "Engine": "core", "Pending": "core",
     "active_memory": "limits", "clear_buffer_cache": "limits", "process_limits": "limits",
-    "AddResult": "plan", "CapacityError": "plan", "Prefix": "plan", "capacity_tokens": "plan",
-    "move_headroom_blocks": "plan", "reusable_tokens": "plan",
 }
 
 __all__ = [
-    "AddResult",
-    "CapacityError",
     "Engine",
     "Pending",
-    "Prefix",
     "Sampling",
     "Step",
     "TokenConstraint",
     "Work",
     "active_memory",
-    "capacity_tokens",
     "clear_buffer_cache",
-    "move_headroom_blocks",
     "process_limits",
-    "reusable_tokens",
 ]
 
 if TYPE_CHECKING:
     from plimsoll.engine.core import Engine, Pending
     from plimsoll.engine.limits import active_memory, clear_buffer_cache, process_limits
-    from plimsoll.engine.plan import (
-        AddResult,
-        CapacityError,
-        Prefix,
-        capacity_tokens,
-        move_headroom_blocks,
-        reusable_tokens,
-    )
 
 
 def __getattr__(name: str) -> Any:

@@ -7,10 +7,10 @@ state) are laid out; the engine builds one per entry of mlx-lm's
 - :class:`FullAttention` (mlx-lm ``KVCache``): a K pool and a V pool shaped
   ``(kv_heads, blocks × block_tokens, head_dim)``. Block ``b`` is the slot range
   ``[b × B, (b + 1) × B)`` of axis 1, so the token at position ``p`` of a table is slot
-  ``table[p // B] × B + p % B``. Head-major means a gather of any slots comes out as
-  ``(heads, rows, slots, dim)`` whose last two axes are contiguous, the layout
-  ``mx.fast.scaled_dot_product_attention`` reads without another copy, and a run of
-  consecutive blocks is a plain slice (a view).
+  ``table[p // B] × B + p % B``. Head-major means a block is one contiguous run of
+  ``B × dim`` per head, so a gather moves whole blocks (long runs) and comes out as
+  ``(heads, rows, positions, dim)`` whose last two axes are contiguous; a run of
+  consecutive blocks is a plain slice (a view, no copy at all).
 - :class:`RecurrentState` (mlx-lm ``ArraysCache``, any slot count): no blocks; each
   sequence holds its own arrays (see :mod:`plimsoll.engine.state`).
 

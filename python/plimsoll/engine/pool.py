@@ -187,8 +187,7 @@ class BlockPool:
                 "free": self.empty, "reserved": self.outstanding,
                 "fixed": self.fixed_blocks_per_seq * len(self._seqs),
                 "shared": self.shared, "snapshots": len(self._snapshots),
-                "cache_cap": self.cache_cap_blocks, "sequences": len(self._seqs),
-                **self.counters}
+                "cache_cap": self.cache_cap_blocks, "sequences": len(self._seqs)}
 
     # --- questions ------------------------------------------------------------------------
     def prompt_hashes(self, prompt: Sequence[int]) -> list[bytes]:

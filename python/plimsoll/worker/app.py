@@ -213,20 +213,24 @@ def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
     the decode step's transient stays under it too."""
     from plimsoll.engine.work import decode_transient_bytes
 
-    chunk = prefill_chunk(eng.facts, cfg.context, cfg.transient_bytes,
-                          block_tokens=cfg.block_tokens, most=cfg.prefill_chunk)
-    if chunk <= 0:
+    if prefill_chunk(eng.facts, cfg.context, cfg.transient_bytes,
+                     block_tokens=cfg.block_tokens, most=cfg.prefill_chunk) <= 0:
         raise SystemExit(
             f"--transient-bytes {cfg.transient_bytes} cannot hold one prefill token at "
             f"--context {cfg.context} (the gather of the context alone passes it): raise "
             "the transient reserve or lower the context")
-    decode = None
+    decode = chunk_for = None
     if cfg.transient_bytes is not None:
         def decode(rows: int, longest: int) -> int:
             return decode_transient_bytes(eng.facts, rows, longest, cfg.block_tokens)
+
+        def chunk_for(prompt_tokens: int) -> int:  # short prompts take bigger chunks
+            return prefill_chunk(eng.facts, max(1, prompt_tokens), cfg.transient_bytes,
+                                 block_tokens=cfg.block_tokens, most=cfg.prefill_chunk)
     return SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
-                           max_batch=cfg.batch_bound, prefill_tokens=chunk,
-                           transient_bytes=cfg.transient_bytes or 0, decode_bytes=decode)
+                           max_batch=cfg.batch_bound, prefill_tokens=cfg.prefill_chunk,
+                           transient_bytes=cfg.transient_bytes or 0, decode_bytes=decode,
+                           chunk_for=chunk_for)
 
 
 #: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,

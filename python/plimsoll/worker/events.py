@@ -66,3 +66,4 @@ class SchedulerLimits:
     prefill_tokens: int = 512  # prompt tokens computed per step, over all prefills
     transient_bytes: int = 0   # the compute transient bound (decode_bytes must stay under)
     decode_bytes: Callable[[int, int], int] | None = None  # (rows, longest) → transient
+    chunk_for: Callable[[int], int] | None = None  # a prompt's length → its largest chunk

@@ -317,6 +317,8 @@ class Scheduler(TripMixin, StatsMixin):
                chunks: dict[int, int]) -> int:
         """The next chunk of ``run``'s prompt, at most ``budget`` tokens; returns its size."""
         n = min(run.prompt_len - run.written, budget)
+        if self.limits.chunk_for is not None:  # the transient bound at this prompt's length
+            n = max(1, min(n, self.limits.chunk_for(run.prompt_len)))
         block = self.pool.block_tokens
         if self.pool.hybrid and run.written + n < run.prompt_len and n >= block:
             n -= (run.written + n) % block  # end on a block: a state snapshot can go there
