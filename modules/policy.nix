@@ -70,12 +70,17 @@ let
     kvDtype = "auto";
     sharded = false;
     idleTtlS = 300;
+    diskCache = null;
   };
+
+  # The disk tier for KV blocks (host-wide in settings, or per model): off when null.
+  diskCacheDefaults = { maxGb = 10; };
+  diskCacheOf = d: if isAttrs d then diskCacheDefaults // d else d;
 
   declKeys = [ "host" "totalRamGb" "osFloorGb" "maxLocalLlmGb" "transientReserve" "models" "settings" ];
   modeNames = [ "standalone" "clustered" ];
-  settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "cluster" "pressure" ];
-  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" ];
+  settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "cluster" "pressure" "diskCache" ];
+  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" "diskCache" ];
   listenKeys = [ "host" "port" ];
   clusterKeys = [ "interface" "peers" "backend" ];
   peerKeys = [ "host" "address" ];
@@ -128,7 +133,7 @@ let
       clustered = { maxLocalLlmGb = m.clustered or standalone; };
     };
 
-  modelOf = entry: modelDefaults // entry;
+  modelOf = entry: let e = modelDefaults // entry; in e // { diskCache = diskCacheOf e.diskCache; };
 
   policyOf = decl:
     let
@@ -154,6 +159,7 @@ let
       listen = if isAttrs (s.listen or { }) then listen else s.listen;
       cluster = if isAttrs (s.cluster or { }) then cluster else s.cluster;
       pressure = if isAttrs (s.pressure or { }) then pressure else s.pressure;
+      diskCache = diskCacheOf (s.diskCache or null);
       models = if isAttrs models then mapAttrs (_: e: if isAttrs e then modelOf e else e) models else models;
     };
 

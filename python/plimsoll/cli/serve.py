@@ -116,17 +116,6 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
           **uvicorn_options(limit_concurrency=2048, graceful_s=0))
 
 
-def embedded_default():
-    """The demo model (built once, with progress) and a policy from the live probes."""
-    from plimsoll.core.progress import progress
-    from plimsoll.launch.defaults import default_policy, ensure_demo_model
-    from plimsoll.probes import read_snapshot
-
-    with progress("Preparing the demo model") as report:
-        model_dir = ensure_demo_model(report=report)
-    return default_policy(read_snapshot(), model_dir)
-
-
 def parse_idle_ttls(values: tuple[str, ...], models: set[str]
                     ) -> tuple[float, tuple[tuple[str, float], ...]]:
     """``("600", "big=60")`` → ``(600.0, (("big", 60.0),))``; bad input is a usage error."""

@@ -23,6 +23,7 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
                   concurrency: int | None, max_tokens: int | None):
     """The policy to serve, or a usage error that says what to change."""
     from plimsoll.core.model_facts import ModelInspectionError
+    from plimsoll.core.paths import cache_dir
     from plimsoll.core.policy import PolicyError, load_policy, parse_policy
     from plimsoll.launch.defaults import DEFAULT_MODEL_NAME, default_policy
     from plimsoll.launch.model_source import ModelNotFound, model_name, resolve_model_dir
@@ -43,7 +44,11 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
         if policy_file is None:
             entry = model_entry(model_dir, context=context, concurrency=concurrency,
                                 max_tokens=max_tokens, snapshot=snap)
-            return default_policy(snap, model_dir, name=name, entry=entry)
+            # the embedded demo gets a bounded disk tier under the user cache: its
+            # prefixes survive idle unloads and restarts
+            disk = cache_dir() / "kv-blocks" if model_spec is None else None
+            return default_policy(snap, model_dir, name=name, entry=entry,
+                                  disk_cache_dir=disk)
         pol = load_policy(policy_file)
         if model_spec is None:
             return pol

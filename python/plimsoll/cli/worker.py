@@ -64,6 +64,11 @@ from plimsoll.cli.common import EXIT_REFUSED, UsageFailure, invalid_figures
               help="Cap on MLX's buffer cache (mx.set_cache_limit), MiB.")
 @click.option("--wired-limit-bytes", type=click.IntRange(min=0), default=0, show_default=True,
               help="What to wire (Metal only): 0 wires nothing.")
+@click.option("--disk-cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keep KV blocks leaving memory (eviction, the trip's clear, shutdown) in "
+              "this directory and read them back for prompts that match [default: off].")
+@click.option("--disk-cache-gb", type=click.FloatRange(min=0, min_open=True), default=10.0,
+              show_default=True, help="Cap on the disk tier's files for this model, GiB.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8081, show_default=True)
 @click.option("--max-tokens-over-limit", type=click.Choice(["clamp", "refuse"]),
@@ -131,11 +136,17 @@ def worker_command(model_dir, model_name, max_tokens, default_max_tokens, ceilin
 @click.option("--max-tokens", type=click.IntRange(min=1))
 @click.option("--cache-memory-mb", type=click.IntRange(min=0),
               help="Prefix-cache cap inside the pool (default: the whole pool).")
+@click.option("--disk-cache-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="The disk tier for KV blocks leaving memory (default: the policy's "
+              "diskCache, else off).")
+@click.option("--disk-cache-gb", type=click.FloatRange(min=0, min_open=True),
+              help="Cap on the disk tier's files for this model, GiB (default: the policy's "
+              "maxGb, else 10).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8081, show_default=True,
               help="0 picks a free port.")
 def launch_command(model, policy_file, mode, concurrency, context, max_tokens, cache_memory_mb,
-                   host, port) -> None:
+                   disk_cache_dir, disk_cache_gb, host, port) -> None:
     """Admit MODEL against live memory, start its worker with the derived caps, verify them.
 
     Refuses (exit 3, with the figures) a model that cannot hold one sequence; clamps
@@ -188,7 +199,8 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
                 model_dir.name)
     cfg = worker_config(model_dir, name, facts, decision, entry, pol,
                         port=port or free_port(host), host=host,
-                        cache_memory_mb=cache_memory_mb)
+                        cache_memory_mb=cache_memory_mb, disk_cache_dir=disk_cache_dir,
+                        disk_cache_gb=disk_cache_gb)
     try:
         with progress(f"loading {name}") as report:
             report(f"starting the worker on {host}:{cfg.port} "

@@ -99,6 +99,16 @@ class Modes(_Strict):
         return self
 
 
+class DiskCache(_Strict):
+    """The disk tier for KV blocks leaving memory (written there, read back for prompts
+    that match instead of prefilling them). Off when absent."""
+
+    path: str = Field(min_length=1, description="Directory of the tier's files (~ expands).")
+    max_gb: float = Field(
+        default=10, gt=0, le=65536, description="Cap on the tier's files per model, GiB."
+    )
+
+
 class ModelEntry(_Strict):
     path: str = Field(
         min_length=1, description="Local model directory (config.json + safetensors)."
@@ -128,6 +138,9 @@ class ModelEntry(_Strict):
     )
     idle_ttl_s: float = Field(
         default=300, ge=0, description="Unload the idle worker after this many seconds (0: never)."
+    )
+    disk_cache: DiskCache | None = Field(
+        default=None, description="This model's disk tier (default: the host's diskCache)."
     )
 
     @model_validator(mode="before")
@@ -247,6 +260,9 @@ class Policy(_Strict):
     listen: Listen = Listen()
     cluster: Cluster = Cluster()
     pressure: Pressure = Pressure()
+    disk_cache: DiskCache | None = Field(
+        default=None, description="The host's disk tier for KV blocks (off when absent)."
+    )
     models: dict[Name, ModelEntry] = Field(default_factory=dict)
     aliases: dict[str, Name] = Field(
         default_factory=dict,
@@ -287,6 +303,11 @@ class Policy(_Strict):
                     f"{self.os_floor_gb:g} GiB: lower the budget or the floor"
                 )
         return self
+
+    def disk_cache_for(self, entry: ModelEntry | None) -> DiskCache | None:
+        """The model's own disk tier, else the host's."""
+        return (entry.disk_cache if entry is not None and entry.disk_cache else None) or \
+            self.disk_cache
 
     def budget_bytes(self, mode: Mode) -> int:
         return gib_to_bytes(getattr(self.modes, mode).max_local_llm_gb)

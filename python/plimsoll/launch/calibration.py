@@ -13,43 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 
 from plimsoll.core.model_facts import ModelFacts
 from plimsoll.core.paths import cache_dir
+from plimsoll.core.weights_key import engine_version, weights_hash
 
 
 # --- the key ------------------------------------------------------------------------------
-def weights_hash(model_dir: Path) -> str:
-    """SHA-256 over every ``*.safetensors`` file's name and header (not the tensor bytes)."""
-    h = hashlib.sha256()
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files to calibrate")
-    for path in files:
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise ValueError(f"{path}: too short to be a safetensors file")
-            (n,) = struct.unpack("<Q", head)
-            h.update(path.name.encode() + b"\0" + head + f.read(min(n, 100 << 20)))
-    return h.hexdigest()
-
-
-def engine_version() -> str:
-    """``mlx=<v>;mlx-lm=<v>`` from package metadata (mlx itself is never imported here)."""
-    parts = []
-    for dist in ("mlx", "mlx-lm"):
-        try:
-            parts.append(f"{dist}={metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            parts.append(f"{dist}=absent")
-    return ";".join(parts)
-
-
 def calibration_key(model_dir: Path, kv_dtype: str) -> str:
     raw = f"{weights_hash(model_dir)}|{engine_version()}|{kv_dtype}"
     return hashlib.sha256(raw.encode()).hexdigest()[:32]

@@ -46,6 +46,10 @@ def os_floor_gib(total_ram_gib: float) -> float:
     return max(2.0, math.ceil(total_ram_gib / 4))
 
 
+#: The embedded default's disk tier for KV blocks (``plimsoll serve`` with no policy), GiB.
+EMBEDDED_DISK_CACHE_GB = 4.0
+
+
 def _budgets(snapshot: MemorySnapshot) -> dict:
     """Inside a memory cgroup (Linux) the figure is the cgroup's limit, and the host's OS
     lives outside it: the floor protects the host, so none is subtracted from the cgroup
@@ -78,13 +82,17 @@ def budgets(snapshot: MemorySnapshot) -> dict:
 
 
 def default_policy(snapshot: MemorySnapshot, model_dir: Path | None = None, *,
-                   name: str = DEFAULT_MODEL_NAME, entry: dict | None = None) -> Policy:
+                   name: str = DEFAULT_MODEL_NAME, entry: dict | None = None,
+                   disk_cache_dir: Path | None = None) -> Policy:
     """A policy for this machine from its live figures: every budget leaves the OS floor.
 
     ``model_dir`` is served as ``name`` (``entry`` its sized entry, default
-    :func:`native_entry`), the default model of coding clients' names.
+    :func:`native_entry`), the default model of coding clients' names; ``disk_cache_dir``
+    the embedded default's bounded disk tier for KV blocks.
     """
     data = _budgets(snapshot)
+    if disk_cache_dir is not None:
+        data["diskCache"] = {"path": str(disk_cache_dir), "maxGb": EMBEDDED_DISK_CACHE_GB}
     data["models"] = {}
     if model_dir is not None:
         data["models"][name] = entry or native_entry(model_dir)

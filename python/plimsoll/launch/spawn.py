@@ -45,12 +45,18 @@ def worker_config(
     entry: ModelEntry | None, policy: Policy | None, *, port: int, host: str = "127.0.0.1",
     cache_memory_mb: int | None = None, max_queue: int = 64, max_wait_s: float = 30.0,
     drain_s: float = WORKER_DRAIN_S, quiet: bool = False,
+    disk_cache_dir: Path | None = None, disk_cache_gb: float | None = None,
 ) -> WorkerConfig:
-    """The worker's flags from an admitted decision (never from a refused one)."""
+    """The worker's flags from an admitted decision (never from a refused one). The disk
+    tier: the flags, else the model's or host's ``diskCache`` in the policy, else off."""
     if not decision.admitted:
         raise ValueError("a refused decision has no worker configuration")
     wire = policy.wire if policy else Policy.model_fields["wire"].default
     default_max = entry.default_max_tokens if entry else min(512, decision.output_reservation)
+    disk = policy.disk_cache_for(entry) if policy else None
+    if disk_cache_dir is None and disk is not None:
+        disk_cache_dir = Path(disk.path).expanduser()
+    disk_gb = disk_cache_gb or (disk.max_gb if disk is not None else None)
     return WorkerConfig(
         model_dir=model_dir, model_name=name,
         max_cache_blocks=decision.pool_blocks,
@@ -66,6 +72,8 @@ def worker_config(
         mlx_cache_mb=S.mlx_cache_mb(decision.transient_reserve_bytes),
         wired_limit_bytes=wired_bytes(wire, decision), host=host, port=port,
         kv_dtype=facts.kv_dtype, block_bytes=decision.block_bytes,
+        disk_cache_dir=disk_cache_dir,
+        **({"disk_cache_gb": disk_gb} if disk_gb else {}),
         transient_bytes=S.compute_transient_bytes(decision.transient_reserve_bytes) or None,
         max_tokens_over_limit=entry.max_tokens_over_limit if entry else "clamp",
         drain_s=drain_s, quiet=quiet,
@@ -91,6 +99,8 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         *(["--max-batch", str(cfg.max_batch)] if cfg.max_batch else []),
         *(["--kv-dtype", cfg.kv_dtype] if cfg.kv_dtype else []),
         *(["--block-bytes", str(cfg.block_bytes)] if cfg.block_bytes else []),
+        *(["--disk-cache-dir", str(cfg.disk_cache_dir), "--disk-cache-gb",
+           repr(cfg.disk_cache_gb)] if cfg.disk_cache_dir is not None else []),
         *(["--transient-bytes", str(cfg.transient_bytes)] if cfg.transient_bytes else []),
         "--host", cfg.host, "--port", str(cfg.port),
         "--max-tokens-over-limit", cfg.max_tokens_over_limit,

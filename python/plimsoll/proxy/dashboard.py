@@ -59,6 +59,9 @@ def worker_view(obs: Observer, p: Poll, name: str) -> dict[str, Any]:
         "trip_bytes": lim.get("trip_bytes"), "u": lim.get("gpu_memory_utilization"),
         "tripped": bool(st.get("tripped")), "trips": obs.trips(name),
         "requests": served, "last_exit": w.get("last_exit"),
+        "disk": ({k: st["disk"].get(k) for k in ("state", "reason", "hits", "misses",
+                                                  "size_bytes", "cap_bytes")}
+                 if st.get("disk") else None),
     }
 
 

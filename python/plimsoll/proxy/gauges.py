@@ -17,6 +17,19 @@ from .state import State
 
 PRESSURE_LEVELS = {"unknown": -1, "normal": 0, "warn": 1, "critical": 2}
 
+#: The disk tier's figures per worker (since that worker started; its status' ``disk``).
+DISK_GAUGES = (
+    ("on", "1 while on, 0 when off (the worker's status says why)."),
+    ("hits", "blocks read back instead of prefilled."),
+    ("misses", "lookups that found no usable file."),
+    ("corrupt", "files that failed their checks (deleted)."),
+    ("bytes_read", "bytes read."),
+    ("bytes_written", "bytes written."),
+    ("files", "files on disk."),
+    ("size_bytes", "bytes on disk."),
+    ("cap_bytes", "the cap on bytes on disk."),
+)
+
 
 @dataclass
 class Poll:
@@ -98,7 +111,8 @@ def gauges(p: Poll, trip_count: Callable[[str], int]) -> list[Metric]:
         ("gpu_memory_utilization", "u, the admitted fraction of the ceiling."),
         ("admitted_footprint_bytes", "weights + reserve + pool, as admitted."),
         ("weights_bytes", "Model weights, as admitted."),
-        ("worker_tripped", "1 while the worker is over its trip point."))}
+        ("worker_tripped", "1 while the worker is over its trip point."),
+        *((f"disk_tier_{k}", f"Disk tier for KV blocks: {doc}") for k, doc in DISK_GAUGES))}
     trips = CounterMetricFamily("plimsoll_trips", "Emergency clears fired by workers "
                                 "(kept across restarts).", labels=["model"])
     out.append(trips)
@@ -128,4 +142,9 @@ def gauges(p: Poll, trip_count: Callable[[str], int]) -> list[Metric]:
                 ("worker_tripped", 1.0 if st.get("tripped") else 0.0)):
             if value is not None:
                 per_model[key].add_metric([name], float(value))
+        if disk := st.get("disk"):
+            for k, _ in DISK_GAUGES:
+                value = (1.0 if disk.get("state") == "on" else 0.0) if k == "on" else disk.get(k)
+                if value is not None:
+                    per_model[f"disk_tier_{k}"].add_metric([name], float(value))
     return out

@@ -229,7 +229,7 @@ def status_report(state: Any) -> dict[str, Any]:
     }
 
 
-def make_pool(cfg: WorkerConfig, eng: Any) -> BlockPool:
+def make_pool(cfg: WorkerConfig, eng: Any, pool_cls: type[BlockPool] = BlockPool) -> BlockPool:
     """The pool the flags describe, sized against the loaded engine's real figures; the
     start-up check is admission's own (:func:`plimsoll.core.sizing.pool_problem`)."""
     facts = eng.facts
@@ -241,7 +241,7 @@ def make_pool(cfg: WorkerConfig, eng: Any) -> BlockPool:
     fixed = S.fixed_blocks(facts.per_sequence_fixed_bytes, eng.block_bytes)
     if problem := S.pool_problem(cfg.max_cache_blocks, cfg.context, cfg.block_tokens, fixed):
         raise SystemExit(problem)
-    return BlockPool(
+    return pool_cls(
         total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
         cache_cap_blocks=S.cache_cap_blocks(cfg.prefix_cache_bytes, eng.block_bytes,
                                             cfg.max_cache_blocks),
@@ -298,7 +298,14 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
         loaded["applied"] = stack.enter_context(E.process_limits(
             cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
         loaded["active_memory"] = E.active_memory
-        return eng, make_pool(cfg, eng), scheduler_limits(cfg, eng)
+        if cfg.disk_cache_dir is None:
+            return eng, make_pool(cfg, eng), scheduler_limits(cfg, eng)
+        from plimsoll.worker.disk_restore import SpillingPool, open_tier
+
+        pool = make_pool(cfg, eng, SpillingPool)
+        sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
+        sched.disk.attach(pool)
+        return eng, pool, scheduler_limits(cfg, eng)
 
     def memory_probe() -> dict[str, int]:
         return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
@@ -321,8 +328,10 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
                "applied_limits": loaded["applied"], "engine_memory": eng.memory,
                "rss": lambda: proc.memory_info().rss, "guard": self_guard,
                "constrained_decoding": True}
-    finally:
-        await run_in_threadpool(sched.stop)
+    finally:  # the disk tier's shutdown spill runs on the scheduler thread: give it time
+        await run_in_threadpool(sched.stop, 10.0 if sched.disk is None else 120.0)
+        if sched.disk is not None:
+            await run_in_threadpool(sched.disk.close)
 
 
 def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:

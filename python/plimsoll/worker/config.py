@@ -55,6 +55,10 @@ class WorkerConfig(BaseModel):
     trip_offset: float = 0.05
     mlx_cache_mb: int = Field(default=256, ge=0, description="MLX buffer-cache cap (MiB).")
     wired_limit_bytes: int = Field(default=0, ge=0, description="0: wire nothing.")
+    disk_cache_dir: Path | None = Field(default=None, description=(
+        "Directory of the disk tier for KV blocks leaving memory; None: no disk tier."))
+    disk_cache_gb: float = Field(default=10.0, gt=0, description=(
+        "Cap on the disk tier's files for this model, GiB."))
     host: str = "127.0.0.1"
     port: int = Field(default=8081, ge=0, le=65535)
     max_tokens_over_limit: Literal["clamp", "refuse"] = Field(
@@ -79,6 +83,10 @@ class WorkerConfig(BaseModel):
     @property
     def prefix_cache_bytes(self) -> int:
         return self.cache_memory_mb * MIB
+
+    @property
+    def disk_cache_bytes(self) -> int:
+        return int(self.disk_cache_gb * (1 << 30))
 
     @property
     def mlx_cache_bytes(self) -> int:

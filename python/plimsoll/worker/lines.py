@@ -68,6 +68,7 @@ class StatsMixin:
 
     stats: dict[str, Any]
     kv_bytes_peak: int
+    disk: Any  # worker/disk_restore.DiskTier or None
 
     def _publish(self) -> None:
         """A consistent snapshot for /v1/plimsoll/status (read from other threads)."""
@@ -99,4 +100,5 @@ class StatsMixin:
             "tripped": bool(self.tripped),
             "trip_reason": self.tripped,
             "counters": dict(self.counters),
+            "disk": self.disk.stats() if self.disk is not None else None,
         }

@@ -120,6 +120,7 @@ class Scheduler(TripMixin, StatsMixin):
         self.step_log: collections.deque[tuple[int, tuple[int, ...], dict[int, int]]] = (
             collections.deque(maxlen=4096))
         self.stats: dict[str, Any] = {}
+        self.disk: Any = None  # the tier under the pool (worker/disk_restore.DiskTier) or None
 
     # --- called from any thread ---------------------------------------------------------
     def start(self) -> None:
@@ -173,6 +174,8 @@ class Scheduler(TripMixin, StatsMixin):
                         and not self._stop.is_set()):
                     self._wake.wait(timeout=0.25 if self._waiting else None)
         self._fail_all("the worker is shutting down")
+        if self.disk is not None:  # a clean stop: every cached block goes to disk
+            self.disk.shutdown(self.pool)
 
     def iterate(self) -> None:
         """One step of the loop (public for pure tests that drive it with a fake engine)."""
@@ -299,8 +302,13 @@ class Scheduler(TripMixin, StatsMixin):
         if grant.snapshot is not None:
             self.engine.restore_state(grant.snapshot, req.id)
         hit = grant.hit_count * self.pool.block_tokens
+        if self.disk is not None:  # the prompt's next blocks, read back from disk
+            hit += self.disk.restore(self.pool, req.id, grant.hashes, grant.hit_count,
+                                     len(req.prompt))
         run = _Run(req, list(req.prompt), len(req.prompt), hit, hit)
         self._running[req.id] = run
+        if self.disk is not None:
+            self._commit(run)  # restored blocks are prefix hits for the next prompt at once
         self.counters["admitted"] += 1
         req.sink(Started(len(req.prompt), hit))
         return run
