@@ -71,16 +71,17 @@ let
     sharded = false;
     idleTtlS = 300;
     diskCache = null;
+    maxTokensOverLimit = "clamp";
   };
 
   # The disk tier for KV blocks (host-wide in settings, or per model): off when null.
   diskCacheDefaults = { maxGb = 10; };
   diskCacheOf = d: if isAttrs d then diskCacheDefaults // d else d;
 
-  declKeys = [ "host" "totalRamGb" "osFloorGb" "maxLocalLlmGb" "transientReserve" "models" "settings" ];
+  declKeys = [ "host" "totalRamGb" "osFloorGb" "maxLocalLlmGb" "transientReserve" "models" "settings" "aliases" "defaultModel" ];
   modeNames = [ "standalone" "clustered" ];
   settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "cluster" "pressure" "diskCache" ];
-  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" "diskCache" ];
+  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" "diskCache" "maxTokensOverLimit" ];
   listenKeys = [ "host" "port" ];
   clusterKeys = [ "interface" "peers" "backend" ];
   peerKeys = [ "host" "address" ];
@@ -160,6 +161,8 @@ let
       cluster = if isAttrs (s.cluster or { }) then cluster else s.cluster;
       pressure = if isAttrs (s.pressure or { }) then pressure else s.pressure;
       diskCache = diskCacheOf (s.diskCache or null);
+      aliases = decl.aliases or { };
+      defaultModel = decl.defaultModel or null;
       models = if isAttrs models then mapAttrs (_: e: if isAttrs e then modelOf e else e) models else models;
     };
 

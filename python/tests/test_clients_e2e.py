@@ -34,6 +34,13 @@ SERVE = "from plimsoll.cli.serve import serve_command; serve_command()"
 MODEL = "demo-tiny"
 CLIENT_TIMEOUT_S = 1800
 
+# Opt-in: the demo's CPU prefill of Claude Code's ~17k-token first prompt takes minutes on a
+# 2-core box (tens of minutes under load), longer than CI's budget allows for one test.
+pytestmark = pytest.mark.skipif(
+    os.environ.get("PLIMSOLL_CLIENTS_E2E") != "1",
+    reason="set PLIMSOLL_CLIENTS_E2E=1 to run Claude Code, OpenCode and Codex end to end "
+           "(minutes of CPU prefill per client)")
+
 
 @pytest.fixture(scope="module")
 def clients_bin() -> Path:

@@ -232,7 +232,12 @@ class Engine:
             return pending
 
     def _settle_until(self, target: Pending | None) -> None:
-        """Settle every submitted step up to ``target`` (all of them for None), in order."""
+        """Settle every submitted step up to ``target`` (all of them for None), in order.
+        A ``target`` settled already (a constrained step settled it early) settles nothing
+        more: the steps after it keep their overlap, and their constraints are told their
+        tokens only when those are read."""
+        if target is not None and all(p is not target for p in self._unsettled):
+            return
         while self._unsettled:
             p = self._unsettled.pop(0)
             p._settle()
