@@ -41,6 +41,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import Batch, PagedView, route_attention
+from plimsoll.engine.limits import backend_env_defaults
 from plimsoll.engine.paged import (
     FullAttention,
     RecurrentState,
@@ -94,6 +95,7 @@ class Engine:
         self.block_tokens, self.max_blocks, self.pipeline = block_tokens, max_blocks, pipeline
         # Compute on a stream of our own, as mlx-lm's generate does (measured ~5-10%
         # faster single-stream decode on the CPU backend than the default stream).
+        backend_env_defaults()  # before the stream: its encoder reads the graph cache's
         self._stream = mx.new_stream(mx.default_device())
         route_attention()
         self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
@@ -124,6 +126,7 @@ class Engine:
         if bits:
             raise NotImplementedError(f"quantized KV ({bits}-bit) is not served by the paged "
                                       "engine yet; pass kv_dtype float16, bfloat16 or float32")
+        backend_env_defaults()
         model, tokenizer = mlx_lm.load(str(model_dir))
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,

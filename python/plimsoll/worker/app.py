@@ -299,13 +299,17 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
             cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
         loaded["active_memory"] = E.active_memory
         if cfg.disk_cache_dir is None:
-            return eng, make_pool(cfg, eng), scheduler_limits(cfg, eng)
-        from plimsoll.worker.disk_restore import SpillingPool, open_tier
+            pool = make_pool(cfg, eng)
+        else:
+            from plimsoll.worker.disk_restore import SpillingPool, open_tier
 
-        pool = make_pool(cfg, eng, SpillingPool)
-        sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
-        sched.disk.attach(pool)
-        return eng, pool, scheduler_limits(cfg, eng)
+            pool = make_pool(cfg, eng, SpillingPool)
+            sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
+            sched.disk.attach(pool)
+        limits = scheduler_limits(cfg, eng)
+        if took := E.warm_up(eng, cfg.prefill_chunk):  # GPU backends only: see engine/warmup
+            log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
+        return eng, pool, limits
 
     def memory_probe() -> dict[str, int]:
         return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
