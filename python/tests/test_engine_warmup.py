@@ -22,6 +22,7 @@ def test_warm_up_leaves_no_state_and_output_unchanged(tmp_path, preset):
     eng = Engine.load(build_demo_model(tmp_path, preset), block_tokens=16, max_blocks=64)
     sharpen(eng.model)
     assert warm_up(eng) == 0.0  # the CPU backend compiles nothing: skipped
+    assert eng.fused_prefill is False  # and materialises attention scores
     assert warm_up(eng, 64, force=True) > 0
     assert eng.state_bytes_held() == 0 and eng.blocks_allocated() > 0
     prompts = [text(eng.tokenizer, 40, salt=s) for s in (1, 2)]

@@ -97,6 +97,26 @@ class PagedView:
         return False
 
 
+def fused_prefill(dtype: mx.Dtype, head_dims: set[int]) -> bool:
+    """Does this backend run a prefill chunk's attention as a fused kernel (no score matrix
+    held)? MLX's CUDA backend uses cuDNN for f16/bf16 with head dims that are multiples of 8
+    up to 128; Metal's fused kernel takes head dims 64, 80 and 128; the CPU backend
+    materialises the scores. Admission's transient and the default chunk follow it."""
+    if mx.default_device().type != mx.DeviceType.gpu or not head_dims:
+        return False
+    if _metal():
+        return head_dims <= {64, 80, 128}
+    return dtype in (mx.float16, mx.bfloat16) and all(d % 8 == 0 and d <= 128
+                                                      for d in head_dims)
+
+
+def _metal() -> bool:
+    try:
+        return mx.metal.is_available()
+    except AttributeError:
+        return False
+
+
 def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's attention entry point, paged for a :class:`PagedView`."""
     if isinstance(cache, PagedView):

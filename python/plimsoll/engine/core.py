@@ -40,7 +40,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import state as st
-from plimsoll.engine.attention import Batch, PagedView, route_attention
+from plimsoll.engine.attention import Batch, PagedView, fused_prefill, route_attention
 from plimsoll.engine.limits import backend_env_defaults
 from plimsoll.engine.paged import (
     FullAttention,
@@ -108,6 +108,9 @@ class Engine:
         self.state_bytes_per_seq = sum(k.bytes_per_seq for k in self.layers
                                        if isinstance(k, RecurrentState))
         self._pools = [k for k in self.layers if isinstance(k, FullAttention)]
+        #: the backend runs a prefill chunk's attention fused (the worker's chunk follows it)
+        self.fused_prefill = fused_prefill(
+            self._compute_dtype, {d for p in self._pools for d in (p.k_dim, p.v_dim)})
         self._states: dict[int, list[st.Entries]] = {}
         # The last decode's stacked state (its rows, in order): the next decode of the same
         # rows reuses it instead of stacking again (its row views are what _states holds).
@@ -135,6 +138,7 @@ class Engine:
     def _kinds(self, model, kv_dtype: str | None, slab: int) -> list:
         """One kind per cache layer, shapes and dtypes measured by a one-token probe."""
         caches = make_prompt_cache(model)
+        self._compute_dtype = mx.float32
         for c in caches:
             if type(c) not in (KVCache, ArraysCache):
                 raise NotImplementedError(
@@ -147,6 +151,7 @@ class Engine:
         kinds: list = []
         for c in caches:
             if type(c) is KVCache:
+                self._compute_dtype = c.keys.dtype  # what the model computes K in
                 _, heads, _, k_dim = c.keys.shape
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
                 kinds.append(FullAttention(heads, k_dim, c.values.shape[3], dtype,

@@ -43,7 +43,7 @@ from plimsoll.web.body import read_body
 from plimsoll.web.edge import Edge, access
 from plimsoll.web.errors import no_route_handler
 from plimsoll.web.graceful import Drain
-from plimsoll.worker.config import WorkerConfig, prefill_chunk
+from plimsoll.worker.config import WorkerConfig, default_prefill_chunk, prefill_chunk
 
 from . import anthropic_routes, responses_routes
 from .scheduler import (
@@ -252,11 +252,14 @@ def make_pool(cfg: WorkerConfig, eng: Any, pool_cls: type[BlockPool] = BlockPool
 def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
     """The step's figures: the prefill chunk follows the context so its transient stays
     under the bound admission counted, and a sequence joins the running batch only while
-    the decode step's transient stays under it too."""
+    the decode step's transient stays under it too. The chunk's default and its transient
+    follow the backend (``eng.fused_prefill``: a fused prefill attention holds no scores)."""
     from plimsoll.engine.work import decode_transient_bytes
 
+    fused = bool(getattr(eng, "fused_prefill", False))
+    most = cfg.prefill_chunk or default_prefill_chunk(fused)
     if prefill_chunk(eng.facts, cfg.context, cfg.transient_bytes,
-                     block_tokens=cfg.block_tokens, most=cfg.prefill_chunk) <= 0:
+                     block_tokens=cfg.block_tokens, most=most, fused=fused) <= 0:
         raise SystemExit(
             f"--transient-bytes {cfg.transient_bytes} cannot hold one prefill token at "
             f"--context {cfg.context} (the gather of the context alone passes it): raise "
@@ -268,9 +271,9 @@ def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
 
         def chunk_for(prompt_tokens: int) -> int:  # short prompts take bigger chunks
             return prefill_chunk(eng.facts, max(1, prompt_tokens), cfg.transient_bytes,
-                                 block_tokens=cfg.block_tokens, most=cfg.prefill_chunk)
+                                 block_tokens=cfg.block_tokens, most=most, fused=fused)
     return SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
-                           max_batch=cfg.batch_bound, prefill_tokens=cfg.prefill_chunk,
+                           max_batch=cfg.batch_bound, prefill_tokens=most,
                            transient_bytes=cfg.transient_bytes or 0, decode_bytes=decode,
                            chunk_for=chunk_for)
 
@@ -307,7 +310,7 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
             sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
             sched.disk.attach(pool)
         limits = scheduler_limits(cfg, eng)
-        if took := E.warm_up(eng, cfg.prefill_chunk):  # GPU backends only: see engine/warmup
+        if took := E.warm_up(eng):  # GPU backends only: see engine/warmup
             log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
         return eng, pool, limits
 
