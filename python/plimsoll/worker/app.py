@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -160,8 +161,8 @@ async def _sse(meta: P.ResponseMeta, req: P.Request, waiting: tuple, stream: Asy
             yield P.sse(P.error_body(item.status, item.message, code=item.code))
             yield P.SSE_DONE
             return
-        for chunk in P.delta_chunks(meta, item):
-            yield P.sse(chunk)
+        if chunks := P.delta_chunks(meta, item):  # one write for the tokens of one wake-up
+            yield b"".join(P.sse(chunk) for chunk in chunks)
     if not assembler.done:
         return
     usage = _usage(first, assembler) if req.include_usage else None
@@ -383,6 +384,8 @@ def serve_worker(cfg: WorkerConfig) -> None:
 
     basic_logging()
     set_quiet(cfg.quiet)
+    if interval := os.environ.get("PLIMSOLL_SWITCH_INTERVAL_S"):  # a tuning knob (bench/)
+        sys.setswitchinterval(float(interval))  # how soon the engine thread gets the GIL
     app = make_app(cfg)
     limit = in_flight_limit(cfg)
     # h11 whatever else is installed: its cap on a request head bounds enormous headers.
