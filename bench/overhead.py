@@ -9,6 +9,10 @@ is a fraction of a step, this measures at 1, 8 and 32 concurrent streams × ``--
   bench/engine_paged.py: ``run_async`` of step n+1 before ``result()`` of step n), block
   tables as a fresh pool hands them out (lowest ids first); no scheduler, no HTTP;
 - ``plimsoll``: the worker (``plimsoll launch`` by default) over HTTP streaming on 127.0.0.1;
+- ``scheduler``: the worker's scheduler thread over the engine in this process (its pool,
+  its memory probe, pipelining), sinks that only note token times: no HTTP;
+- ``mlx_inproc``: mlx-lm's own generators in process (``stream_generate`` for one stream,
+  ``BatchGenerator`` for N), the anchor of mlx_lm.server's own overhead;
 - ``mlx``: ``mlx_lm.server`` (defaults) over HTTP, same requests, same run.
 
 Clients: one asyncio loop in this process, one httpx connection per stream, all released
@@ -19,8 +23,12 @@ server and stream count (median over ``--rounds``):
 - ``decode_tps``: tokens after each stream's first ÷ (last token − earliest first token);
 - ``step_ms``: the median stream's time between tokens, (last − first) ÷ (tokens − 1) — the
   server's decode step as a client sees it; the engine's is rows ÷ its tok/s;
-- ``overhead_ms``: server ``step_ms`` − engine ``step_ms``: what the serving stack adds per
-  step (scheduler, event delivery, SSE, HTTP).
+- ``cpu_ms_per_step``: CPU time (every thread, user + system) per step — of the server's
+  process tree over a whole round (prefill and HTTP included), of this process over the
+  engine's decode loop; far less sensitive to a busy machine than wall time;
+- ``overhead_ms``: server ``step_ms`` − in-process ``step_ms`` (plimsoll's worker against its
+  engine, mlx_lm.server against mlx-lm's generators): what the serving stack adds per step
+  (scheduler, event delivery, SSE, HTTP).
 
 ``--py-spy DIR`` also records the plimsoll worker with py-spy (every thread, ``--idle``
 off, speedscope and a flat top list in DIR) during its widest phase, for where the time
@@ -52,10 +60,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness_server import HOST, ServerProcess, free_port, render  # noqa: E402
+from harness_server import HOST, ServerProcess, free_port, render
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing "
-         "matches near the old river bank and count their golden coins").split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven",
+         "wizards", "quietly", "judge", "boxing", "matches", "near", "the", "old", "river",
+         "bank", "and", "count", "their", "golden", "coins"]
 PLIMSOLL = ("{python} -m plimsoll.cli launch {model} --host {host} --port {port} "
             "--concurrency 32 --context 2048 --max-tokens 512")
 MLX = "{python} -m mlx_lm server --model {model} --host {host} --port {port}"
@@ -70,7 +79,6 @@ def prompt_text(i: int, words: int) -> str:
 def engine_rounds(model: Path, streams: list[int], tokens: int, rounds: int,
                   words: int) -> dict:
     import mlx.core as mx
-
     from plimsoll.engine import Engine
     from plimsoll.engine.work import Step, Work
 
@@ -93,7 +101,7 @@ def engine_rounds(model: Path, streams: list[int], tokens: int, rounds: int,
             at += nb
         for i, p in enumerate(prompts):
             eng.run(Step(prefills=(Work(i, tuple(p), 0, tables[i], True),)))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         pending, count = None, 0
         for k in range(tokens - 1):
             nxt = eng.run_async(Step(decodes=tuple(
@@ -102,18 +110,132 @@ def engine_rounds(model: Path, streams: list[int], tokens: int, rounds: int,
                 count += len(pending.result())
             pending = nxt
         count += len(pending.result())
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         for i in range(len(prompts)):
             eng.free_state(i)
+        cpu_ms[len(prompts)].append(1000 * cpu / (tokens - 1))
         return count / dt
 
+    cpu_ms: dict[int, list[float]] = {n: [] for n in streams}
     one(prompts_by_n[streams[0]][:1])  # warm-up
     for n in streams:
         runs = sorted(one(prompts_by_n[n]) for _ in range(rounds))
         tps = runs[len(runs) // 2]
-        out[str(n)] = {"decode_tps": tps, "runs_tps": runs, "step_ms": 1000 * n / tps}
+        out[str(n)] = {"decode_tps": tps, "runs_tps": runs, "step_ms": 1000 * n / tps,
+                       "cpu_ms_per_step": statistics.median(cpu_ms[n])}
         print(f"[engine] {n} rows: {tps:.0f} tok/s, {1000 * n / tps:.2f} ms/step", flush=True)
-    del eng
+    return out
+
+
+def mlx_inproc_rounds(model: Path, streams: list[int], tokens: int, rounds: int,
+                      words: int) -> dict:
+    """mlx-lm's own generators in process: ``stream_generate`` (its generation_tps) for one
+    stream, ``BatchGenerator`` for N (bench/engine_paged.py's timing)."""
+    import types
+
+    import mlx_lm
+    from engine_paged import mlx_batch, mlx_single
+
+    model_, tok = mlx_lm.load(str(model))
+    holder = types.SimpleNamespace(model=model_, tokenizer=tok)
+    prompts = {n: [tok.apply_chat_template([{"role": "user", "content": prompt_text(i, words)}],
+                                           add_generation_prompt=True) for i in range(n)]
+               for n in streams}
+    mlx_single(holder, prompts[streams[0]][0], 8)  # warm-up
+    out: dict = {}
+    for n in streams:
+        fn = (lambda n=n: mlx_single(holder, prompts[n][0], tokens)) if n == 1 else \
+            (lambda n=n: mlx_batch(holder, prompts[n], tokens))
+        runs = sorted(fn() for _ in range(rounds))
+        tps = runs[len(runs) // 2]
+        out[str(n)] = {"decode_tps": tps, "runs_tps": runs, "step_ms": 1000 * n / tps}
+        print(f"[mlx-lm in process] {n} rows: {tps:.0f} tok/s, {1000 * n / tps:.2f} ms/step",
+              flush=True)
+    return out
+
+
+def scheduler_rounds(model: Path, streams: list[int], tokens: int, rounds: int,
+                     words: int) -> dict:
+    """The worker's scheduler thread over the engine in this process, as the worker runs it
+    (its memory probe with this process's guard, the pool, pipelined steps), sinks that only
+    note each token's time: the scheduler's share of the overhead, without HTTP."""
+    import threading
+
+    import mlx.core as mx
+    import psutil
+    from plimsoll.engine import Engine
+    from plimsoll.engine.pool import BlockPool
+    from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
+    from plimsoll.worker.scheduler import (
+        Finished,
+        GenRequest,
+        Scheduler,
+        SchedulerLimits,
+        Token,
+    )
+
+    total = max(streams) * (-(-(words * 3 + tokens + 64) // BLOCK)) + 64
+    proc = psutil.Process()
+    loaded: dict = {}
+
+    def setup(stack):
+        eng = Engine.load(model, block_tokens=BLOCK, max_blocks=total)
+        loaded["eng"] = eng
+        pool = BlockPool(total=total, block_tokens=BLOCK, cache_cap_blocks=total,
+                         extra_key=b"overhead")
+        return eng, pool
+
+    def probe() -> dict[str, int]:
+        return {"mlx_active": mx.get_active_memory(), "rss": proc.memory_info().rss}
+
+    limits = SchedulerLimits(max_num_seqs=max(streams), max_queue=256, max_wait_s=600,
+                             trip_bytes=1 << 62, max_batch=max(streams), prefill_tokens=512)
+    sched = Scheduler(setup, limits, memory_probe_with_guard(probe, SelfGuard.find()))
+    sched.start()
+    sched.ready.wait()
+    if sched.setup_error is not None:
+        raise sched.setup_error
+    tok = loaded["eng"].tokenizer
+
+    def one(n: int, salt: int) -> dict:
+        done = threading.Semaphore(0)
+        times: list[list[float]] = [[] for _ in range(n)]
+
+        def sink_for(i: int):
+            def sink(ev) -> None:
+                if isinstance(ev, Token):
+                    times[i].append(time.perf_counter())
+                elif isinstance(ev, Finished) or not hasattr(ev, "prompt_tokens"):
+                    done.release()
+            return sink
+
+        prompts = [tok.apply_chat_template(
+            [{"role": "user", "content": prompt_text(salt * 100 + i, words)}],
+            add_generation_prompt=True) for i in range(n)]
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i, p in enumerate(prompts):
+            sched.submit(GenRequest(prompt=p, max_tokens=tokens, sink=sink_for(i)))
+        for _ in range(n):
+            done.acquire(timeout=600)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        steps = sorted((t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1)
+        firsts, lasts = [t[0] for t in times if t], [t[-1] for t in times if t]
+        got = sum(len(t) for t in times)
+        return {"aggregate_tps": got / wall,
+                "decode_tps": (got - n) / (max(lasts) - min(firsts)),
+                "step_ms": 1000 * steps[len(steps) // 2], "cpu_ms_per_step": 1000 * cpu / tokens}
+
+    out: dict = {}
+    try:
+        one(2, 999)  # warm-up
+        for n in streams:
+            out[str(n)] = summarise([one(n, r) for r in range(rounds)])
+            s_ = out[str(n)]
+            print(f"[scheduler] {n} streams: {s_['decode_tps']:.0f} tok/s decode, "
+                  f"{s_['step_ms']:.2f} ms/step, CPU {s_['cpu_ms_per_step']:.2f} ms/step",
+                  flush=True)
+    finally:
+        sched.stop()
     return out
 
 
@@ -206,9 +328,12 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
             spy = None
             if args.py_spy and label == "plimsoll" and n == max(args.streams):
                 spy = start_spy(server, args.py_spy, f"{label}-{n}")
-            runs = [asyncio.run(concurrent(server.base_url, model_id, prompts[n][r],
-                                           args.tokens, args.request_timeout))
-                    for r in range(args.rounds)]
+            runs = []
+            for r in range(args.rounds):
+                c0 = tree_cpu(server)
+                runs.append(asyncio.run(concurrent(server.base_url, model_id, prompts[n][r],
+                                                   args.tokens, args.request_timeout)))
+                runs[-1]["cpu_ms_per_step"] = 1000 * (tree_cpu(server) - c0) / args.tokens
             if spy is not None:
                 out[f"py_spy_{n}"] = stop_spy(spy)
             out[str(n)] = summarise(runs)
@@ -216,13 +341,28 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
             print(f"[{label}] {n} streams: {s.get('aggregate_tps', 0):.0f} tok/s aggregate, "
                   f"{s.get('step_ms') or 0:.2f} ms/step, min tokens {s.get('tokens_each_min')} "
                   f"{s.get('errors') or ''}", flush=True)
-    except Exception as err:  # recorded: the other server still runs
+    except Exception as err:  # noqa: BLE001  (recorded: the other server still runs)
         out["error"] = f"{type(err).__name__}: {err}"
         print(f"[{label}] error: {out['error']}", flush=True)
     finally:
         out["stop"] = server.stop()
         out["loadavg_end"] = os.getloadavg()
     return out
+
+
+def tree_cpu(server: ServerProcess) -> float:
+    """CPU seconds (user + system) the server's process tree has used so far."""
+    import psutil
+
+    server.remember_tree()
+    total = 0.0
+    for p in server._known.values():
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -232,6 +372,7 @@ def summarise(runs: list[dict]) -> dict:
 
     return {"aggregate_tps": med("aggregate_tps"), "decode_tps": med("decode_tps"),
             "step_ms": med("step_ms"), "ttft_max_s": med("ttft_max_s"),
+            "cpu_ms_per_step": med("cpu_ms_per_step"),
             "tokens_each_min": min((r.get("tokens_each_min") or 0) for r in runs),
             "completed": min(r.get("completed", 0) for r in runs),
             "errors": [e for r in runs for e in r.get("errors", [])][:3], "runs": runs}
@@ -260,21 +401,22 @@ def stop_spy(spy) -> str:
 # --- report ------------------------------------------------------------------------------------
 def ratios(result: dict, streams: list[int]) -> dict:
     out = {}
-    eng, plim, mlx = (result.get(k, {}) for k in ("engine", "plimsoll", "mlx"))
+    got = {k: result.get(k, {}) for k in ("engine", "mlx_inproc", "plimsoll", "mlx")}
     for n in streams:
-        k = str(n)
-        e, p, m = eng.get(k, {}), plim.get(k, {}), mlx.get(k, {})
+        e, mi, p, m = (got[k].get(str(n), {}) for k in ("engine", "mlx_inproc", "plimsoll",
+                                                         "mlx"))
         row = {}
-        if p.get("aggregate_tps") and m.get("aggregate_tps"):
-            row["plimsoll_over_mlx_aggregate"] = p["aggregate_tps"] / m["aggregate_tps"]
-        if p.get("decode_tps") and m.get("decode_tps"):
-            row["plimsoll_over_mlx_decode"] = p["decode_tps"] / m["decode_tps"]
-        if p.get("decode_tps") and e.get("decode_tps"):
-            row["plimsoll_over_engine_decode"] = p["decode_tps"] / e["decode_tps"]
-        for label, s in (("plimsoll", p), ("mlx", m)):
-            if s.get("step_ms") and e.get("step_ms"):
-                row[f"{label}_overhead_ms"] = s["step_ms"] - e["step_ms"]
-        out[k] = row
+        for name, a, b, key in (("plimsoll_over_mlx_aggregate", p, m, "aggregate_tps"),
+                                ("plimsoll_over_mlx_decode", p, m, "decode_tps"),
+                                ("plimsoll_over_engine_decode", p, e, "decode_tps"),
+                                ("mlx_over_mlx_inproc_decode", m, mi, "decode_tps"),
+                                ("engine_over_mlx_inproc", e, mi, "decode_tps")):
+            if a.get(key) and b.get(key):
+                row[name] = a[key] / b[key]
+        for name, a, b in (("plimsoll_overhead_ms", p, e), ("mlx_overhead_ms", m, mi)):
+            if a.get("step_ms") and b.get("step_ms"):
+                row[name] = a["step_ms"] - b["step_ms"]
+        out[str(n)] = row
     return out
 
 
@@ -284,36 +426,55 @@ def markdown(result: dict, streams: list[int]) -> str:
 
     lines = [f"# Serving overhead per decode step: {result['name']}", "",
              f"Command: `{result['command']}`", "",
-             f"Model {result['model']}; {result['machine']}; mlx {result['mlx_version']}, "
-             f"mlx_lm {result['mlx_lm_version']}; {result['tokens']} tokens a stream, "
-             f"{result['rounds']} rounds (medians); load average at start "
-             f"{result['loadavg_start']}.", "",
-             "| streams | engine tok/s | engine ms/step | plimsoll agg tok/s | plimsoll decode "
-             "tok/s | plimsoll ms/step | mlx_lm.server agg tok/s | mlx decode tok/s | "
-             "mlx ms/step | plimsoll ÷ mlx (agg) | plimsoll ÷ mlx (decode) | plimsoll overhead "
-             "ms/step | mlx overhead ms/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             (f"Model {result['model']}; {result['machine']}; mlx {result['mlx_version']}, "
+              f"mlx_lm {result['mlx_lm_version']}; {result['tokens']} tokens a stream, "
+              f"{result['rounds']} rounds (medians); load average at start "
+              f"{result['loadavg_start']}, at end {result.get('loadavg_end')}."), "",
+             "In process (no HTTP): decode tok/s (ms per step)", "",
+             ("| streams | plimsoll engine | plimsoll scheduler + engine | mlx-lm "
+              "(stream_generate / BatchGenerator) | engine CPU ms/step | scheduler + engine "
+              "CPU ms/step |"),
+             "|---|---|---|---|---|---|"]
     for n in streams:
-        k = str(n)
-        e = result.get("engine", {}).get(k, {})
-        p = result.get("plimsoll", {}).get(k, {})
-        m = result.get("mlx", {}).get(k, {})
-        r = result["ratios"].get(k, {})
+        e = result.get("engine", {}).get(str(n), {})
+        mi = result.get("mlx_inproc", {}).get(str(n), {})
+        sc = result.get("scheduler", {}).get(str(n), {})
+        lines.append(f"| {n} | {f(e.get('decode_tps'))} ({f(e.get('step_ms'), '{:.2f}')}) | "
+                     f"{f(sc.get('decode_tps'))} ({f(sc.get('step_ms'), '{:.2f}')}) | "
+                     f"{f(mi.get('decode_tps'))} ({f(mi.get('step_ms'), '{:.2f}')}) | "
+                     f"{f(e.get('cpu_ms_per_step'), '{:.2f}')} | "
+                     f"{f(sc.get('cpu_ms_per_step'), '{:.2f}')} |")
+    lines += ["", ("Over HTTP (streamed, one connection a stream): aggregate tok/s (first "
+                   "send to last end), decode tok/s after the first tokens, ms per step (median "
+                   "stream's time between tokens)"), "",
+              ("| streams | plimsoll agg | plimsoll decode | plimsoll ms/step | mlx_lm.server agg "
+               "| mlx decode | mlx ms/step | plimsoll ÷ mlx agg | plimsoll ÷ mlx decode | "
+               "plimsoll overhead ms/step (vs its engine) | mlx overhead ms/step (vs mlx-lm) | "
+               "plimsoll CPU ms/step | mlx CPU ms/step |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n in streams:
+        p = result.get("plimsoll", {}).get(str(n), {})
+        m = result.get("mlx", {}).get(str(n), {})
+        r = result["ratios"].get(str(n), {})
         lines.append(
-            f"| {n} | {f(e.get('decode_tps'))} | {f(e.get('step_ms'), '{:.2f}')} | "
-            f"{f(p.get('aggregate_tps'))} | {f(p.get('decode_tps'))} | "
+            f"| {n} | {f(p.get('aggregate_tps'))} | {f(p.get('decode_tps'))} | "
             f"{f(p.get('step_ms'), '{:.2f}')} | {f(m.get('aggregate_tps'))} | "
             f"{f(m.get('decode_tps'))} | {f(m.get('step_ms'), '{:.2f}')} | "
             f"{f(r.get('plimsoll_over_mlx_aggregate'), '{:.2f}')} | "
             f"{f(r.get('plimsoll_over_mlx_decode'), '{:.2f}')} | "
             f"{f(r.get('plimsoll_overhead_ms'), '{:.2f}')} | "
-            f"{f(r.get('mlx_overhead_ms'), '{:.2f}')} |")
+            f"{f(r.get('mlx_overhead_ms'), '{:.2f}')} | "
+            f"{f(p.get('cpu_ms_per_step'), '{:.2f}')} | {f(m.get('cpu_ms_per_step'), '{:.2f}')} |")
     for label in ("plimsoll", "mlx"):
-        s = result.get(label, {})
+        s = result.get(label)
+        if not s:
+            continue
         short = [f"{n}: {s.get(str(n), {}).get('tokens_each_min')}" for n in streams]
-        lines.append("")
-        lines.append(f"{label}: fewest tokens in one stream {', '.join(short)}"
-                     + (f"; error {s['error']}" if s.get("error") else ""))
+        lines += ["", (f"{label}: fewest tokens in one stream {', '.join(short)}"
+                       + (f"; error {s['error']}" if s.get("error") else ""))]
+        for key, path in s.items():
+            if key.startswith("py_spy"):
+                lines.append(f"{label}: py-spy record of the widest phase: {path}")
     return "\n".join(lines) + "\n"
 
 
@@ -324,8 +485,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-words", type=int, default=24)
-    ap.add_argument("--modes", default="engine,plimsoll,mlx",
-                    help="which of engine, plimsoll, mlx to run, in this order")
+    ap.add_argument("--modes", default="engine,scheduler,mlx_inproc,plimsoll,mlx",
+                    help="which of engine, scheduler, mlx_inproc, plimsoll, mlx to run, in "
+                         "this order")
     ap.add_argument("--plimsoll-cmd", default=PLIMSOLL)
     ap.add_argument("--mlx-cmd", default=MLX)
     ap.add_argument("--preload",
@@ -359,11 +521,18 @@ def main(argv=None) -> int:
         if mode == "engine":
             result["engine"] = engine_rounds(args.model, args.streams, args.tokens, args.rounds,
                                              args.prompt_words)
+        elif mode == "scheduler":
+            result["scheduler"] = scheduler_rounds(args.model, args.streams, args.tokens,
+                                                   args.rounds, args.prompt_words)
+        elif mode == "mlx_inproc":
+            result["mlx_inproc"] = mlx_inproc_rounds(args.model, args.streams, args.tokens,
+                                                     args.rounds, args.prompt_words)
         elif mode in ("plimsoll", "mlx"):
             template = args.plimsoll_cmd if mode == "plimsoll" else args.mlx_cmd
             result[mode] = run_server(mode, template, args, prompts)
         else:
-            raise SystemExit(f"unknown mode {mode!r}: engine, plimsoll or mlx")
+            raise SystemExit(f"unknown mode {mode!r}: engine, scheduler, mlx_inproc, plimsoll "
+                             "or mlx")
     result["ratios"] = ratios(result, args.streams)
     result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from plimsoll.engine.pool import BlockPool, Grant, Refusal
@@ -84,7 +84,7 @@ class _Run:
     pending: int = 0       # sampled tokens not read yet (0 or 1)
     generated: int = 0
     full_committed: int = -1  # full blocks whose hashes were last registered
-    sampling: Sampling = Sampling()
+    sampling: Sampling = field(default_factory=Sampling)
 
     def __post_init__(self) -> None:
         r = self.req
