@@ -30,9 +30,9 @@ server and stream count (median over ``--rounds``):
   engine, mlx_lm.server against mlx-lm's generators): what the serving stack adds per step
   (scheduler, event delivery, SSE, HTTP).
 
-``--py-spy DIR`` also records the plimsoll worker with py-spy (every thread, ``--idle``
-off, speedscope and a flat top list in DIR) during its widest phase, for where the time
-goes. Results: ``--out-dir``/``--name``.{json,md}. Typical CPU run (OpenBLAS preloaded)::
+``--py-spy DIR`` also records the plimsoll worker with py-spy (if it is installed: every
+thread, raw stacks in DIR) during its widest phase, and puts a per-thread summary (share of
+samples of each thread, the heaviest frames inclusive) in the JSON, for where the time goes. Results: ``--out-dir``/``--name``.{json,md}. Typical CPU run (OpenBLAS preloaded)::
 
     python bench/gpu_model.py /tmp/perf/micro --shape micro --dtype float32 --tokenizer-vocab 4096
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 PYTHONPATH=python \\
@@ -328,6 +328,10 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
             spy = None
             if args.py_spy and label == "plimsoll" and n == max(args.streams):
                 spy = start_spy(server, args.py_spy, f"{label}-{n}")
+            # an unmeasured round at this width first: kernels for n rows get built (JIT on
+            # the GPU) outside the figures, for both servers alike
+            asyncio.run(concurrent(server.base_url, model_id, prompts[n][0], 16,
+                                   args.request_timeout))
             runs = []
             for r in range(args.rounds):
                 c0 = tree_cpu(server)
@@ -380,6 +384,9 @@ def summarise(runs: list[dict]) -> dict:
 
 def start_spy(server: ServerProcess, out_dir: Path, name: str):
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        print("[py-spy] not installed: no profile", flush=True)
+        return None
     out_dir.mkdir(parents=True, exist_ok=True)
     server.remember_tree()
     pid = max(server._known)  # the worker: the newest process of the tree (launch's child)
@@ -391,11 +398,35 @@ def start_spy(server: ServerProcess, out_dir: Path, name: str):
     return proc, path
 
 
-def stop_spy(spy) -> str:
+def stop_spy(spy) -> dict:
     proc, path = spy
     proc.send_signal(2)
     proc.wait(timeout=30)
-    return str(path)
+    return {"raw": str(path), "threads": spy_summary(path)} if path.exists() else {}
+
+
+def spy_summary(path: Path, top: int = 40) -> dict:
+    """Per thread: its share of all samples and its heaviest frames (inclusive, % of the
+    thread's samples). Idle time in ``select``/``wait`` shows as such."""
+    import collections
+    import re
+
+    threads: collections.Counter[str] = collections.Counter()
+    incl: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        stack, n_ = line.rsplit(" ", 1)
+        frames, n = stack.split(";"), int(n_)
+        name = re.sub(r"thread \(\d+\): ?", "", frames[0]) or "unnamed"
+        name = "AnyIO worker" if name.startswith("AnyIO") else name
+        threads[name] += n
+        for f in dict.fromkeys(re.sub(r":\d+\)", ")", f) for f in frames[1:]):
+            incl[name][f] += n
+    total = sum(threads.values()) or 1
+    return {name: {"share": n / total,
+                   "frames": {f: round(v / n, 3) for f, v in incl[name].most_common(top)}}
+            for name, n in threads.most_common()}
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -472,9 +503,10 @@ def markdown(result: dict, streams: list[int]) -> str:
         short = [f"{n}: {s.get(str(n), {}).get('tokens_each_min')}" for n in streams]
         lines += ["", (f"{label}: fewest tokens in one stream {', '.join(short)}"
                        + (f"; error {s['error']}" if s.get("error") else ""))]
-        for key, path in s.items():
-            if key.startswith("py_spy"):
-                lines.append(f"{label}: py-spy record of the widest phase: {path}")
+        for key, spy in s.items():
+            if key.startswith("py_spy") and spy:
+                lines.append(f"{label}: py-spy record of the widest phase: {spy['raw']} "
+                             "(per-thread summary in the JSON)")
     return "\n".join(lines) + "\n"
 
 
