@@ -330,8 +330,8 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
                 spy = start_spy(server, args.py_spy, f"{label}-{n}")
             # an unmeasured round at this width first: kernels for n rows get built (JIT on
             # the GPU) outside the figures, for both servers alike
-            asyncio.run(concurrent(server.base_url, model_id, prompts[n][0], 16,
-                                   args.request_timeout))
+            warm = [prompt_text(90_000 + i, args.prompt_words) for i in range(n)]
+            asyncio.run(concurrent(server.base_url, model_id, warm, 16, args.request_timeout))
             runs = []
             for r in range(args.rounds):
                 c0 = tree_cpu(server)
