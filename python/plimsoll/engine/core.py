@@ -41,6 +41,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import Batch, PagedView, fused_prefill, route_attention
+from plimsoll.engine.decode_index import DecodeReads
 from plimsoll.engine.limits import backend_env_defaults
 from plimsoll.engine.paged import (
     FullAttention,
@@ -119,6 +120,7 @@ class Engine:
         self._last: dict[int, tuple[mx.array, int]] = {}  # seq -> (tokens, row), lazy
         self._keys = Keys()
         self._unsettled: list[Pending] = []
+        self._reads = DecodeReads(block_tokens)  # the decode's table index, kept across steps
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
@@ -192,6 +194,7 @@ class Engine:
         self._touched(seq_id)
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
+        self._reads.forget(seq_id)
 
     def snapshot_state(self, seq_id: int, key) -> None:
         """Keep a copy of ``seq_id``'s state (after every step submitted so far) as ``key``."""
@@ -311,21 +314,24 @@ class Engine:
         mx.async_eval(([] if tokens is None else [tokens]) + pools + state_arrays)
 
     def _decode(self, works: tuple[Work, ...]) -> tuple[tuple[Work, ...], mx.array]:
-        self._ensure(works)
         bt = self.block_tokens
         starts = [w.start for w in works]
         lengths = [s + 1 for s in starts]
+        ids = tuple(w.seq_id for w in works)
+        # The tables' index is kept across steps (only new blocks are written into it); its
+        # highest id covers every block this step reads or writes.
+        read, top = self._reads.read(ids, [w.block_table for w in works], lengths)
+        for p in self._pools:
+            p.ensure(top)
         write = np.array([w.block_table[s // bt] * bt + s % bt
                           for w, s in zip(works, starts, strict=True)], dtype=np.int32)
-        read = read_of([w.block_table for w in works], lengths, bt)
+        lengths_mx = mx.array(lengths, dtype=mx.int32)
         mask = None
-        if min(lengths) != max(lengths):
-            m = np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
-            mask = mx.array(m)[:, None, None, :]
+        if min(lengths) != max(lengths):  # built on the device, not row × context on the host
+            mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]
+                    < lengths_mx[:, None])[:, None, None, :]
         offset = starts[0] if len(works) == 1 else mx.array(starts, dtype=mx.int32)
-        batch = Batch(write_of(write), read, mask, offset,
-                      lengths=mx.array(lengths, dtype=mx.int32))
-        ids = tuple(w.seq_id for w in works)
+        batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx)
         if self._batched is not None and self._batched[0] == ids:
             stacked = [st.cache_of(e) for e in self._batched[1]]
         else:

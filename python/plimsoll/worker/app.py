@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -132,6 +133,33 @@ async def generate(request: Request, kind: P.Kind) -> Response:
                         headers=reserved_headers(res))
 
 
+class TextSSE:
+    """``P.sse`` of the chunk of one text delta, byte for byte, without building and encoding
+    the whole chunk per token: its bytes around the text are rendered once per response."""
+
+    def __init__(self, meta: P.ResponseMeta) -> None:
+        chat = meta.kind == "chat"
+        raw = P.sse(P.chat_chunk(meta, {"content": ""}) if chat else P.completion_chunk(meta, ""))
+        marker = b'"content":""' if chat else b'"text":""'
+        head, found, self._tail = raw.rpartition(marker)
+        if not found:  # pragma: no cover - the chunk builders changed shape
+            raise RuntimeError("a text chunk without its text field")
+        self._head = head + marker[:-2]
+
+    def __call__(self, text: str) -> bytes:
+        return self._head + json.dumps(text, ensure_ascii=False).encode() + self._tail
+
+    def deltas(self, meta: P.ResponseMeta, deltas: list[P.Delta]) -> bytes:
+        """Every delta's event, joined: text through the template, the rest as built."""
+        out = []
+        for d in deltas:
+            if type(d) is P.TextDelta:
+                out.append(self(d.text))
+            else:
+                out.extend(P.sse(c) for c in P.delta_chunks(meta, [d]))
+        return b"".join(out)
+
+
 def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
     return P.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
 
@@ -154,14 +182,15 @@ async def _sse(meta: P.ResponseMeta, req: P.Request, waiting: tuple, stream: Asy
         yield P.SSE_DONE
         return
     rec.cached = first.cached_tokens
+    text_sse = TextSSE(meta)
     async for item in stream:
         if isinstance(item, Refused):
             rec.code = item.code
             yield P.sse(P.error_body(item.status, item.message, code=item.code))
             yield P.SSE_DONE
             return
-        for chunk in P.delta_chunks(meta, item):
-            yield P.sse(chunk)
+        if item and (data := text_sse.deltas(meta, item)):  # one write per wake-up
+            yield data
     if not assembler.done:
         return
     usage = _usage(first, assembler) if req.include_usage else None
@@ -390,6 +419,8 @@ def serve_worker(cfg: WorkerConfig) -> None:
 
     basic_logging()
     set_quiet(cfg.quiet)
+    if interval := os.environ.get("PLIMSOLL_SWITCH_INTERVAL_S"):  # a tuning knob (bench/)
+        sys.setswitchinterval(float(interval))  # how soon the engine thread gets the GIL
     app = make_app(cfg)
     limit = in_flight_limit(cfg)
     # h11 whatever else is installed: its cap on a request head bounds enormous headers.
