@@ -39,6 +39,7 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
+from plimsoll.engine import batched_prefill
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import Batch, PagedView, fused_prefill, route_attention
 from plimsoll.engine.decode_index import DecodeReads
@@ -121,6 +122,9 @@ class Engine:
         self._keys = Keys()
         self._unsettled: list[Pending] = []
         self._reads = DecodeReads(block_tokens)  # the decode's table index, kept across steps
+        self._prefill_reads = DecodeReads(block_tokens)  # that of batched prompts' last tokens
+        # several prompts' first chunks as one padded forward (engine/batched_prefill.py)
+        self.batch_prefill = all(type(k) is FullAttention for k in self.layers)
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
@@ -195,6 +199,7 @@ class Engine:
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
         self._reads.forget(seq_id)
+        self._prefill_reads.forget(seq_id)
 
     def snapshot_state(self, seq_id: int, key) -> None:
         """Keep a copy of ``seq_id``'s state (after every step submitted so far) as ``key``."""
@@ -232,7 +237,14 @@ class Engine:
             outs = []
             if step.decodes:
                 outs.append(self._decode(step.decodes))
-            for w in step.prefills:
+            prefills = step.prefills
+            firsts = [w for w in prefills if w.start == 0]
+            if self.batch_prefill and len(firsts) > 1:
+                out = batched_prefill.run(self, firsts)
+                if out is not None:
+                    outs.append(out)
+                prefills = [w for w in prefills if w.start != 0]
+            for w in prefills:
                 out = self._prefill(w)
                 if out is not None:
                     outs.append(out)
@@ -313,14 +325,15 @@ class Engine:
         pools = [a for p in self._pools for a in (p.keys, p.values)]
         mx.async_eval(([] if tokens is None else [tokens]) + pools + state_arrays)
 
-    def _decode(self, works: tuple[Work, ...]) -> tuple[tuple[Work, ...], mx.array]:
+    def _decode(self, works: tuple[Work, ...], reads: DecodeReads | None = None
+                ) -> tuple[tuple[Work, ...], mx.array]:
         bt = self.block_tokens
         starts = [w.start for w in works]
         lengths = [s + 1 for s in starts]
         ids = tuple(w.seq_id for w in works)
         # The tables' index is kept across steps (only new blocks are written into it); its
         # highest id covers every block this step reads or writes.
-        read, top = self._reads.read(ids, [w.block_table for w in works], lengths)
+        read, top = (reads or self._reads).read(ids, [w.block_table for w in works], lengths)
         for p in self._pools:
             p.ensure(top)
         write = np.array([w.block_table[s // bt] * bt + s % bt
