@@ -6,7 +6,8 @@ another ~2.5 s (its causal variant), a key length off the 64-token grid ~0.5 s o
 agentic benchmark's turn 2 paid 3.15 s where later turns took 0.6-1.3 s. Metal compiles its
 shaders on first use too. So a worker on a GPU runs a few tiny steps through the same paths
 before it says ready: a chunk from position 0, a chunk at a prefix with an off-grid length
-that samples, pipelined decodes of one row and of two rows of different lengths. They write
+that samples beside two first chunks batched (engine/batched_prefill.py), pipelined decodes
+of one row and of two rows of different lengths. They write
 the first blocks of the pool (the pool's first slab, which the first request allocates
 anyway; the scheduler has handed out no block yet, and a block is always written before it
 is read) and leave no state behind. The CPU backend compiles nothing: no warm-up there.
@@ -21,7 +22,7 @@ import mlx.core as mx
 
 from plimsoll.engine.work import Step, Work
 
-_A, _B = -1, -2  # sequence ids no scheduler hands out
+_A, _B, _C = -1, -2, -3  # sequence ids no scheduler hands out
 
 
 def warm_up(engine, chunk: int = 128, *, force: bool = False) -> float:
@@ -35,17 +36,19 @@ def warm_up(engine, chunk: int = 128, *, force: bool = False) -> float:
     length_a, length_b = first + second + 4, first // 2 + 1
     need_a = math.ceil(length_a / bt)
     need_b = math.ceil((length_b + 2) / bt)  # its two decodes
-    if need_a + need_b > engine.max_blocks:
+    if need_a + 2 * need_b > engine.max_blocks:
         return 0.0
     table_a = tuple(range(need_a))
     table_b = tuple(range(need_a, need_a + need_b))
+    table_c = tuple(range(need_a + need_b, need_a + 2 * need_b))
     vocab = max(2, len(engine.tokenizer) - 1) if engine.tokenizer is not None else 2
     tokens = tuple(1 + (i * 7919) % (vocab - 1) for i in range(first + second))
     start = time.perf_counter()
     try:
         engine.run(Step(prefills=(Work(_A, tokens[:first], 0, table_a, False),)))
         engine.run(Step(prefills=(Work(_A, tokens[first:], first, table_a, True),
-                                  Work(_B, tokens[:length_b], 0, table_b, True))))
+                                  Work(_B, tokens[:length_b], 0, table_b, True),
+                                  Work(_C, tokens[1:length_b - 5], 0, table_c, False))))
         at = first + second
         pending = None
         for k in range(3):  # one row, pipelined; then two rows of different lengths
@@ -58,6 +61,6 @@ def warm_up(engine, chunk: int = 128, *, force: bool = False) -> float:
             pending = nxt
         pending.result()
     finally:
-        engine.free_state(_A)
-        engine.free_state(_B)
+        for seq in (_A, _B, _C):
+            engine.free_state(seq)
     return time.perf_counter() - start
