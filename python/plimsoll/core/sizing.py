@@ -111,6 +111,31 @@ def compute_transient_bytes(transient_reserve_bytes: int) -> int:
     return max(0, transient_reserve_bytes - mlx_cache_mb(transient_reserve_bytes) * MIB)
 
 
+def reserve_for_compute(compute_bytes: int) -> int:
+    """The smallest-enough transient reserve whose compute share
+    (:func:`compute_transient_bytes`: the reserve less MLX's buffer-cache cap) holds
+    ``compute_bytes``; admission counts a transient the engine must hold through it."""
+    if compute_bytes <= 0:
+        return 0
+    return max(2 * compute_bytes, compute_bytes + MIB)
+
+
+def largest_fitting(low: int, high: int, fits, step: int = 1) -> int | None:
+    """The largest multiple of ``step`` in ``[low, high]`` for which the monotone ``fits``
+    holds (true below some point, false above), or ``None`` when not even ``low`` fits.
+    The one bisection admission's context searches share."""
+    lo, hi = -(-low // step), high // step
+    if lo > hi or not fits(lo * step):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
+
+
 def default_max_batch(max_num_seqs: int) -> int:
     """Sequences decoded together by default: the runtime bound, separate from the
     load-time worst-case ``max_num_seqs`` (short requests fit many more at once)."""
