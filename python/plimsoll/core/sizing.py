@@ -22,8 +22,11 @@ down by what the process held before a replacement may start:
 back (anonymous resident memory on Linux, phys_footprint on macOS; see :mod:`plimsoll.probes.held`),
 read together with ``in_use_before_stop`` while the process was still alive. The in-use
 figure is the binding cgroup's usage, or macOS's wired memory; where it is host-wide
-(Linux with no cgroup limit: ``MemTotal − MemAvailable``) every *other* process's
-anonymous memory is subtracted from it (``Supervisor.unaccounted``), so another tenant
+(Linux with no cgroup limit) it is the memory the kernel holds with content
+(``probes.held.content_bytes``: anonymous, shared, unreclaimable kernel memory; not
+``MemTotal − MemAvailable``, which a VM's free page reporting holds up for seconds after
+an exit) and every *other* process's anonymous memory is subtracted from it
+(``Supervisor.unaccounted``), so another tenant
 of a shared host allocating a few hundred MiB does not read as memory the dead worker
 kept, while memory it really left behind (shared memory, a driver's buffers) still
 shows. The readings are seconds apart, not a baseline taken at load minutes earlier;
