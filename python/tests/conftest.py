@@ -165,8 +165,6 @@ def family_dir(tmp_path_factory):
 KNOWN_REGRESSIONS = {
     "test_clients_worker.py::test_a_slow_start_opens_the_stream_early_with_keep_alives":
         "the paged engine's prefill is faster than the test's slow start: fewer keep-alives",
-    "test_launch.py::test_launch_starts_a_verified_worker_and_stops_it":
-        "fails under load only (passes alone): the stop's exit status",
 }
 
 
