@@ -74,6 +74,26 @@ def test_cgroup_create_limit_move_read_remove() -> None:
     assert not wg.cgroup.path.exists()
 
 
+def test_a_worker_cgroup_goes_below_its_creators_own_cgroup() -> None:
+    """A creator bound by a cgroup (a proxy: its in-use figure is that cgroup's usage) must
+    find its workers inside it: they were made under <mount>/plimsoll, outside the limit
+    and unseen by the release check (which then never verified)."""
+    _require_memory_controller()
+    version, root = cgroups.memory_mount()
+    mine = cgroups.own_directory(version, root)
+    assert str(os.getpid()) in (mine / "cgroup.procs").read_text().split()  # our own leaf
+    wg, why = G.WorkerGuard.create("test", 64 * MIB)
+    assert wg is not None, why
+    try:
+        assert wg.cgroup.path.parent == mine / "plimsoll"
+        assert wg.cgroup.path.is_relative_to(mine)
+    finally:
+        assert wg.close()
+    assert not wg.cgroup.path.exists()
+    if mine != root:  # an emptied base below our own cgroup goes with its last worker
+        assert not (mine / "plimsoll").exists()
+
+
 def _cfg(model: Path, context: int = 4096) -> WorkerConfig:
     return WorkerConfig(model_dir=model, model_name="tiny", max_cache_blocks=2048,
                         gpu_memory_utilization=0.9, cache_memory_mb=64, max_num_seqs=8,
