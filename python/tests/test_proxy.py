@@ -1,10 +1,10 @@
 """The swapping proxy, for real: ``plimsoll serve`` over demo-model workers on 127.0.0.1.
 
 Models "a" and "b" are two tiny demo models (different seeds) whose admitted footprints
-(context 32768, concurrency 4: ~305 MiB each) cannot share the 512 MiB standalone
-envelope but can share the 1 GiB clustered one; "c" is small (context 4096) and may stay
-co-resident; "huge" claims a 4 MiB/token KV cache in its config and cannot hold one
-sequence, so admission refuses it before anything is loaded.
+(context 32768, concurrency 4, the prefill transient at 32k counted: ~400 MiB each) cannot
+share the 512 MiB standalone envelope but can share the 1 GiB clustered one; "c" is small
+(context 4096) and may stay co-resident; "huge" claims a 4 MiB/token KV cache in its
+config and cannot hold one sequence, so admission refuses it before anything is loaded.
 """
 
 from __future__ import annotations
