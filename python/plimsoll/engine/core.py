@@ -41,6 +41,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import Batch, PagedView, route_attention
+from plimsoll.engine.latent import Latent, LatentView
 from plimsoll.engine.paged import (
     FullAttention,
     RecurrentState,
@@ -142,12 +143,14 @@ class Engine:
             model(mx.array([[0]]), cache=caches)
             mx.eval([c.state for c in caches])
         kinds: list = []
-        for c in caches:
+        latent = {i for c in self.facts.caches if c.kind == "latent" for i in c.layers}
+        for i, c in enumerate(caches):
             if type(c) is KVCache:
                 _, heads, _, k_dim = c.keys.shape
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
-                kinds.append(FullAttention(heads, k_dim, c.values.shape[3], dtype,
-                                           self.block_tokens, self.max_blocks, slab))
+                kind = Latent if i in latent else FullAttention
+                kinds.append(kind(heads, k_dim, c.values.shape[3], dtype,
+                                  self.block_tokens, self.max_blocks, slab))
             else:
                 kinds.append(RecurrentState(len(c.cache), st.nbytes([c.cache])))
         del caches
@@ -289,7 +292,8 @@ class Engine:
         """Run the model over ``inputs`` with paged views and the given state caches."""
         caches, it = [], iter(states)
         for kind in self.layers:
-            caches.append(PagedView(kind, batch) if isinstance(kind, FullAttention)
+            caches.append(LatentView(kind, batch) if isinstance(kind, Latent)
+                          else PagedView(kind, batch) if isinstance(kind, FullAttention)
                           else next(it))
         logits = self.model(inputs, cache=caches)
         if batch.attended != len(self._pools):
