@@ -8,8 +8,9 @@ reading gigabytes of weights.
 
 :data:`ENGINE_SUPPORT` is the one table of what the worker's engine serves. It describes the
 engine in ``plimsoll.engine`` today (the block-paged engine of issue 14, ``engine/core.py``):
-full-attention ``KVCache`` in blocks and recurrent state of any slot count (``ArraysCache``,
-gated-delta / mamba2 layers beside full attention), per sequence. Issue 15 adds the rest.
+full-attention ``KVCache`` in blocks, MLA's latent + rope-key blocks (``engine/latent.py``) and
+recurrent state of any slot count (``ArraysCache``, gated-delta / mamba2 layers beside full
+attention), per sequence. Issue 15 adds the rest.
 Change the table, not the callers.
 """
 
@@ -37,10 +38,7 @@ ENGINE_SUPPORT: dict[str, KindSupport] = {
     "chunked": KindSupport(
         "chunked-attention layers", False,
         "the engine has no chunk mask; mlx_lm.server serves the model unbatched"),
-    "latent": KindSupport(
-        "multi-head latent attention (MLA)", False,
-        "batched decode would mix the latent and rope-key arrays; mlx_lm.server serves the "
-        "model unbatched"),
+    "latent": KindSupport("multi-head latent attention (MLA)", True),
     "indexer": KindSupport(
         "sparse-attention indexer keys", False,
         "the engine keeps no indexer cache; mlx_lm.server serves the model unbatched"),
