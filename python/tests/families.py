@@ -192,6 +192,16 @@ FAMILIES: dict[str, Family] = {
                                                    "short_conv_kernel_size": 4}),
                           "kimi_linear"),
 }
+FAMILIES["kimi_k25"] = Family({"model_type": "kimi_k25",
+                               "architectures": ["KimiK25ForConditionalGeneration"],
+                               "tie_word_embeddings": False,
+                               "text_config": {"model_type": "kimi_k2", **_COMMON,
+                                               "num_hidden_layers": 4, **_DSV3}}, "kimi_k25")
+FAMILIES["mistral4"] = Family(_cfg("mistral4", "Mistral4ForCausalLM", **{
+    k: v for k, v in _DSV3.items() if k not in ("rope_theta", "rope_scaling")},
+    rope_interleave=True,
+    rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
+                     "original_max_position_embeddings": 4096}), "mistral4")
 FAMILIES["glm4_moe_mtp"] = Family({**FAMILIES["glm4_moe"].config, "num_nextn_predict_layers": 1},
                                   "glm4_moe", extra_tensors={
                                       f"model.layers.{{n}}.{name}": shape for name, shape in (

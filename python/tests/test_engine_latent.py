@@ -1,7 +1,8 @@
 """The paged engine on multi-head latent attention (MLA) models, against mlx-lm's own generation.
 
 Real mlx-lm inference (CPU, float32) on tiny random-weight models built with mlx-lm's own
-classes (tests/families.py): deepseek_v3, glm4_moe_lite, and kimi_linear (MLA beside
+classes (tests/families.py): deepseek_v3, glm4_moe_lite, kimi_k25, mistral4 (its llama-4
+query scale per row offset), and kimi_linear (MLA beside
 recurrent state). Batched rows of different lengths (the padding mask must reach the
 model's positional scores), prompts over several blocks, chunked prefills at start > 0
 (the causal mask aligned bottom-right), scattered and shared blocks, pipelined steps; the
@@ -24,7 +25,7 @@ from plimsoll.engine.work import Step, Work  # noqa: E402
 
 BLOCK = 16
 POOL = 64
-MLA = ["deepseek_v3", "glm4_moe_lite"]
+MLA = ["deepseek_v3", "glm4_moe_lite", "kimi_k25", "mistral4"]
 
 
 def _prompts(*lengths: int) -> list[list[int]]:
