@@ -202,6 +202,20 @@ FAMILIES["mistral4"] = Family(_cfg("mistral4", "Mistral4ForCausalLM", **{
     rope_interleave=True,
     rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
                      "original_max_position_embeddings": 4096}), "mistral4")
+FAMILIES["deepseek_v2"] = Family(_cfg("deepseek_v2", "DeepseekV2ForCausalLM", **{
+    **{k: v for k, v in _DSV3.items() if k not in ("scoring_func", "norm_topk_prob")},
+    "topk_method": "greedy", "rope_scaling": {
+        "type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0}}), "deepseek_v2")
+FAMILIES["minicpm3"] = Family(_cfg("minicpm3", "MiniCPM3ForCausalLM", hidden_size=64,
+                                   num_attention_heads=4, num_key_value_heads=4,
+                                   intermediate_size=128, q_lora_rank=32, kv_lora_rank=64,
+                                   qk_nope_head_dim=16, qk_rope_head_dim=16, dim_model_base=64,
+                                   scale_depth=1.4, scale_emb=12, rope_theta=10000.0,
+                                   rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                                                 "long_factor": [1.0] * 8,
+                                                 "original_max_position_embeddings": 4096}),
+                              "minicpm3")
 FAMILIES["glm4_moe_mtp"] = Family({**FAMILIES["glm4_moe"].config, "num_nextn_predict_layers": 1},
                                   "glm4_moe", extra_tensors={
                                       f"model.layers.{{n}}.{name}": shape for name, shape in (

@@ -132,3 +132,18 @@ def test_bytes_held_equal_facts_and_mlx_lm_cache(engines, family_dir, name):
     mx.eval(eng.model(mx.array([prompt]), cache=cache))
     mlx_held = sum(c.nbytes / c.keys.shape[2] * c.offset for c in cache)
     assert held == pytest.approx(mlx_held, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "minicpm3"])
+def test_latent_projections_with_an_expanded_cache_are_full_attention(engines, name):
+    """deepseek_v2 and minicpm3 project through a latent but cache per-head K (qk_nope +
+    qk_rope) and V: full-attention pools of unequal K and V widths, counted as such."""
+    eng = engines(name)
+    assert {k.kind for k in eng.layers} == {"full"}
+    assert all(k.k_dim != k.v_dim for k in eng.layers)
+    assert eng.facts.cache_kinds == ("kv",)
+    assert eng.block_bytes == BLOCK * eng.facts.kv_bytes_per_token
+    prompts = _prompts(9, 40, 75)
+    want = [reference(eng.model, p, 8) for p in prompts]
+    seqs = seqs_for(prompts, 8, BLOCK, Blocks(POOL, shuffle=True))
+    assert drive(eng, seqs, chunk=16, pipelined=True) == want
