@@ -216,6 +216,9 @@ FAMILIES["minicpm3"] = Family(_cfg("minicpm3", "MiniCPM3ForCausalLM", hidden_siz
                                                  "long_factor": [1.0] * 8,
                                                  "original_max_position_embeddings": 4096}),
                               "minicpm3")
+FAMILIES["deepseek_v3_wide"] = Family(_cfg("deepseek_v3", "DeepseekV3ForCausalLM", **{
+    **_DSV3, "num_attention_heads": 32, "num_key_value_heads": 32, "qk_nope_head_dim": 64,
+    "v_head_dim": 64, "qk_rope_head_dim": 16}), "deepseek_v3")  # MLA's prefill expansion
 FAMILIES["glm4_moe_mtp"] = Family({**FAMILIES["glm4_moe"].config, "num_nextn_predict_layers": 1},
                                   "glm4_moe", extra_tensors={
                                       f"model.layers.{{n}}.{name}": shape for name, shape in (

@@ -27,7 +27,8 @@ from plimsoll.core.model_facts import facts_from_config
 SERVED = {"llama", "qwen3", "qwen3_4bit", "qwen3_moe", "qwen3_next", "qwen3_5", "mistral",
           "glm4_moe", "glm4_moe_mtp", "phi3", "olmo2", "nemotron_h", "jamba",
           "granitemoehybrid", "lfm2", "olmo_hybrid", "deepseek_v3", "glm4_moe_lite",
-          "kimi_linear", "kimi_k25", "mistral4", "deepseek_v2", "minicpm3"}
+          "kimi_linear", "kimi_k25", "mistral4", "deepseek_v2", "minicpm3",
+          "deepseek_v3_wide"}
 REFUSED = {"gpt_oss": "window", "gemma3_text": "window", "ministral3": "window",
            "longcat_flash": "cache-list", "deepseek_v32": "cache-list", "glm_moe_dsa": "cache-list",
            "falcon_h1": "cache-list", "llama4": "chunked", "mamba2": "state-only"}

@@ -42,6 +42,7 @@ def engines(family_dir):
             built[key] = Engine.load(family_dir(name), block_tokens=BLOCK,
                                      max_blocks=POOL, **kw)
         return built[key]
+    get.family_dir = family_dir
     return get
 
 
@@ -147,3 +148,42 @@ def test_latent_projections_with_an_expanded_cache_are_full_attention(engines, n
     want = [reference(eng.model, p, 8) for p in prompts]
     seqs = seqs_for(prompts, 8, BLOCK, Blocks(POOL, shuffle=True))
     assert drive(eng, seqs, chunk=16, pipelined=True) == want
+
+
+def test_mla_transients_stay_under_the_published_bounds(engines):
+    """Physical: an MLA prefill expands the latent of every context token into per-head keys
+    and values and holds positional scores beside the attention's own; MLX's measured peak
+    over a chunk and over a batched decode stays under what admission counts, and the chunk's
+    peak is over what the bound would be without the MLA terms (so they are needed)."""
+    import random
+
+    from plimsoll.engine.work import decode_transient_bytes, prefill_transient_bytes
+
+    eng = Engine.load(engines.family_dir("deepseek_v3_wide"), block_tokens=BLOCK,
+                      max_blocks=256, slab_blocks=256)
+    assert eng.facts.prefill_expand_per_token == 32 * (64 + 64)
+    plain = eng.facts.model_copy(update={"prefill_expand_per_token": 0})
+    ids = list(range(256))
+    random.Random(0).shuffle(ids)
+    prompt = _prompts(1024)[0]
+    for chunk in (16, 256):
+        eng.run(Step(prefills=(Work(0, tuple(prompt[:-chunk]), 0, tuple(ids), False),)))
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        eng.run(Step(prefills=(Work(0, tuple(prompt[-chunk:]), 1024 - chunk, tuple(ids), True),)))
+        peak = mx.get_peak_memory() - before
+        assert peak <= prefill_transient_bytes(eng.facts, chunk, 1024)
+        if chunk == 16:
+            assert peak > prefill_transient_bytes(plain, chunk, 1024)
+        eng.free_state(0)
+    lengths = [100 + 50 * i for i in range(8)]
+    tables = [tuple(ids[32 * i:32 * (i + 1)]) for i in range(8)]
+    for i, n in enumerate(lengths):
+        eng.run(Step(prefills=(Work(i, tuple(prompt[:n]), 0, tables[i], True),)))
+    mx.synchronize()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    eng.run(Step(decodes=tuple(Work(i, None, n, tables[i], True) for i, n in enumerate(lengths))))
+    assert mx.get_peak_memory() > 0
+    assert mx.get_peak_memory() - before <= decode_transient_bytes(eng.facts, 8, max(lengths) + 1)

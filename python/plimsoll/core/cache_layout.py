@@ -349,6 +349,21 @@ def expanded_mla_bytes_per_token(cfg: dict, act_bytes: int) -> int | None:
     return heads * (k + _int(cfg, "v_head_dim")) * act_bytes
 
 
+def mla_prefill_expansion(cfg: dict) -> int:
+    """Values per context token of one layer that an MLA prefill expands the cached latent
+    into (a transient, not a cache): per head, the keys (``qk_nope_head_dim``) and values
+    (``v_head_dim``) of mlx-lm's prefill path; mistral4 also concatenates the rope keys to
+    the keys (``qk_nope + qk_rope`` more). 0 for a model without a cached latent."""
+    mtype = str(cfg.get("model_type") or lookup(cfg, "model_type") or "")
+    if not isinstance(lookup(cfg, "kv_lora_rank"), int) or mtype not in _MLA_TYPES:
+        return 0
+    heads, nope = _int(cfg, "num_attention_heads"), _int(cfg, "qk_nope_head_dim")
+    per_head = nope + _int(cfg, "v_head_dim")
+    if mtype == "mistral4":
+        per_head += nope + _int(cfg, "qk_rope_head_dim")
+    return heads * per_head
+
+
 def sequence_bytes(caches: tuple[LayerCache, ...], tokens: int) -> int:
     """Bytes one sequence of ``tokens`` tokens holds over every cache."""
     return sum(c.bytes_for(tokens) for c in caches)
