@@ -39,14 +39,12 @@ ENGINE_SUPPORT: dict[str, KindSupport] = {
         "chunked-attention layers", False,
         "the engine has no chunk mask; mlx_lm.server serves the model unbatched"),
     "latent": KindSupport("multi-head latent attention (MLA)", True),
-    "indexer": KindSupport(
-        "sparse-attention indexer keys", False,
-        "the engine keeps no indexer cache; mlx_lm.server serves the model unbatched"),
+    "indexer": KindSupport("sparse-attention indexer keys", True),
 }
 STATE_SLOTS: frozenset[int] | None = None
 """ArraysCache sizes the engine's per-sequence state handles (None: any)."""
 SERVES_QUANTIZED_KV = False
-SERVES_CACHE_LIST = False
+SERVES_CACHE_LIST = True  # each member in its own kind (engine/composite.py)
 SERVES_STATE_ONLY = False  # a model with no attention KV at all (pure state-space)
 
 

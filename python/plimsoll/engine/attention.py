@@ -31,7 +31,6 @@ import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
 
 from plimsoll.engine import paged_cuda
-from plimsoll.engine.latent import LatentView
 from plimsoll.engine.paged import FullAttention, Read
 
 _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
@@ -102,8 +101,8 @@ def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's attention entry point, paged for a :class:`PagedView`."""
     if isinstance(cache, PagedView):
         return cache.attend(queries, scale, sinks)
-    if isinstance(cache, LatentView):  # MLA: the model's own keys, values and mask
-        return cache.attend(queries, keys, values, scale, mask)
+    if getattr(cache, "attends_inputs", False):  # MLA (engine.latent): the model's own
+        return cache.attend(queries, keys, values, scale, mask)  # keys, values and mask
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask,
                           sinks=sinks)
 

@@ -39,9 +39,9 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
+from plimsoll.engine import composite as cl
 from plimsoll.engine import state as st
-from plimsoll.engine.attention import Batch, PagedView, route_attention
-from plimsoll.engine.latent import Latent, LatentView
+from plimsoll.engine.attention import Batch, route_attention
 from plimsoll.engine.paged import (
     FullAttention,
     RecurrentState,
@@ -101,12 +101,13 @@ class Engine:
         self.block_bytes = sum(k.block_bytes for k in self.layers)
         if slab_blocks is None:  # grow by about SLAB_BYTES: the peak follows what is written
             slab = max(1, min(max_blocks, SLAB_BYTES // max(1, self.block_bytes)))
-            for kind in self.layers:
+            for kind in cl.flatten(self.layers):
                 if isinstance(kind, FullAttention):
                     kind.slab_blocks = slab
-        self.state_bytes_per_seq = sum(k.bytes_per_seq for k in self.layers
+        flat = list(cl.flatten(self.layers))
+        self.state_bytes_per_seq = sum(k.bytes_per_seq for k in flat
                                        if isinstance(k, RecurrentState))
-        self._pools = [k for k in self.layers if isinstance(k, FullAttention)]
+        self._pools = [k for k in flat if isinstance(k, FullAttention)]
         self._states: dict[int, list[st.Entries]] = {}
         # The last decode's stacked state (its rows, in order): the next decode of the same
         # rows reuses it instead of stacking again (its row views are what _states holds).
@@ -134,25 +135,32 @@ class Engine:
         """One kind per cache layer, shapes and dtypes measured by a one-token probe."""
         caches = make_prompt_cache(model)
         for c in caches:
-            if type(c) not in (KVCache, ArraysCache):
-                raise NotImplementedError(
-                    f"{type(model).__module__}: cache kind {type(c).__name__} (sliding window, "
-                    "chunked, MLA or quantized KV) is not served by the paged engine yet; "
-                    "only full-attention KV (KVCache) and recurrent state (ArraysCache) are")
+            for m in cl.members(c):
+                if type(m) not in (KVCache, ArraysCache):
+                    raise NotImplementedError(
+                        f"{type(model).__module__}: cache kind {type(m).__name__} (sliding "
+                        "window, chunked or quantized KV) is not served by the paged engine "
+                        "yet; only full-attention KV and MLA latents (KVCache) and recurrent "
+                        "state (ArraysCache) are, alone or in a CacheList")
         with mx.stream(self._stream):
             model(mx.array([[0]]), cache=caches)
-            mx.eval([c.state for c in caches])
-        kinds: list = []
-        latent = {i for c in self.facts.caches if c.kind == "latent" for i in c.layers}
-        for i, c in enumerate(caches):
+            mx.eval([m.state for c in caches for m in cl.members(c)])
+
+        def kind_of(i: int, c, want: str | None):
+            cl.check_member(type(model).__module__, i, c, want)
             if type(c) is KVCache:
                 _, heads, _, k_dim = c.keys.shape
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
-                kind = Latent if i in latent else FullAttention
-                kinds.append(kind(heads, k_dim, c.values.shape[3], dtype,
-                                  self.block_tokens, self.max_blocks, slab))
-            else:
-                kinds.append(RecurrentState(len(c.cache), st.nbytes([c.cache])))
+                return cl.pool_class(want)(heads, k_dim, c.values.shape[3], dtype,
+                                           self.block_tokens, self.max_blocks, slab)
+            return RecurrentState(len(c.cache), st.nbytes([c.cache]))
+
+        kinds: list = []
+        for i, c in enumerate(caches):
+            parts, wants = cl.members(c), cl.layer_kinds(self.facts, i)
+            wants = wants if len(wants) == len(parts) else [None] * len(parts)
+            built = [kind_of(i, m, w) for m, w in zip(parts, wants, strict=True)]
+            kinds.append(built[0] if parts[0] is c else cl.Composite(built))
         del caches
         mx.clear_cache()
         return kinds
@@ -207,7 +215,8 @@ class Engine:
             self._batched = None
 
     def _fresh_state(self) -> list[st.Entries]:
-        return [st.fresh(k.slots) for k in self.layers if isinstance(k, RecurrentState)]
+        return [st.fresh(k.slots) for k in cl.flatten(self.layers)
+                if isinstance(k, RecurrentState)]
 
     # ------------------------------------------------------------------ steps
 
@@ -290,11 +299,8 @@ class Engine:
 
     def _forward(self, inputs: mx.array, batch: Batch, states: list) -> mx.array:
         """Run the model over ``inputs`` with paged views and the given state caches."""
-        caches, it = [], iter(states)
-        for kind in self.layers:
-            caches.append(LatentView(kind, batch) if isinstance(kind, Latent)
-                          else PagedView(kind, batch) if isinstance(kind, FullAttention)
-                          else next(it))
+        it = iter(states)
+        caches = [cl.view_of(kind, batch, it) for kind in self.layers]
         logits = self.model(inputs, cache=caches)
         if batch.attended != len(self._pools):
             raise RuntimeError(f"{type(self.model).__module__}: attention does not go through "
@@ -365,7 +371,7 @@ class Engine:
                 tokens = sample(logits[:, -1, :], (w,), self._keys)
                 self._last[w.seq_id] = (tokens, 0)
             self._submit(tokens, st.arrays(entries))
-        if any(isinstance(k, RecurrentState) for k in self.layers):
+        if any(isinstance(k, RecurrentState) for k in cl.flatten(self.layers)):
             self._states[w.seq_id] = entries
             self._touched(w.seq_id)
         return None if tokens is None else ((w,), tokens)

@@ -46,6 +46,8 @@ class Latent(FullAttention):
 class LatentView:
     """One MLA layer's cache for one forward (mlx-lm's cache protocol); see the module."""
 
+    attends_inputs = True  # attention.sdpa hands attend() the model's keys, values and mask
+
     def __init__(self, pool: Latent, batch):
         self.pool, self.batch = pool, batch
         self.offset = batch.offset
@@ -74,6 +76,23 @@ class LatentView:
         self.batch.attended += 1
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                     mask=mask)
+
+    @property
+    def keys(self):
+        return self.pool.keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        """deepseek_v32 chains its caches with ``mx.depends``; the engine evaluates every
+        pool itself, so the chained array is dropped (never evaluated)."""
+
+    @property
+    def values(self):
+        return self.pool.values
+
+    @values.setter
+    def values(self, value) -> None:
+        """deepseek_v32's indexer sets its values to zeros (mlx-lm's graph trim); dropped."""
 
     @property
     def state(self):
