@@ -1,10 +1,11 @@
-"""An MLA model (deepseek_v3's tiny random-weight family) behind a real worker over HTTP.
+"""MLA models (tiny random-weight families) behind a real worker over HTTP.
 
 Issue 15 measured two concurrent requests to an MLA model answering HTTP 500 each. Here a
 real ``plimsoll worker`` (uvicorn on 127.0.0.1, mlx-lm inference) answers chat, stream,
 two and three concurrent chats (200, the same greedy text as alone) and a two-turn
 conversation that reuses its first turn's blocks; the KV bytes it reports held equal
-model facts' figure for the blocks it holds.
+model facts' figure for the blocks it holds. The concurrent test also runs deepseek_v32
+(latent + indexer keys) and falcon_h1 (mamba state + KV), mlx-lm ``CacheList`` layers.
 """
 
 from __future__ import annotations
@@ -26,12 +27,23 @@ QUESTIONS = ["what is a latent vector?", "name three rivers in europe and one in
 
 
 @pytest.fixture(scope="module")
-def mla_worker(family_dir):
-    path = family_dir("deepseek_v3")
-    w = Worker(path, **{"block-tokens": BLOCK, "max-cache-blocks": 512})
-    w.facts = inspect_model(path)
-    yield w
-    w.stop()
+def workers(family_dir):
+    started: dict[str, Worker] = {}
+
+    def get(name: str) -> Worker:
+        if name not in started:
+            path = family_dir(name)
+            started[name] = Worker(path, **{"block-tokens": BLOCK, "max-cache-blocks": 512})
+            started[name].facts = inspect_model(path)
+        return started[name]
+    yield get
+    for w in started.values():
+        w.stop()
+
+
+@pytest.fixture
+def mla_worker(workers):
+    return workers("deepseek_v3")
 
 
 def _chat(w: Worker, messages: list[dict], n: int = 12, stream: bool = False) -> httpx.Response:
@@ -52,7 +64,10 @@ def _user(q: str) -> list[dict]:
     return [{"role": "user", "content": q}]
 
 
-def test_concurrent_chats_answer_200_with_the_text_of_each_alone(mla_worker):
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "falcon_h1"])
+def test_concurrent_chats_answer_200_with_the_text_of_each_alone(workers, family):
+    """An MLA model, MLA + indexer keys (CacheList) and mamba state + KV (CacheList)."""
+    mla_worker = workers(family)
     alone = []
     for q in QUESTIONS:
         r = _chat(mla_worker, _user(q))
