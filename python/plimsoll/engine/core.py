@@ -10,7 +10,10 @@ object per cache layer of the model:
 - every prefill chunk runs as its own forward (1, L) against its table, causal from
   ``start``; a chunk that samples runs its last token as a separate (1, 1) forward, as
   mlx-lm's ``generate_step`` does, so the lm head never sees the whole chunk;
-- recurrent state (hybrid models) is held per sequence (:mod:`plimsoll.engine.state`).
+- recurrent state (hybrid models) is held per sequence (:mod:`plimsoll.engine.state`);
+- an MLA layer's view hands the model the gathered latent history and the batch mask, and
+  the model's own attention math runs once for all rows (:mod:`plimsoll.engine.latent`);
+  a ``CacheList`` layer gets one view per member (:mod:`plimsoll.engine.composite`).
 
 Pipelining (as mlx-lm's ``generate_step``): :meth:`Engine.run_async` builds a step and
 ``mx.async_eval`` s it; a decode ``Work`` with ``tokens=None`` feeds the token sampled
