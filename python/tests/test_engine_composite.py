@@ -124,3 +124,28 @@ def test_a_layout_that_disagrees_with_mlx_lm_is_refused():
         cl.check_member("m", 3, KVCache(), "state")
     cl.check_member("m", 3, KVCache(), "indexer")
     assert cl.pool_class("indexer") is cl.Indexer and cl.pool_class(None).kind == "full"
+
+
+def test_cache_entries_map_onto_the_layers_that_hold_a_cache(engines):
+    """nemotron_h's MLP blocks hold no cache: make_prompt_cache's entries are the mamba and
+    attention layers only, and each gets the kind facts give its layer."""
+    eng = engines("nemotron_h")
+    assert [k.kind for k in eng.layers] == ["state", "state", "full", "state"]  # "M-M*-M"
+    prompts = _prompts(20, 50)
+    want = [reference(eng.model, p, 6) for p in prompts]
+    seqs = seqs_for(prompts, 6, BLOCK, Blocks(POOL, shuffle=True))
+    assert drive(eng, seqs, chunk=32, pipelined=True) == want
+
+
+def test_facts_that_misread_the_layout_are_refused_at_load(engines):
+    """Admission sizes the pool from facts: an MLA model whose facts counted per-head K/V
+    (as deepseek_v2's expanded cache) is refused rather than served on that figure."""
+    from families import FAMILIES
+
+    from plimsoll.core.model_facts import facts_from_config
+
+    eng = engines("deepseek_v3")
+    wrong = facts_from_config({**FAMILIES["deepseek_v3"].config, "model_type": "deepseek_v2"}, 0)
+    assert wrong.kv_bytes_per_token != eng.facts.kv_bytes_per_token
+    with pytest.raises(NotImplementedError, match="misreads this model's cache layout"):
+        Engine(eng.model, eng.tokenizer, wrong, block_tokens=BLOCK, max_blocks=POOL)

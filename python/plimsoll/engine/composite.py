@@ -126,9 +126,19 @@ def members(cache) -> tuple:
     return tuple(inner) if type(cache).__name__ == "CacheList" else (cache,)
 
 
-def layer_kinds(facts: ModelFacts, layer: int) -> list[str]:
+def cache_layers(facts: ModelFacts, n: int) -> list[int | None]:
+    """The model layer of each of the ``n`` entries of ``make_prompt_cache`` (layers without
+    a cache, as nemotron_h's MLP blocks, have no entry); None each where facts' layout does
+    not account for exactly ``n`` cached layers (then kinds follow the cache classes)."""
+    layers = sorted({i for c in facts.caches for i in c.layers})
+    return layers if len(layers) == n else [None] * n
+
+
+def layer_kinds(facts: ModelFacts, layer: int | None) -> list[str]:
     """Facts' cache kinds of ``layer``, member by member (a layer listed twice in one group,
     as longcat_flash's two latents, holds two caches of that kind)."""
+    if layer is None:
+        return []
     return [c.kind for c in facts.caches for _ in range(c.layers.count(layer))]
 
 
@@ -144,3 +154,30 @@ def check_member(model: str, layer: int, member, want: str | None) -> None:
         raise NotImplementedError(
             f"{model}: layer {layer} holds {type(member).__name__} where model facts say "
             f"{want!r}; the paged engine cannot tell which cache is which")
+
+
+def check_bytes(model: str, layers: list, facts: ModelFacts, block_tokens: int) -> None:
+    """Refuse where the pools (measured from mlx-lm's own cache) disagree with what model
+    facts count: admission sized the pool from facts, so a model whose layout plimsoll
+    misreads (an MLA layer counted as per-head K/V, say) must not be served on it. Layer by
+    layer where facts' layers map onto the cache entries, else in total."""
+    if not facts.caches:
+        return
+    where = cache_layers(facts, len(layers))
+    rows = []
+    for i, kind in zip(where, layers, strict=True):
+        pools = [k for k in (kind.parts if isinstance(kind, Composite) else (kind,))
+                 if isinstance(k, FullAttention)]
+        counted = None if i is None else sum(c.bytes_per_token * c.layers.count(i)
+                                              for c in facts.caches if c.kind != "state")
+        rows.append((i, pools, counted))
+    if any(i is None for i, _, _ in rows):
+        rows = [("all", [k for _, p, _ in rows for k in p], facts.kv_bytes_per_token)]
+    for i, pools, counted in rows:
+        held = sum(k.block_bytes for k in pools) // block_tokens
+        if held != counted:
+            raise NotImplementedError(
+                f"{model}: layer {i} holds {held} B a token in mlx-lm's cache "
+                f"({', '.join(k.kind for k in pools) or 'nothing'}) but model facts count "
+                f"{counted} B; plimsoll misreads this model's cache layout and will not serve "
+                "it on a pool sized from that figure")

@@ -101,6 +101,7 @@ class Engine:
         self._stream = mx.new_stream(mx.default_device())
         route_attention()
         self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
+        cl.check_bytes(type(model).__module__, self.layers, facts, block_tokens)
         self.block_bytes = sum(k.block_bytes for k in self.layers)
         if slab_blocks is None:  # grow by about SLAB_BYTES: the peak follows what is written
             slab = max(1, min(max_blocks, SLAB_BYTES // max(1, self.block_bytes)))
@@ -159,7 +160,7 @@ class Engine:
             return RecurrentState(len(c.cache), st.nbytes([c.cache]))
 
         kinds: list = []
-        for i, c in enumerate(caches):
+        for i, c in zip(cl.cache_layers(self.facts, len(caches)), caches, strict=True):
             parts, wants = cl.members(c), cl.layer_kinds(self.facts, i)
             wants = wants if len(wants) == len(parts) else [None] * len(parts)
             built = [kind_of(i, m, w) for m, w in zip(parts, wants, strict=True)]
