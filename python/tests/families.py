@@ -216,6 +216,12 @@ FAMILIES["minicpm3"] = Family(_cfg("minicpm3", "MiniCPM3ForCausalLM", hidden_siz
                                                  "long_factor": [1.0] * 8,
                                                  "original_max_position_embeddings": 4096}),
                               "minicpm3")
+FAMILIES["youtu_llm"] = Family(_cfg("youtu_llm", "YoutuForCausalLM", hidden_size=64,
+                                    num_attention_heads=4, num_key_value_heads=4,
+                                    intermediate_size=128, kv_lora_rank=64, q_lora_rank=32,
+                                    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                                    rope_theta=10000.0, rope_traditional=True,
+                                    attention_bias=False, mlp_bias=False), "youtu_llm")
 FAMILIES["deepseek_v3_wide"] = Family(_cfg("deepseek_v3", "DeepseekV3ForCausalLM", **{
     **_DSV3, "num_attention_heads": 32, "num_key_value_heads": 32, "qk_nope_head_dim": 64,
     "v_head_dim": 64, "qk_rope_head_dim": 16}), "deepseek_v3")  # MLA's prefill expansion

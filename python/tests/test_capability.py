@@ -28,7 +28,8 @@ SERVED = {"llama", "qwen3", "qwen3_4bit", "qwen3_moe", "qwen3_next", "qwen3_5", 
           "glm4_moe", "glm4_moe_mtp", "phi3", "olmo2", "nemotron_h", "jamba",
           "granitemoehybrid", "lfm2", "olmo_hybrid", "deepseek_v3", "glm4_moe_lite",
           "kimi_linear", "kimi_k25", "mistral4", "deepseek_v2", "minicpm3",
-          "deepseek_v3_wide", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "falcon_h1"}
+          "deepseek_v3_wide", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "falcon_h1",
+          "youtu_llm"}
 REFUSED = {"gpt_oss": "window", "gemma3_text": "window", "ministral3": "window",
            "llama4": "chunked", "mamba2": "state-only"}
 

@@ -135,9 +135,9 @@ def test_bytes_held_equal_facts_and_mlx_lm_cache(engines, family_dir, name):
     assert held == pytest.approx(mlx_held, rel=0.02)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v2", "minicpm3"])
+@pytest.mark.parametrize("name", ["deepseek_v2", "minicpm3", "youtu_llm"])
 def test_latent_projections_with_an_expanded_cache_are_full_attention(engines, name):
-    """deepseek_v2 and minicpm3 project through a latent but cache per-head K (qk_nope +
+    """deepseek_v2, minicpm3 and youtu_llm project through a latent but cache per-head K (qk_nope +
     qk_rope) and V: full-attention pools of unequal K and V widths, counted as such."""
     eng = engines(name)
     assert {k.kind for k in eng.layers} == {"full"}

@@ -13,9 +13,10 @@ Cache kinds (:data:`CacheKind`), per layer:
 - ``chunked``: chunked attention (llama4's ``ChunkedKVCache``): at most ``chunk`` tokens;
 - ``latent``: multi-head latent attention (MLA: deepseek_v3, glm4_moe_lite, kimi, mistral4,
   longcat_flash, deepseek_v32): one copy of ``kv_lora_rank + qk_rope_head_dim`` values a token
-  (mlx-lm caches the latent and the rope key, not the expanded heads); deepseek_v2 and
-  minicpm3 project through a latent too but cache the expanded per-head K (qk_nope + qk_rope)
-  and V: ``kv`` of ``heads × (k_dim + v_dim)``;
+  (mlx-lm caches the latent and the rope key, not the expanded heads); deepseek_v2,
+  minicpm3 and youtu_llm project through a latent too but cache the expanded per-head K
+  (qk_nope + qk_rope) and V: ``kv`` of ``heads × (k_dim + v_dim)``; any other model type
+  with ``kv_lora_rank`` is refused (its cache is not known);
 - ``indexer``: deepseek_v32's sparse-attention indexer keys (``CacheList`` member): mlx-lm holds
   ``index_head_dim`` keys and a zeros array of the same shape as values, so 2 × per token;
 - ``state``: recurrent state of a linear-attention / SSM / conv layer (``ArraysCache``): a fixed
@@ -51,7 +52,7 @@ _LINEAR = {"linear_attention", "mamba", "mamba2", "ssm", "recurrent", "conv", "M
 _NO_CACHE = {"moe", "mlp", "-", "E"}  # nemotron_h blocks without a mixer cache
 _MLA_TYPES = {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite",
               "kimi_k25", "kimi_k2", "kimi_vl", "mistral4", "longcat_flash", "kimi_linear"}
-_EXPANDED_MLA_TYPES = {"deepseek_v2", "minicpm3"}
+_EXPANDED_MLA_TYPES = {"deepseek_v2", "minicpm3", "youtu_llm"}
 """Latent projections, but mlx-lm's attention caches the expanded per-head K and V."""
 
 
@@ -208,11 +209,17 @@ def _attention(cfg: dict, act: int, bits: int | None) -> tuple[list[tuple[str, i
     if isinstance(rank, int) and mtype in _EXPANDED_MLA_TYPES:
         heads = _int(cfg, "num_attention_heads")
         k_dim = _int(cfg, "qk_nope_head_dim") + _int(cfg, "qk_rope_head_dim")
-        v_dim = _int(cfg, "v_head_dim") if mtype == "deepseek_v2" \
-            else _int(cfg, "hidden_size") // heads  # minicpm3's attention derives it
+        v_dim = _int(cfg, "hidden_size") // heads if mtype == "minicpm3" \
+            else _int(cfg, "v_head_dim")  # minicpm3's attention derives it
         return ([("kv", heads * (vector_bytes(k_dim, act, bits) + vector_bytes(v_dim, act, bits)),
                   f"{heads} heads × (K qk_nope + qk_rope {k_dim} + V {v_dim}), expanded")],
                 "KVCache")
+    if isinstance(rank, int):
+        raise CacheLayoutError(
+            f"config.json: {mtype} has kv_lora_rank (multi-head latent attention), but plimsoll "
+            f"does not know whether mlx-lm's {mtype} caches the latent or expanded per-head "
+            "K/V (nor its layer layout), so it cannot count its KV: not served yet; "
+            "mlx_lm.server serves it unbatched")
     heads = _int(cfg, "num_attention_heads")
     kv_heads = lookup(cfg, "num_key_value_heads", heads)
     if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads <= 0:
