@@ -149,3 +149,28 @@ def test_facts_that_misread_the_layout_are_refused_at_load(engines):
     assert wrong.kv_bytes_per_token != eng.facts.kv_bytes_per_token
     with pytest.raises(NotImplementedError, match="misreads this model's cache layout"):
         Engine(eng.model, eng.tokenizer, wrong, block_tokens=BLOCK, max_blocks=POOL)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "falcon_h1"])
+def test_block_payloads_cover_every_member_pool(engines, name):
+    """The disk tier's block payloads: every pool of every CacheList member, in order; a
+    block exported and imported elsewhere holds the same bytes. A state member (falcon_h1)
+    keeps the tier off, for the hybrid reason."""
+    from plimsoll.engine import block_io
+
+    eng = engines(name)
+    if name == "falcon_h1":
+        assert "hybrid" in block_io.supports(eng)
+        return
+    assert block_io.supports(eng) == ""
+    prompt = _prompts(40)[0]
+    eng.run(Step(prefills=(Work(0, tuple(prompt), 0, (5, 9, 2), True),)))
+    eng.free_state(0)
+    payload = block_io.export_block(eng, 9)
+    assert len(payload) == eng.block_bytes
+    block_io.import_block(eng, 30, payload)
+    pools = [p for k in eng.layers for p in k.parts]
+    assert len(pools) == 2 * eng.facts.num_layers
+    for p in pools:
+        for arr in (p.keys, p.values):
+            assert mx.array_equal(arr[:, 30 * BLOCK:31 * BLOCK], arr[:, 9 * BLOCK:10 * BLOCK])
