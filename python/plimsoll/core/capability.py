@@ -8,9 +8,10 @@ reading gigabytes of weights.
 
 :data:`ENGINE_SUPPORT` is the one table of what the worker's engine serves. It describes the
 engine in ``plimsoll.engine`` today (the block-paged engine of issue 14, ``engine/core.py``):
-full-attention ``KVCache`` in blocks, MLA's latent + rope-key blocks (``engine/latent.py``) and
-recurrent state of any slot count (``ArraysCache``, gated-delta / mamba2 layers beside full
-attention), per sequence. Issue 15 adds the rest.
+full-attention ``KVCache`` in blocks, MLA's latent + rope-key blocks (``engine/latent.py``),
+sparse-attention indexer keys, recurrent state of any slot count (``ArraysCache``, gated-delta /
+mamba2 layers beside full attention) per sequence, and ``CacheList`` layers of those, each
+member in its own kind (``engine/composite.py``). Issue 15 adds the rest.
 Change the table, not the callers.
 """
 
