@@ -33,9 +33,10 @@ from plimsoll.cli.common import EXIT_REFUSED, UsageFailure, invalid_figures
               help="Sequences running at once, a runtime bound of its own: shorter requests "
               "fit many more than --max-num-seqs when their reservations fit "
               "[default: max(64, --max-num-seqs)].")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(min=1),
               help="Prompt tokens computed per step over all prefills, beside every running "
-              "decode: a long prompt delays running streams by at most this chunk per step.")
+              "decode: a long prompt delays running streams by at most this chunk per step "
+              "[default: 2048 on a GPU (fused prefill attention), 512 on a CPU].")
 @click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
               help="KV cache dtype (default: the model's).")
 @click.option("--transient-bytes", type=click.IntRange(min=1),

@@ -42,9 +42,12 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
+from plimsoll.engine import batched_prefill
 from plimsoll.engine import composite as cl
 from plimsoll.engine import state as st
-from plimsoll.engine.attention import Batch, route_attention
+from plimsoll.engine.attention import Batch, fused_prefill, route_attention
+from plimsoll.engine.decode_index import DecodeReads
+from plimsoll.engine.limits import backend_env_defaults
 from plimsoll.engine.paged import (
     FullAttention,
     RecurrentState,
@@ -98,6 +101,7 @@ class Engine:
         self.block_tokens, self.max_blocks, self.pipeline = block_tokens, max_blocks, pipeline
         # Compute on a stream of our own, as mlx-lm's generate does (measured ~5-10%
         # faster single-stream decode on the CPU backend than the default stream).
+        backend_env_defaults()  # before the stream: its encoder reads the graph cache's
         self._stream = mx.new_stream(mx.default_device())
         route_attention()
         self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
@@ -112,6 +116,12 @@ class Engine:
         self.state_bytes_per_seq = sum(k.bytes_per_seq for k in flat
                                        if isinstance(k, RecurrentState))
         self._pools = [k for k in flat if isinstance(k, FullAttention)]
+        #: the backend runs a prefill chunk's attention fused (the worker's chunk follows it);
+        #: MLA's prefill attends through the model's own math (engine/latent.py): not counted
+        #: as fused, so its transient keeps the scores
+        self.fused_prefill = fused_prefill(
+            self._compute_dtype, {d for p in self._pools for d in (p.k_dim, p.v_dim)}) \
+            and all(type(p) is FullAttention for p in self._pools)
         self._states: dict[int, list[st.Entries]] = {}
         # The last decode's stacked state (its rows, in order): the next decode of the same
         # rows reuses it instead of stacking again (its row views are what _states holds).
@@ -120,6 +130,10 @@ class Engine:
         self._last: dict[int, tuple[mx.array, int]] = {}  # seq -> (tokens, row), lazy
         self._keys = Keys()
         self._unsettled: list[Pending] = []
+        self._reads = DecodeReads(block_tokens)  # the decode's table index, kept across steps
+        self._prefill_reads = DecodeReads(block_tokens)  # that of batched prompts' last tokens
+        # several prompts' first chunks as one padded forward (engine/batched_prefill.py)
+        self.batch_prefill = all(type(k) is FullAttention for k in self.layers)
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
@@ -130,6 +144,7 @@ class Engine:
         if bits:
             raise NotImplementedError(f"quantized KV ({bits}-bit) is not served by the paged "
                                       "engine yet; pass kv_dtype float16, bfloat16 or float32")
+        backend_env_defaults()
         model, tokenizer = mlx_lm.load(str(model_dir))
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,
@@ -138,6 +153,7 @@ class Engine:
     def _kinds(self, model, kv_dtype: str | None, slab: int) -> list:
         """One kind per cache layer, shapes and dtypes measured by a one-token probe."""
         caches = make_prompt_cache(model)
+        self._compute_dtype = mx.float32
         for c in caches:
             for m in cl.members(c):
                 if type(m) not in (KVCache, ArraysCache):
@@ -153,6 +169,7 @@ class Engine:
         def kind_of(i: int, c, want: str | None):
             cl.check_member(type(model).__module__, i, c, want)
             if type(c) is KVCache:
+                self._compute_dtype = c.keys.dtype  # what the model computes K in
                 _, heads, _, k_dim = c.keys.shape
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
                 return cl.pool_class(want)(heads, k_dim, c.values.shape[3], dtype,
@@ -199,6 +216,8 @@ class Engine:
         self._touched(seq_id)
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
+        self._reads.forget(seq_id)
+        self._prefill_reads.forget(seq_id)
 
     def snapshot_state(self, seq_id: int, key) -> None:
         """Keep a copy of ``seq_id``'s state (after every step submitted so far) as ``key``."""
@@ -237,7 +256,14 @@ class Engine:
             outs = []
             if step.decodes:
                 outs.append(self._decode(step.decodes))
-            for w in step.prefills:
+            prefills = step.prefills
+            firsts = [w for w in prefills if w.start == 0]
+            if self.batch_prefill and len(firsts) > 1:
+                out = batched_prefill.run(self, firsts)
+                if out is not None:
+                    outs.append(out)
+                prefills = [w for w in prefills if w.start != 0]
+            for w in prefills:
                 out = self._prefill(w)
                 if out is not None:
                     outs.append(out)
@@ -316,22 +342,26 @@ class Engine:
         pools = [a for p in self._pools for a in (p.keys, p.values)]
         mx.async_eval(([] if tokens is None else [tokens]) + pools + state_arrays)
 
-    def _decode(self, works: tuple[Work, ...]) -> tuple[tuple[Work, ...], mx.array]:
-        self._ensure(works)
+    def _decode(self, works: tuple[Work, ...], reads: DecodeReads | None = None
+                ) -> tuple[tuple[Work, ...], mx.array]:
         bt = self.block_tokens
         starts = [w.start for w in works]
         lengths = [s + 1 for s in starts]
+        ids = tuple(w.seq_id for w in works)
+        # The tables' index is kept across steps (only new blocks are written into it); its
+        # highest id covers every block this step reads or writes.
+        read, top = (reads or self._reads).read(ids, [w.block_table for w in works], lengths)
+        for p in self._pools:
+            p.ensure(top)
         write = np.array([w.block_table[s // bt] * bt + s % bt
                           for w, s in zip(works, starts, strict=True)], dtype=np.int32)
-        read = read_of([w.block_table for w in works], lengths, bt)
+        lengths_mx = mx.array(lengths, dtype=mx.int32)
         mask = None
-        if min(lengths) != max(lengths):
-            m = np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
-            mask = mx.array(m)[:, None, None, :]
+        if min(lengths) != max(lengths):  # built on the device, not row × context on the host
+            mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]
+                    < lengths_mx[:, None])[:, None, None, :]
         offset = starts[0] if len(works) == 1 else mx.array(starts, dtype=mx.int32)
-        batch = Batch(write_of(write), read, mask, offset,
-                      lengths=mx.array(lengths, dtype=mx.int32))
-        ids = tuple(w.seq_id for w in works)
+        batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx)
         if self._batched is not None and self._batched[0] == ids:
             stacked = [st.cache_of(e) for e in self._batched[1]]
         else:

@@ -19,7 +19,7 @@ from plimsoll.core.sizing import compute_transient_bytes
 from plimsoll.core.units import fmt_bytes, gib_to_bytes, mib_to_bytes
 from plimsoll.launch.calibration import lookup, reserve_fraction
 from plimsoll.probes.snapshot import MemorySnapshot
-from plimsoll.worker.config import WorkerConfig, prefill_chunk
+from plimsoll.worker.config import PREFILL_CHUNK, prefill_chunk
 
 DEFAULT_CONTEXT = 8192
 DEFAULT_MAX_TOKENS = 1024
@@ -167,7 +167,7 @@ def plan(
 def _chunk(facts: ModelFacts, d: AdmissionDecision, context: int) -> int:
     return prefill_chunk(facts, context, compute_transient_bytes(d.transient_reserve_bytes),
                          block_tokens=d.block_tokens,
-                         most=WorkerConfig.model_fields["prefill_chunk"].default)
+                         most=PREFILL_CHUNK)
 
 
 def check_transient(facts: ModelFacts, req: AdmissionRequest,
