@@ -8,8 +8,10 @@ reading gigabytes of weights.
 
 :data:`ENGINE_SUPPORT` is the one table of what the worker's engine serves. It describes the
 engine in ``plimsoll.engine`` today (the block-paged engine of issue 14, ``engine/core.py``):
-full-attention ``KVCache`` in blocks and recurrent state of any slot count (``ArraysCache``,
-gated-delta / mamba2 layers beside full attention), per sequence. Issue 15 adds the rest.
+full-attention ``KVCache`` in blocks, MLA's latent + rope-key blocks (``engine/latent.py``),
+sparse-attention indexer keys, recurrent state of any slot count (``ArraysCache``, gated-delta /
+mamba2 layers beside full attention) per sequence, and ``CacheList`` layers of those, each
+member in its own kind (``engine/composite.py``). Issue 15 adds the rest.
 Change the table, not the callers.
 """
 
@@ -37,18 +39,13 @@ ENGINE_SUPPORT: dict[str, KindSupport] = {
     "chunked": KindSupport(
         "chunked-attention layers", False,
         "the engine has no chunk mask; mlx_lm.server serves the model unbatched"),
-    "latent": KindSupport(
-        "multi-head latent attention (MLA)", False,
-        "batched decode would mix the latent and rope-key arrays; mlx_lm.server serves the "
-        "model unbatched"),
-    "indexer": KindSupport(
-        "sparse-attention indexer keys", False,
-        "the engine keeps no indexer cache; mlx_lm.server serves the model unbatched"),
+    "latent": KindSupport("multi-head latent attention (MLA)", True),
+    "indexer": KindSupport("sparse-attention indexer keys", True),
 }
 STATE_SLOTS: frozenset[int] | None = None
 """ArraysCache sizes the engine's per-sequence state handles (None: any)."""
 SERVES_QUANTIZED_KV = False
-SERVES_CACHE_LIST = False
+SERVES_CACHE_LIST = True  # each member in its own kind (engine/composite.py)
 SERVES_STATE_ONLY = False  # a model with no attention KV at all (pure state-space)
 
 

@@ -131,6 +131,8 @@ def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's attention entry point, paged for a :class:`PagedView`."""
     if isinstance(cache, PagedView):
         return cache.attend(queries, scale, sinks)
+    if getattr(cache, "attends_inputs", False):  # MLA (engine.latent): the model's own
+        return cache.attend(queries, keys, values, scale, mask)  # keys, values and mask
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask,
                           sinks=sinks)
 

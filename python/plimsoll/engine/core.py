@@ -10,7 +10,10 @@ object per cache layer of the model:
 - every prefill chunk runs as its own forward (1, L) against its table, causal from
   ``start``; a chunk that samples runs its last token as a separate (1, 1) forward, as
   mlx-lm's ``generate_step`` does, so the lm head never sees the whole chunk;
-- recurrent state (hybrid models) is held per sequence (:mod:`plimsoll.engine.state`).
+- recurrent state (hybrid models) is held per sequence (:mod:`plimsoll.engine.state`);
+- an MLA layer's view hands the model the gathered latent history and the batch mask, and
+  the model's own attention math runs once for all rows (:mod:`plimsoll.engine.latent`);
+  a ``CacheList`` layer gets one view per member (:mod:`plimsoll.engine.composite`).
 
 Pipelining (as mlx-lm's ``generate_step``): :meth:`Engine.run_async` builds a step and
 ``mx.async_eval`` s it; a decode ``Work`` with ``tokens=None`` feeds the token sampled
@@ -40,8 +43,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import batched_prefill
+from plimsoll.engine import composite as cl
 from plimsoll.engine import state as st
-from plimsoll.engine.attention import Batch, PagedView, fused_prefill, route_attention
+from plimsoll.engine.attention import Batch, fused_prefill, route_attention
 from plimsoll.engine.decode_index import DecodeReads
 from plimsoll.engine.limits import backend_env_defaults
 from plimsoll.engine.paged import (
@@ -101,18 +105,23 @@ class Engine:
         self._stream = mx.new_stream(mx.default_device())
         route_attention()
         self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
+        cl.check_bytes(type(model).__module__, self.layers, facts, block_tokens)
         self.block_bytes = sum(k.block_bytes for k in self.layers)
         if slab_blocks is None:  # grow by about SLAB_BYTES: the peak follows what is written
             slab = max(1, min(max_blocks, SLAB_BYTES // max(1, self.block_bytes)))
-            for kind in self.layers:
+            for kind in cl.flatten(self.layers):
                 if isinstance(kind, FullAttention):
                     kind.slab_blocks = slab
-        self.state_bytes_per_seq = sum(k.bytes_per_seq for k in self.layers
+        flat = list(cl.flatten(self.layers))
+        self.state_bytes_per_seq = sum(k.bytes_per_seq for k in flat
                                        if isinstance(k, RecurrentState))
-        self._pools = [k for k in self.layers if isinstance(k, FullAttention)]
-        #: the backend runs a prefill chunk's attention fused (the worker's chunk follows it)
+        self._pools = [k for k in flat if isinstance(k, FullAttention)]
+        #: the backend runs a prefill chunk's attention fused (the worker's chunk follows it);
+        #: MLA's prefill attends through the model's own math (engine/latent.py): not counted
+        #: as fused, so its transient keeps the scores
         self.fused_prefill = fused_prefill(
-            self._compute_dtype, {d for p in self._pools for d in (p.k_dim, p.v_dim)})
+            self._compute_dtype, {d for p in self._pools for d in (p.k_dim, p.v_dim)}) \
+            and all(type(p) is FullAttention for p in self._pools)
         self._states: dict[int, list[st.Entries]] = {}
         # The last decode's stacked state (its rows, in order): the next decode of the same
         # rows reuses it instead of stacking again (its row views are what _states holds).
@@ -146,24 +155,33 @@ class Engine:
         caches = make_prompt_cache(model)
         self._compute_dtype = mx.float32
         for c in caches:
-            if type(c) not in (KVCache, ArraysCache):
-                raise NotImplementedError(
-                    f"{type(model).__module__}: cache kind {type(c).__name__} (sliding window, "
-                    "chunked, MLA or quantized KV) is not served by the paged engine yet; "
-                    "only full-attention KV (KVCache) and recurrent state (ArraysCache) are")
+            for m in cl.members(c):
+                if type(m) not in (KVCache, ArraysCache):
+                    raise NotImplementedError(
+                        f"{type(model).__module__}: cache kind {type(m).__name__} (sliding "
+                        "window, chunked or quantized KV) is not served by the paged engine "
+                        "yet; only full-attention KV and MLA latents (KVCache) and recurrent "
+                        "state (ArraysCache) are, alone or in a CacheList")
         with mx.stream(self._stream):
             model(mx.array([[0]]), cache=caches)
-            mx.eval([c.state for c in caches])
-        kinds: list = []
-        for c in caches:
+            mx.eval([m.state for c in caches for m in cl.members(c)])
+
+        def kind_of(i: int, c, want: str | None):
+            cl.check_member(type(model).__module__, i, c, want)
             if type(c) is KVCache:
                 self._compute_dtype = c.keys.dtype  # what the model computes K in
                 _, heads, _, k_dim = c.keys.shape
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
-                kinds.append(FullAttention(heads, k_dim, c.values.shape[3], dtype,
-                                           self.block_tokens, self.max_blocks, slab))
-            else:
-                kinds.append(RecurrentState(len(c.cache), st.nbytes([c.cache])))
+                return cl.pool_class(want)(heads, k_dim, c.values.shape[3], dtype,
+                                           self.block_tokens, self.max_blocks, slab)
+            return RecurrentState(len(c.cache), st.nbytes([c.cache]))
+
+        kinds: list = []
+        for i, c in zip(cl.cache_layers(self.facts, len(caches)), caches, strict=True):
+            parts, wants = cl.members(c), cl.layer_kinds(self.facts, i)
+            wants = wants if len(wants) == len(parts) else [None] * len(parts)
+            built = [kind_of(i, m, w) for m, w in zip(parts, wants, strict=True)]
+            kinds.append(built[0] if parts[0] is c else cl.Composite(built))
         del caches
         mx.clear_cache()
         return kinds
@@ -220,7 +238,8 @@ class Engine:
             self._batched = None
 
     def _fresh_state(self) -> list[st.Entries]:
-        return [st.fresh(k.slots) for k in self.layers if isinstance(k, RecurrentState)]
+        return [st.fresh(k.slots) for k in cl.flatten(self.layers)
+                if isinstance(k, RecurrentState)]
 
     # ------------------------------------------------------------------ steps
 
@@ -310,10 +329,8 @@ class Engine:
 
     def _forward(self, inputs: mx.array, batch: Batch, states: list) -> mx.array:
         """Run the model over ``inputs`` with paged views and the given state caches."""
-        caches, it = [], iter(states)
-        for kind in self.layers:
-            caches.append(PagedView(kind, batch) if isinstance(kind, FullAttention)
-                          else next(it))
+        it = iter(states)
+        caches = [cl.view_of(kind, batch, it) for kind in self.layers]
         logits = self.model(inputs, cache=caches)
         if batch.attended != len(self._pools):
             raise RuntimeError(f"{type(self.model).__module__}: attention does not go through "
@@ -388,7 +405,7 @@ class Engine:
                 tokens = sample(logits[:, -1, :], (w,), self._keys)
                 self._last[w.seq_id] = (tokens, 0)
             self._submit(tokens, st.arrays(entries))
-        if any(isinstance(k, RecurrentState) for k in self.layers):
+        if any(isinstance(k, RecurrentState) for k in cl.flatten(self.layers)):
             self._states[w.seq_id] = entries
             self._touched(w.seq_id)
         return None if tokens is None else ((w,), tokens)

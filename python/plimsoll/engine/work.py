@@ -112,7 +112,10 @@ def _per_chunk_token_bytes(facts: ModelFacts, context: int, fused: bool = False)
     heads = facts.num_attention_heads or facts.num_key_value_heads
     hidden = facts.hidden_size or heads * facts.head_dim
     inter = facts.intermediate_size or 4 * hidden
-    scores = 0 if fused else 2 * heads * context * _ACT_BYTES
+    # scores and softmax (none in a fused attention); MLA also holds its positional scores
+    # and their masked copy, the additive mask it hands the attention, fused or not
+    arrays = (0 if fused else 2) + (2 if facts.prefill_expand_per_token else 0)
+    scores = arrays * heads * context * _ACT_BYTES
     acts = (4 * hidden + 3 * inter + 2 * heads * facts.head_dim) * _ACT_BYTES
     return scores + acts
 
@@ -139,8 +142,16 @@ def prefill_transient_bytes(facts: ModelFacts, chunk: int, context: int,
     if chunk <= 0:
         return 0
     context = max(context, chunk)
-    return (gather_transient_bytes(facts, _whole(context, block_tokens))
+    return (_context_transient_bytes(facts, _whole(context, block_tokens))
             + chunk * _per_chunk_token_bytes(facts, context, fused))
+
+
+def _context_transient_bytes(facts: ModelFacts, tokens: int) -> int:
+    """A prefill chunk's transient that follows the context, not the chunk: the gather,
+    and (MLA) the per-head keys and values one layer expands the latent of every
+    context token into."""
+    return (gather_transient_bytes(facts, tokens)
+            + tokens * facts.prefill_expand_per_token * _ACT_BYTES)
 
 
 def prefill_chunk_tokens(facts: ModelFacts, context: int, transient_bytes: int, *,
@@ -149,12 +160,12 @@ def prefill_chunk_tokens(facts: ModelFacts, context: int, transient_bytes: int, 
     """The largest prefill chunk (a multiple of ``multiple``, at most ``most``; below
     ``multiple`` any size) whose transient at ``context`` stays within ``transient_bytes``.
 
-    0 when not even one token fits (the gather of the context alone passes the bound):
+    0 when not even one token fits (what follows the context alone passes the bound):
     the caller refuses that context rather than exceed it.
     """
     if context <= 0:
         raise ValueError("context must be positive")
-    room = transient_bytes - gather_transient_bytes(facts, _whole(context, block_tokens))
+    room = transient_bytes - _context_transient_bytes(facts, _whole(context, block_tokens))
     if room <= 0:
         return 0
     chunk = min(most, context, room // _per_chunk_token_bytes(facts, context, fused))
