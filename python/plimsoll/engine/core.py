@@ -36,7 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import batched_prefill
@@ -53,12 +53,22 @@ from plimsoll.engine.paged import (
     write_of,
 )
 from plimsoll.engine.sampling import Keys, sample
+from plimsoll.engine.window import Rings, WindowAttention, WindowView, window_kind
 from plimsoll.engine.work import Step, Work
 
 # Pool growth step: measured on the H200, a slab of max_blocks / 8 (10 GiB for a 4B model's
 # admitted pool) put the first request's peak at 2.3 x weights + KV; 256 MiB keeps the
 # excess to one slab while a 30k-token session grows in ~20 steps.
 SLAB_BYTES = 256 << 20
+
+
+class _At:
+    """A prefill piece's sequence and start, for the window rings."""
+
+    __slots__ = ("seq_id", "start")
+
+    def __init__(self, seq_id: int, start: int):
+        self.seq_id, self.start = seq_id, start
 
 
 class Pending:
@@ -107,8 +117,12 @@ class Engine:
             for kind in self.layers:
                 if isinstance(kind, FullAttention):
                     kind.slab_blocks = slab
+        # sliding-window rings are per-sequence state too (engine/window.py): a pool with
+        # them runs hybrid, so prefixes are reused through ring snapshots
+        self._rings = Rings([k for k in self.layers if isinstance(k, WindowAttention)])
         self.state_bytes_per_seq = sum(k.bytes_per_seq for k in self.layers
-                                       if isinstance(k, RecurrentState))
+                                       if isinstance(k, RecurrentState)) \
+            + self._rings.bytes_per_seq
         self._pools = [k for k in self.layers if isinstance(k, FullAttention)]
         #: the backend runs a prefill chunk's attention fused (the worker's chunk follows it)
         self.fused_prefill = fused_prefill(
@@ -146,11 +160,12 @@ class Engine:
         caches = make_prompt_cache(model)
         self._compute_dtype = mx.float32
         for c in caches:
-            if type(c) not in (KVCache, ArraysCache):
+            if type(c) not in (KVCache, ArraysCache, RotatingKVCache):
                 raise NotImplementedError(
-                    f"{type(model).__module__}: cache kind {type(c).__name__} (sliding window, "
-                    "chunked, MLA or quantized KV) is not served by the paged engine yet; "
-                    "only full-attention KV (KVCache) and recurrent state (ArraysCache) are")
+                    f"{type(model).__module__}: cache kind {type(c).__name__} (chunked, MLA "
+                    "or quantized KV) is not served by the paged engine yet; only "
+                    "full-attention KV (KVCache), sliding windows (RotatingKVCache) and "
+                    "recurrent state (ArraysCache) are")
         with mx.stream(self._stream):
             model(mx.array([[0]]), cache=caches)
             mx.eval([c.state for c in caches])
@@ -162,6 +177,9 @@ class Engine:
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
                 kinds.append(FullAttention(heads, k_dim, c.values.shape[3], dtype,
                                            self.block_tokens, self.max_blocks, slab))
+            elif type(c) is RotatingKVCache:
+                dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
+                kinds.append(window_kind(c, dtype, self.max_blocks + 2, 1))
             else:
                 kinds.append(RecurrentState(len(c.cache), st.nbytes([c.cache])))
         del caches
@@ -180,7 +198,7 @@ class Engine:
     def state_bytes_held(self) -> int:
         """nbytes of every recurrent state and snapshot held."""
         return (sum(st.nbytes(s) for s in self._states.values())
-                + sum(st.nbytes(s) for s in self._snapshots.values()))
+                + sum(st.nbytes(s) for s in self._snapshots.values()) + self._rings.nbytes())
 
     def memory(self) -> dict[str, int]:
         """MLX's own allocator figures, in bytes."""
@@ -195,6 +213,7 @@ class Engine:
     def free_state(self, seq_id: int) -> None:
         """A sequence ended: drop its recurrent state, last token and random key."""
         self._states.pop(seq_id, None)
+        self._rings.free(seq_id)
         self._touched(seq_id)
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
@@ -204,15 +223,19 @@ class Engine:
     def snapshot_state(self, seq_id: int, key) -> None:
         """Keep a copy of ``seq_id``'s state (after every step submitted so far) as ``key``."""
         self._snapshots[key] = st.copy(self._states.get(seq_id) or self._fresh_state())
-        mx.async_eval(st.arrays(self._snapshots[key]))
+        rings = self._rings.snapshot(seq_id, key) if self._rings else []
+        mx.async_eval(st.arrays(self._snapshots[key]) + rings)
 
     def restore_state(self, key, seq_id: int) -> None:
         """Give ``seq_id`` a copy of snapshot ``key`` (the snapshot stays)."""
         self._states[seq_id] = st.copy(self._snapshots[key])
+        if self._rings:
+            self._rings.restore(key, seq_id)
         self._touched(seq_id)
 
     def drop_snapshot(self, key) -> None:
         self._snapshots.pop(key, None)
+        self._rings.drop(key)
 
     def _touched(self, seq_id: int) -> None:
         """``seq_id``'s state changed outside a decode: the stacked batch is stale."""
@@ -308,21 +331,24 @@ class Engine:
                  for w, last in zip(works, lasts, strict=True)]
         return mx.concatenate(parts)[:, None]
 
-    def _forward(self, inputs: mx.array, batch: Batch, states: list) -> mx.array:
+    def _forward(self, inputs: mx.array, batch: Batch, states: list, works=()) -> mx.array:
         """Run the model over ``inputs`` with paged views and the given state caches."""
         caches, it = [], iter(states)
+        rings = self._rings.batch([w.seq_id for w in works], [w.start for w in works],
+                                  inputs.shape[1]) if self._rings else None
         for kind in self.layers:
             caches.append(PagedView(kind, batch) if isinstance(kind, FullAttention)
-                          else next(it))
+                          else WindowView(kind, batch, rings)
+                          if isinstance(kind, WindowAttention) else next(it))
         logits = self.model(inputs, cache=caches)
-        if batch.attended != len(self._pools):
+        if batch.attended != len(self._pools) + len(self._rings.layers):
             raise RuntimeError(f"{type(self.model).__module__}: attention does not go through "
                                "mlx_lm.models.base.scaled_dot_product_attention; the paged "
                                "engine cannot serve this model")
         return logits
 
     def _submit(self, tokens: mx.array | None, state_arrays: list) -> None:
-        pools = [a for p in self._pools for a in (p.keys, p.values)]
+        pools = [a for p in self._pools for a in (p.keys, p.values)] + self._rings.arrays()
         mx.async_eval(([] if tokens is None else [tokens]) + pools + state_arrays)
 
     def _decode(self, works: tuple[Work, ...], reads: DecodeReads | None = None
@@ -350,7 +376,7 @@ class Engine:
         else:
             rows = [self._states.get(w.seq_id) or self._fresh_state() for w in works]
             stacked = [st.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
-        logits = self._forward(self._decode_inputs(works), batch, stacked)[:, -1, :]
+        logits = self._forward(self._decode_inputs(works), batch, stacked, works)[:, -1, :]
         for j, c in enumerate(stacked):
             for w, entries in zip(works, st.split(c, len(works)), strict=True):
                 self._states.setdefault(w.seq_id, self._fresh_state())[j] = entries
@@ -382,7 +408,8 @@ class Engine:
             read = None if start == 0 else read_of([w.block_table], [start + n], bt)
             batch = Batch(write, read, "causal" if n > 1 else None, start)
             caches = [st.cache_of(e) for e in entries]
-            logits = self._forward(mx.array(piece, dtype=mx.uint32)[None], batch, caches)
+            logits = self._forward(mx.array(piece, dtype=mx.uint32)[None], batch, caches,
+                                   (_At(w.seq_id, start),))
             entries = [c.cache for c in caches]
             if sampled:
                 tokens = sample(logits[:, -1, :], (w,), self._keys)
