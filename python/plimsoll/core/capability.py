@@ -8,8 +8,10 @@ reading gigabytes of weights.
 
 :data:`ENGINE_SUPPORT` is the one table of what the worker's engine serves. It describes the
 engine in ``plimsoll.engine`` today (the block-paged engine of issue 14, ``engine/core.py``):
-full-attention ``KVCache`` in blocks and recurrent state of any slot count (``ArraysCache``,
-gated-delta / mamba2 layers beside full attention), per sequence. Issue 15 adds the rest.
+full-attention ``KVCache`` in blocks, recurrent state of any slot count (``ArraysCache``,
+gated-delta / mamba2 layers beside full attention), per sequence, and sliding windows
+(``RotatingKVCache`` with ``keep=0``: a ring of the window per sequence, ``engine/window.py``).
+Issue 15 adds the rest.
 Change the table, not the callers.
 """
 
@@ -30,10 +32,7 @@ class KindSupport:
 ENGINE_SUPPORT: dict[str, KindSupport] = {
     "kv": KindSupport("full-attention KV", True),
     "state": KindSupport("recurrent state", True),
-    "window": KindSupport(
-        "sliding-window layers", False,
-        "the engine would keep the whole history where mlx-lm keeps a window; "
-        "mlx_lm.server serves the model unbatched"),
+    "window": KindSupport("sliding-window layers", True),  # engine/window.py: rings
     "chunked": KindSupport(
         "chunked-attention layers", False,
         "the engine has no chunk mask; mlx_lm.server serves the model unbatched"),
@@ -88,6 +87,11 @@ def check(facts: ModelFacts, name: str | None = None) -> Unsupported | None:
                 f"{who}: {support.what} ({c.mlx_cache}, {len(c.layers)} of "
                 f"{facts.num_layers} layers) are not served yet by this engine: "
                 f"{support.unserved_reason}; {_SERVED_BY}"))
+        if c.kind == "window" and c.keep:
+            return Unsupported("window", (
+                f"{who}: sliding-window layers that keep their first {c.keep} tokens forever "
+                f"(RotatingKVCache(keep={c.keep})) are not served yet by this engine, which "
+                f"serves keep=0 windows; mlx_lm.server serves the model unbatched"))
         if c.mlx_cache.startswith("CacheList") and not SERVES_CACHE_LIST:
             return Unsupported("cache-list", (
                 f"{who}: layers holding several caches at once ({c.mlx_cache}) are not "
