@@ -190,3 +190,17 @@ def test_a_worker_serves_concurrent_requests_like_alone(family_dir, tmp_path):
         print(json.dumps({k: st[k] for k in ("state_bytes_held", "kv_bytes_allocated")}))
     finally:
         w.stop()
+
+
+def test_a_context_shorter_than_the_window_holds_only_the_context(family_dir):
+    """Rings are min(window, context): what admission counts (``fixed_bytes(context)``) is
+    what the engine holds, and the worker's pool is sized by the same figure."""
+    path = family_dir(_variant("gpt_oss", WINDOW))
+    eng = Engine.load(path, block_tokens=BLOCK, max_blocks=POOL, context=20)
+    facts = inspect_model(path)
+    assert eng.state_bytes_per_seq == facts.fixed_bytes(20) < facts.fixed_bytes(None)
+    prompts = prompts_of([7, 12])
+    want = [reference(eng.model, p, 8) for p in prompts]
+    assert drive(eng, seqs_for(prompts, 8, BLOCK, Blocks(POOL)), chunk=5) == want
+    with pytest.raises(ValueError, match="past the engine's context of 20"):
+        drive(eng, seqs_for(prompts_of([15]), 8, BLOCK, Blocks(POOL)), chunk=16)

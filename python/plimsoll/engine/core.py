@@ -100,11 +100,12 @@ class Engine:
 
     def __init__(self, model, tokenizer, facts: ModelFacts, *, block_tokens: int,
                  max_blocks: int, kv_dtype: str | None = None, pipeline: bool = True,
-                 slab_blocks: int | None = None):
+                 slab_blocks: int | None = None, context: int | None = None):
         if block_tokens <= 0 or max_blocks <= 0:
             raise ValueError("block_tokens and max_blocks must be positive")
         self.model, self.tokenizer, self.facts = model, tokenizer, facts
         self.block_tokens, self.max_blocks, self.pipeline = block_tokens, max_blocks, pipeline
+        self.context = context  # the longest sequence; sliding-window rings hold min(window, it)
         # Compute on a stream of our own, as mlx-lm's generate does (measured ~5-10%
         # faster single-stream decode on the CPU backend than the default stream).
         backend_env_defaults()  # before the stream: its encoder reads the graph cache's
@@ -143,7 +144,7 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
              kv_dtype: str | None = None, pipeline: bool = True,
-             slab_blocks: int | None = None) -> Engine:
+             slab_blocks: int | None = None, context: int | None = None) -> Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
         kv_dtype, bits = parse_kv_dtype(kv_dtype)
         if bits:
@@ -153,7 +154,8 @@ class Engine:
         model, tokenizer = mlx_lm.load(str(model_dir))
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,
-                   kv_dtype=kv_dtype, pipeline=pipeline, slab_blocks=slab_blocks)
+                   kv_dtype=kv_dtype, pipeline=pipeline, slab_blocks=slab_blocks,
+                   context=context)
 
     def _kinds(self, model, kv_dtype: str | None, slab: int) -> list:
         """One kind per cache layer, shapes and dtypes measured by a one-token probe."""
@@ -179,7 +181,7 @@ class Engine:
                                            self.block_tokens, self.max_blocks, slab))
             elif type(c) is RotatingKVCache:
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
-                kinds.append(window_kind(c, dtype, self.max_blocks + 2, 1))
+                kinds.append(window_kind(c, dtype, self.max_blocks + 2, 1, self.context))
             else:
                 kinds.append(RecurrentState(len(c.cache), st.nbytes([c.cache])))
         del caches

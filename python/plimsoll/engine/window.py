@@ -57,15 +57,18 @@ from plimsoll.engine.paged import FullAttention, Read, read_of, write_of
 
 
 class WindowAttention:
-    """The rings of one sliding-window layer: ``window`` slots a sequence."""
+    """The rings of one sliding-window layer: ``size`` slots a sequence, the window or, when
+    the engine's context is shorter, the context (a ring that never wraps)."""
 
     kind = "window"
     block_bytes = 0  # nothing in the shared block pool
 
     def __init__(self, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype, window: int,
-                 max_rows: int, slab_rows: int):
+                 max_rows: int, slab_rows: int, size: int | None = None):
         self.window = window
-        self.ring = FullAttention(kv_heads, k_dim, v_dim, dtype, window, max_rows, slab_rows)
+        self.size = min(window, size) if size else window
+        self.ring = FullAttention(kv_heads, k_dim, v_dim, dtype, self.size, max_rows,
+                                  slab_rows)
 
     @property
     def bytes_per_seq(self) -> int:
@@ -81,13 +84,13 @@ class WindowAttention:
 
     def copy_row(self, row: int) -> tuple[mx.array, mx.array]:
         """A copy of ``row``'s ring (a gather: a new buffer, never a view of the region)."""
-        w = self.window
+        w = self.size
         idx = mx.arange(row * w, (row + 1) * w, dtype=mx.int32)
         return mx.take(self.ring.keys, idx, axis=1), mx.take(self.ring.values, idx, axis=1)
 
     def put_row(self, row: int, kv: tuple[mx.array, mx.array]) -> None:
         self.ring.ensure(row)
-        w = self.window
+        w = self.size
         self.ring.keys[:, row * w:(row + 1) * w] = kv[0]
         self.ring.values[:, row * w:(row + 1) * w] = kv[1]
 
@@ -135,8 +138,8 @@ class Rings:
         """Copy ``seq_id``'s rings as ``key`` (a sequence with none yet: empty rings)."""
         row = self._rows.get(seq_id)
         if row is None:
-            snap = [(mx.zeros((k.ring.kv_heads, k.window, k.ring.k_dim), k.ring.dtype),
-                     mx.zeros((k.ring.kv_heads, k.window, k.ring.v_dim), k.ring.dtype))
+            snap = [(mx.zeros((k.ring.kv_heads, k.size, k.ring.k_dim), k.ring.dtype),
+                     mx.zeros((k.ring.kv_heads, k.size, k.ring.v_dim), k.ring.dtype))
                     for k in self.layers]
         else:
             snap = [k.copy_row(row) for k in self.layers]
@@ -164,8 +167,8 @@ class Rings:
 
 
 class WindowBatch:
-    """What every window layer of one forward shares: rows, positions, and per window size
-    the write slots, the read and the mask (built once, on first use)."""
+    """What every window layer of one forward shares: rows, positions, and per (window, ring
+    size) the write slots, the read and the mask (built once, on first use)."""
 
     def __init__(self, rows: list[int], starts: list[int], length: int):
         if length > 1 and len(rows) != 1:
@@ -173,33 +176,37 @@ class WindowBatch:
         self.rows, self.starts, self.length = rows, starts, length
         self._plans: dict[int, tuple] = {}
 
-    def plan(self, window: int) -> tuple:
-        plan = self._plans.get(window)
+    def plan(self, window: int, size: int) -> tuple:
+        plan = self._plans.get((window, size))
         if plan is None:
-            plan = self._plans[window] = (self._one_token(window) if self.length == 1
-                                          else self._chunk(window))
+            if size < window and max(self.starts) + self.length > size:
+                raise ValueError(f"position {max(self.starts) + self.length - 1} is past the "
+                                 f"engine's context of {size} tokens")
+            plan = self._plans[window, size] = (self._one_token(size) if self.length == 1
+                                                else self._chunk(window, size))
         return plan
 
-    def _one_token(self, w: int) -> tuple:
-        """(write, read, mask): write the token first, then read each row's written slots."""
-        write = np.array([r * w + q % w for r, q in zip(self.rows, self.starts, strict=True)],
-                         dtype=np.int32)
-        held = [min(q + 1, w) for q in self.starts]
-        read = read_of([(r,) for r in self.rows], held, w)
+    def _one_token(self, r: int) -> tuple:
+        """(write, read, mask): write the token first, then read each row's written slots
+        (a ring of ``r`` slots holds positions ``(q − r, q]``, all inside the window)."""
+        write = np.array([row * r + q % r for row, q in zip(self.rows, self.starts,
+                                                            strict=True)], dtype=np.int32)
+        held = [min(q + 1, r) for q in self.starts]
+        read = read_of([(row,) for row in self.rows], held, r)
         mask = None
         if min(held) != max(held):
             m = np.arange(max(held))[None, :] < np.array(held)[:, None]
             mask = mx.array(m)[:, None, None, :]
         return write_of(write), read, mask
 
-    def _chunk(self, w: int) -> tuple:
+    def _chunk(self, w: int, r: int) -> tuple:
         """(write, old slots, tail, mask) of one prompt chunk (see the module docstring)."""
         (row,), (s,), n = self.rows, self.starts, self.length
         old_pos = np.arange(max(0, s - w + 1), s)
-        old = None if old_pos.size == 0 else mx.array((row * w + old_pos % w).astype(np.int32))
-        tail = min(n, w)
+        old = None if old_pos.size == 0 else mx.array((row * r + old_pos % r).astype(np.int32))
+        tail = min(n, r)
         new_pos = np.arange(s + n - tail, s + n)
-        write = write_of((row * w + new_pos % w).astype(np.int32))
+        write = write_of((row * r + new_pos % r).astype(np.int32))
         q = np.arange(s, s + n)[:, None]
         keys = np.concatenate([old_pos, np.arange(s, s + n)])[None, :]
         if old_pos.size == 0 and n <= w:
@@ -218,7 +225,7 @@ class WindowView(PagedView):
         self._old: tuple[mx.array, mx.array] | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        plan = self.wbatch.plan(self.kind.window)
+        plan = self.wbatch.plan(self.kind.window, self.kind.size)
         ring = self.kind.ring
         if self.wbatch.length == 1:
             ring.write(plan[0], keys, values)
@@ -233,7 +240,7 @@ class WindowView(PagedView):
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         self.batch.attended += 1
-        plan = self.wbatch.plan(self.kind.window)
+        plan = self.wbatch.plan(self.kind.window, self.kind.size)
         if self.wbatch.length == 1:
             _, read, mask = plan
             keys, values = self.kind.ring.gather(read)
@@ -250,15 +257,17 @@ class WindowView(PagedView):
                                                     mask=mask, sinks=sinks)
 
 
-def window_kind(cache, dtype: mx.Dtype, max_rows: int, slab_rows: int) -> WindowAttention:
-    """The kind of one probed ``RotatingKVCache`` (after a one-token forward)."""
+def window_kind(cache, dtype: mx.Dtype, max_rows: int, slab_rows: int,
+                context: int | None = None) -> WindowAttention:
+    """The kind of one probed ``RotatingKVCache`` (after a one-token forward); its rings hold
+    ``min(window, context)`` slots."""
     if cache.keep:
         raise NotImplementedError(
             f"RotatingKVCache(keep={cache.keep}) keeps its first tokens forever; the paged "
             "engine serves sliding windows with keep=0 only")
     _, heads, _, k_dim = cache.keys.shape
     return WindowAttention(heads, k_dim, cache.values.shape[3], dtype, cache.max_size,
-                           max_rows, slab_rows)
+                           max_rows, slab_rows, context)
 
 
 __all__ = ["Read", "Rings", "WindowAttention", "WindowBatch", "WindowView", "window_kind"]
