@@ -209,10 +209,8 @@ class WindowBatch:
         write = write_of((row * r + new_pos % r).astype(np.int32))
         q = np.arange(s, s + n)[:, None]
         keys = np.concatenate([old_pos, np.arange(s, s + n)])[None, :]
-        if old_pos.size == 0 and n <= w:
-            mask = "causal"
-        else:
-            mask = mx.array((keys <= q) & (q - keys < w))
+        banded = old_pos.size > 0 or n > w  # else every chunk key is inside the window
+        mask = mx.array((keys <= q) & (q - keys < w)) if banded else "causal"
         return write, old, n - tail, mask
 
 
