@@ -35,7 +35,9 @@ ENGINE_SUPPORT: dict[str, KindSupport] = {
     "window": KindSupport("sliding-window layers", True),  # engine/window.py: rings
     "chunked": KindSupport(
         "chunked-attention layers", False,
-        "the engine has no chunk mask; mlx_lm.server serves the model unbatched"),
+        "mlx-lm's llama4 builds its chunk mask and attention temperature from one integer "
+        "cache offset, so rows at different positions cannot share a batched decode; "
+        "mlx_lm.server serves the model unbatched"),
     "latent": KindSupport(
         "multi-head latent attention (MLA)", False,
         "batched decode would mix the latent and rope-key arrays; mlx_lm.server serves the "

@@ -4,12 +4,13 @@ Owns: :mod:`.work` (the pure contract between scheduler and engine: Sampling,
 TokenConstraint, Work, Step, and the transient arithmetic admission counts),
 :mod:`.core` (the Engine: steps, pipelining, recurrent state), :mod:`.paged` (the
 physical pools, one kind per cache layer), :mod:`.attention` (the cache views mlx-lm's
-models see and the routed attention), :mod:`.sampling`, :mod:`.state` (recurrent state
-of hybrid models), :mod:`.limits` (process-wide MLX limits), :mod:`.warmup` (a GPU
-backend's first-use compilation paid at load) and :mod:`.pool` (the pure block pool).
+models see and the routed attention), :mod:`.window` (sliding-window layers: a ring of the
+window per sequence), :mod:`.sampling`, :mod:`.state` (recurrent state of hybrid models),
+:mod:`.limits` (process-wide MLX limits), :mod:`.warmup` (a GPU backend's first-use
+compilation paid at load) and :mod:`.pool` (the pure block pool).
 
-May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, sampling,
-state, limits and warmup only).
+May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, window,
+sampling, state, limits and warmup only).
 
 The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``
 and ``.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads
