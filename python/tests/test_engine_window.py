@@ -171,8 +171,9 @@ def _complete(url: str, prompt: str, n: int = 24) -> dict:
     return r.json()
 
 
-def test_a_worker_serves_concurrent_requests_like_alone(family_dir, tmp_path):
-    path = family_dir(_variant("ministral3", WINDOW))
+@pytest.mark.parametrize("name", NAMES)
+def test_a_worker_serves_concurrent_requests_like_alone(family_dir, tmp_path, name):
+    path = family_dir(_variant(name, WINDOW))
     w = Worker(path, context=1024, max_tokens=64, max_cache_blocks=512,
                log=tmp_path / "worker.log")
     try:
@@ -188,6 +189,9 @@ def test_a_worker_serves_concurrent_requests_like_alone(family_dir, tmp_path):
             (d["usage"]["prompt_tokens"] - 1) // 16 * 16 for d in together]
         st = w.wait_idle()
         assert st["state_bytes_held"] > 0  # the rings and their snapshots are reported
+        # the rings of at most 4 live sequences plus the snapshots the pool accounts for
+        one = inspect_model(path).per_sequence_fixed_bytes
+        assert st["state_bytes_held"] <= (4 + st["pool"]["snapshots"]) * one
         print(json.dumps({k: st[k] for k in ("state_bytes_held", "kv_bytes_allocated")}))
     finally:
         w.stop()
