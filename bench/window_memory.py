@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import tempfile
 from pathlib import Path
 
@@ -125,8 +126,10 @@ def main() -> None:
                f"{r['mlx_lm_full_bytes']} | {r['full_if_unwindowed_bytes']} |" for r in rows]
         a.json.with_suffix(".md").write_text(
             f"# Sliding-window bytes held ({doc['model']}, window {a.window}, prompt "
-            f"{a.prompt})\n\nCommand: `PYTHONPATH=python python bench/window_memory.py "
-            f"--json {a.json}`\n\n" + "\n".join(md) + "\n")
+            f"{a.prompt})\n\nCommand (OpenBLAS preloaded, CPU float32): `PYTHONPATH=python "
+            f"python {' '.join(sys.argv)}`\n\nBytes are the ``nbytes`` of the arrays each side "
+            "holds after that many tokens; facts are what admission counts.\n\n"
+            + "\n".join(md) + "\n")
 
 
 if __name__ == "__main__":
