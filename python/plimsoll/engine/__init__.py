@@ -6,12 +6,13 @@ TokenConstraint, Work, Step, and the transient arithmetic admission counts),
 physical pools, one kind per cache layer), :mod:`.attention` (the cache views mlx-lm's
 models see and the routed attention), :mod:`.latent` (MLA's latent + rope-key blocks
 and view), :mod:`.composite` (mlx-lm ``CacheList`` layers, one kind per member),
-:mod:`.sampling`, :mod:`.state` (recurrent state of hybrid models), :mod:`.limits`
-(process-wide MLX limits), :mod:`.warmup` (a GPU backend's first-use compilation paid at
-load) and :mod:`.pool` (the pure block pool).
+:mod:`.window` (sliding-window layers: a ring of the window per sequence), :mod:`.sampling`,
+:mod:`.state` (recurrent state of hybrid models), :mod:`.limits` (process-wide MLX limits),
+:mod:`.warmup` (a GPU backend's first-use compilation paid at load) and :mod:`.pool` (the
+pure block pool).
 
 May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, latent,
-composite, sampling, state, limits and warmup only).
+composite, window, sampling, state, limits and warmup only).
 
 The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``
 and ``.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads

@@ -168,8 +168,9 @@ def check_bytes(model: str, layers: list, facts: ModelFacts, block_tokens: int) 
     for i, kind in zip(where, layers, strict=True):
         pools = [k for k in (kind.parts if isinstance(kind, Composite) else (kind,))
                  if isinstance(k, FullAttention)]
-        counted = None if i is None else sum(c.bytes_per_token * c.layers.count(i)
-                                              for c in facts.caches if c.kind != "state")
+        counted = None if i is None else sum(  # windows are rings, held as state
+            c.bytes_per_token * c.layers.count(i)
+            for c in facts.caches if c.kind not in ("state", "window"))
         rows.append((i, pools, counted))
     if any(i is None for i, _, _ in rows):
         rows = [("all", [k for _, p, _ in rows for k in p], facts.kv_bytes_per_token)]

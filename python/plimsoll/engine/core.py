@@ -39,7 +39,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import batched_prefill
@@ -57,12 +57,22 @@ from plimsoll.engine.paged import (
     write_of,
 )
 from plimsoll.engine.sampling import Keys, sample
+from plimsoll.engine.window import Rings, WindowAttention, WindowView, window_kind
 from plimsoll.engine.work import Step, Work
 
 # Pool growth step: measured on the H200, a slab of max_blocks / 8 (10 GiB for a 4B model's
 # admitted pool) put the first request's peak at 2.3 x weights + KV; 256 MiB keeps the
 # excess to one slab while a 30k-token session grows in ~20 steps.
 SLAB_BYTES = 256 << 20
+
+
+class _At:
+    """A prefill piece's sequence and start, for the window rings."""
+
+    __slots__ = ("seq_id", "start")
+
+    def __init__(self, seq_id: int, start: int):
+        self.seq_id, self.start = seq_id, start
 
 
 class Pending:
@@ -94,11 +104,12 @@ class Engine:
 
     def __init__(self, model, tokenizer, facts: ModelFacts, *, block_tokens: int,
                  max_blocks: int, kv_dtype: str | None = None, pipeline: bool = True,
-                 slab_blocks: int | None = None):
+                 slab_blocks: int | None = None, context: int | None = None):
         if block_tokens <= 0 or max_blocks <= 0:
             raise ValueError("block_tokens and max_blocks must be positive")
         self.model, self.tokenizer, self.facts = model, tokenizer, facts
         self.block_tokens, self.max_blocks, self.pipeline = block_tokens, max_blocks, pipeline
+        self.context = context  # the longest sequence; sliding-window rings hold min(window, it)
         # Compute on a stream of our own, as mlx-lm's generate does (measured ~5-10%
         # faster single-stream decode on the CPU backend than the default stream).
         backend_env_defaults()  # before the stream: its encoder reads the graph cache's
@@ -113,8 +124,12 @@ class Engine:
                 if isinstance(kind, FullAttention):
                     kind.slab_blocks = slab
         flat = list(cl.flatten(self.layers))
+        # sliding-window rings are per-sequence state too (engine/window.py): a pool with
+        # them runs hybrid, so prefixes are reused through ring snapshots
+        self._rings = Rings([k for k in flat if isinstance(k, WindowAttention)])
         self.state_bytes_per_seq = sum(k.bytes_per_seq for k in flat
-                                       if isinstance(k, RecurrentState))
+                                       if isinstance(k, RecurrentState)) \
+            + self._rings.bytes_per_seq
         self._pools = [k for k in flat if isinstance(k, FullAttention)]
         #: the backend runs a prefill chunk's attention fused (the worker's chunk follows it);
         #: MLA's prefill attends through the model's own math (engine/latent.py): not counted
@@ -138,7 +153,7 @@ class Engine:
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
              kv_dtype: str | None = None, pipeline: bool = True,
-             slab_blocks: int | None = None) -> Engine:
+             slab_blocks: int | None = None, context: int | None = None) -> Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
         kv_dtype, bits = parse_kv_dtype(kv_dtype)
         if bits:
@@ -148,7 +163,8 @@ class Engine:
         model, tokenizer = mlx_lm.load(str(model_dir))
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,
-                   kv_dtype=kv_dtype, pipeline=pipeline, slab_blocks=slab_blocks)
+                   kv_dtype=kv_dtype, pipeline=pipeline, slab_blocks=slab_blocks,
+                   context=context)
 
     def _kinds(self, model, kv_dtype: str | None, slab: int) -> list:
         """One kind per cache layer, shapes and dtypes measured by a one-token probe."""
@@ -156,12 +172,13 @@ class Engine:
         self._compute_dtype = mx.float32
         for c in caches:
             for m in cl.members(c):
-                if type(m) not in (KVCache, ArraysCache):
+                if type(m) not in (KVCache, ArraysCache, RotatingKVCache):
                     raise NotImplementedError(
-                        f"{type(model).__module__}: cache kind {type(m).__name__} (sliding "
-                        "window, chunked or quantized KV) is not served by the paged engine "
-                        "yet; only full-attention KV and MLA latents (KVCache) and recurrent "
-                        "state (ArraysCache) are, alone or in a CacheList")
+                        f"{type(model).__module__}: cache kind {type(m).__name__} (chunked or "
+                        "quantized KV) is not served by the paged engine yet; only "
+                        "full-attention KV and MLA latents (KVCache), sliding windows "
+                        "(RotatingKVCache) and recurrent state (ArraysCache) are, alone or in "
+                        "a CacheList")
         with mx.stream(self._stream):
             model(mx.array([[0]]), cache=caches)
             mx.eval([m.state for c in caches for m in cl.members(c)])
@@ -174,6 +191,9 @@ class Engine:
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
                 return cl.pool_class(want)(heads, k_dim, c.values.shape[3], dtype,
                                            self.block_tokens, self.max_blocks, slab)
+            if type(c) is RotatingKVCache:
+                dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
+                return window_kind(c, dtype, self.max_blocks + 2, 1, self.context)
             return RecurrentState(len(c.cache), st.nbytes([c.cache]))
 
         kinds: list = []
@@ -198,7 +218,7 @@ class Engine:
     def state_bytes_held(self) -> int:
         """nbytes of every recurrent state and snapshot held."""
         return (sum(st.nbytes(s) for s in self._states.values())
-                + sum(st.nbytes(s) for s in self._snapshots.values()))
+                + sum(st.nbytes(s) for s in self._snapshots.values()) + self._rings.nbytes())
 
     def memory(self) -> dict[str, int]:
         """MLX's own allocator figures, in bytes."""
@@ -213,6 +233,7 @@ class Engine:
     def free_state(self, seq_id: int) -> None:
         """A sequence ended: drop its recurrent state, last token and random key."""
         self._states.pop(seq_id, None)
+        self._rings.free(seq_id)
         self._touched(seq_id)
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
@@ -222,15 +243,19 @@ class Engine:
     def snapshot_state(self, seq_id: int, key) -> None:
         """Keep a copy of ``seq_id``'s state (after every step submitted so far) as ``key``."""
         self._snapshots[key] = st.copy(self._states.get(seq_id) or self._fresh_state())
-        mx.async_eval(st.arrays(self._snapshots[key]))
+        rings = self._rings.snapshot(seq_id, key) if self._rings else []
+        mx.async_eval(st.arrays(self._snapshots[key]) + rings)
 
     def restore_state(self, key, seq_id: int) -> None:
         """Give ``seq_id`` a copy of snapshot ``key`` (the snapshot stays)."""
         self._states[seq_id] = st.copy(self._snapshots[key])
+        if self._rings:
+            self._rings.restore(key, seq_id)
         self._touched(seq_id)
 
     def drop_snapshot(self, key) -> None:
         self._snapshots.pop(key, None)
+        self._rings.drop(key)
 
     def _touched(self, seq_id: int) -> None:
         """``seq_id``'s state changed outside a decode: the stacked batch is stale."""
@@ -327,19 +352,22 @@ class Engine:
                  for w, last in zip(works, lasts, strict=True)]
         return mx.concatenate(parts)[:, None]
 
-    def _forward(self, inputs: mx.array, batch: Batch, states: list) -> mx.array:
+    def _forward(self, inputs: mx.array, batch: Batch, states: list, works=()) -> mx.array:
         """Run the model over ``inputs`` with paged views and the given state caches."""
         it = iter(states)
-        caches = [cl.view_of(kind, batch, it) for kind in self.layers]
+        rings = self._rings.batch([w.seq_id for w in works], [w.start for w in works],
+                                  inputs.shape[1]) if self._rings else None
+        caches = [WindowView(kind, batch, rings) if isinstance(kind, WindowAttention)
+                  else cl.view_of(kind, batch, it) for kind in self.layers]
         logits = self.model(inputs, cache=caches)
-        if batch.attended != len(self._pools):
+        if batch.attended != len(self._pools) + len(self._rings.layers):
             raise RuntimeError(f"{type(self.model).__module__}: attention does not go through "
                                "mlx_lm.models.base.scaled_dot_product_attention; the paged "
                                "engine cannot serve this model")
         return logits
 
     def _submit(self, tokens: mx.array | None, state_arrays: list) -> None:
-        pools = [a for p in self._pools for a in (p.keys, p.values)]
+        pools = [a for p in self._pools for a in (p.keys, p.values)] + self._rings.arrays()
         mx.async_eval(([] if tokens is None else [tokens]) + pools + state_arrays)
 
     def _decode(self, works: tuple[Work, ...], reads: DecodeReads | None = None
@@ -367,7 +395,7 @@ class Engine:
         else:
             rows = [self._states.get(w.seq_id) or self._fresh_state() for w in works]
             stacked = [st.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
-        logits = self._forward(self._decode_inputs(works), batch, stacked)[:, -1, :]
+        logits = self._forward(self._decode_inputs(works), batch, stacked, works)[:, -1, :]
         for j, c in enumerate(stacked):
             for w, entries in zip(works, st.split(c, len(works)), strict=True):
                 self._states.setdefault(w.seq_id, self._fresh_state())[j] = entries
@@ -399,7 +427,8 @@ class Engine:
             read = None if start == 0 else read_of([w.block_table], [start + n], bt)
             batch = Batch(write, read, "causal" if n > 1 else None, start)
             caches = [st.cache_of(e) for e in entries]
-            logits = self._forward(mx.array(piece, dtype=mx.uint32)[None], batch, caches)
+            logits = self._forward(mx.array(piece, dtype=mx.uint32)[None], batch, caches,
+                                   (_At(w.seq_id, start),))
             entries = [c.cache for c in caches]
             if sampled:
                 tokens = sample(logits[:, -1, :], (w,), self._keys)

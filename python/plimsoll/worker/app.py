@@ -267,7 +267,7 @@ def make_pool(cfg: WorkerConfig, eng: Any, pool_cls: type[BlockPool] = BlockPool
             f"--block-bytes {cfg.block_bytes} (what admission counted per block) differs "
             f"from the loaded engine's {eng.block_bytes} B per block of {cfg.block_tokens} "
             f"tokens (KV dtype {facts.kv_dtype}): pass the --kv-dtype admission used")
-    fixed = S.fixed_blocks(facts.per_sequence_fixed_bytes, eng.block_bytes)
+    fixed = S.fixed_blocks(facts.fixed_bytes(cfg.context), eng.block_bytes)  # windows ≤ context
     if problem := S.pool_problem(cfg.max_cache_blocks, cfg.context, cfg.block_tokens, fixed):
         raise SystemExit(problem)
     return pool_cls(
@@ -326,7 +326,8 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
         from plimsoll import engine as E  # the engine edge: the only place mlx is imported
 
         eng = E.Engine.load(cfg.model_dir, block_tokens=cfg.block_tokens,
-                            max_blocks=cfg.max_cache_blocks, kv_dtype=cfg.kv_dtype)
+                            max_blocks=cfg.max_cache_blocks, kv_dtype=cfg.kv_dtype,
+                            context=cfg.context)
         loaded["applied"] = stack.enter_context(E.process_limits(
             cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
         loaded["active_memory"] = E.active_memory

@@ -29,8 +29,9 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
 Hybrid models (recurrent state) cannot cut a state, so a prefix is reused only where the
 engine holds a snapshot of the state at the end of a block. The rule: whenever a submitted
 step leaves a sequence's written tokens on a block boundary (a prompt chunk — a hybrid
-prompt's chunks end on blocks — or a decode that fills a block), its state is snapshotted
-if the pool has room (each snapshot is charged ``fixed_blocks_per_seq`` under the cache
+prompt's chunks end on blocks, the last one stopping at the prompt's last block boundary
+first, so the same prompt again is a hit — or a decode that fills a block), its state is
+snapshotted if the pool has room (each snapshot is charged ``fixed_blocks_per_seq`` under the cache
 cap, reclaimable, LRU); it becomes a hit once that block's hash is registered, and a later
 prompt maps the blocks up to the last one with a snapshot and resumes from it.
 
@@ -343,8 +344,11 @@ class Scheduler(TripMixin, StatsMixin):
         if self.limits.chunk_for is not None:  # the transient bound at this prompt's length
             n = max(1, min(n, self.limits.chunk_for(run.prompt_len)))
         block = self.pool.block_tokens
-        if self.pool.hybrid and run.written + n < run.prompt_len and n >= block:
-            n -= (run.written + n) % block  # end on a block: a state snapshot can go there
+        if self.pool.hybrid and n >= block:  # end on a block: a state snapshot can go there
+            if run.written + n < run.prompt_len:
+                n -= (run.written + n) % block
+            elif (last := (run.prompt_len - 1) // block * block) > run.written:
+                n = last - run.written  # the prompt's last boundary, so all of it can be hit
         table = self.pool.grow(run.req.id, run.written + n)
         end = run.written + n
         prefills.append(Work(run.req.id, tuple(run.tokens[run.written:end]), run.written,
