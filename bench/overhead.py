@@ -413,12 +413,12 @@ def tree_cpu(server: ServerProcess) -> tuple[float, float]:
     import psutil
 
     server.remember_tree()
-    total, loop = 0.0, 0.0
-    worker = max(server._known)  # the newest process of the tree: launch's worker, or itself
-    for p in server._known.values():
+    total, loop, busiest = 0.0, 0.0, -1.0
+    for p in server._known.values():  # the serving process: the busiest of the tree
         try:
             t = p.cpu_times()
-            if p.pid == worker:
+            if t.user + t.system > busiest:
+                busiest = t.user + t.system
                 loop = sum(th.user_time + th.system_time for th in p.threads()
                            if th.id == p.pid)
         except psutil.NoSuchProcess:
