@@ -366,7 +366,7 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
     env = dict(os.environ)
     if args.preload and Path(args.preload).exists():
         env["LD_PRELOAD"] = args.preload
-    server = ServerProcess(label, argv, env, port, args.out_dir / "logs" / f"{label}-{port}.log")
+    server = ServerProcess(label, argv, env, port, args.log_dir / f"{label}-{port}.log")
     out: dict = {"argv": argv, "loadavg_start": os.getloadavg()}
     print(f"[{label}] starting {shlex.join(argv)}", flush=True)
     server.start()
@@ -596,6 +596,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--name", default="overhead-cpu")
     ap.add_argument("--py-spy", type=Path, default=None, help="record the worker into this dir")
+    ap.add_argument("--log-dir", type=Path, default=Path(__file__).parent / "out",
+                    help="server logs (default bench/out, ignored by git)")
     ap.add_argument("--ready-timeout", type=float, default=300)
     ap.add_argument("--request-timeout", type=float, default=600)
     args = ap.parse_args(argv)
