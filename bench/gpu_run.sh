@@ -56,7 +56,7 @@ if [ "$PHASES" = overhead ]; then
   say "model ready; overhead.py gets ${left}s"
   # shellcheck disable=SC2086
   timeout -k 30 "$left" "$PY" bench/overhead.py --model "$MODEL" --name "$NAME" \
-    --out-dir "$OUT" --preload '' --tokens 256 --rounds 2 --ready-timeout 150 \
+    --out-dir "$OUT" --log-dir "$OUT/logs" --preload '' --tokens 256 --rounds 2 --ready-timeout 150 \
     --request-timeout 120 --py-spy "$OUT/logs/py-spy" ${OVERHEAD_ARGS:-} \
     2>&1 | tee "$OUT/logs/$NAME.log"
   rc=${PIPESTATUS[0]}

@@ -9,6 +9,8 @@ is a fraction of a step, this measures at 1, 8 and 32 concurrent streams × ``--
   bench/engine_paged.py: ``run_async`` of step n+1 before ``result()`` of step n), block
   tables as a fresh pool hands them out (lowest ids first); no scheduler, no HTTP;
 - ``plimsoll``: the worker (``plimsoll launch`` by default) over HTTP streaming on 127.0.0.1;
+- ``prefill_shapes`` (not in the default modes): prefill ms per prompt, prompts all of one
+  length against prompts each of its own (a backend that builds kernels per shape shows it);
 - ``scheduler``: the worker's scheduler thread over the engine in this process (its pool,
   its memory probe, pipelining), sinks that only note token times: no HTTP;
 - ``mlx_inproc``: mlx-lm's own generators in process (``stream_generate`` for one stream,
@@ -25,7 +27,8 @@ server and stream count (median over ``--rounds``):
   server's decode step as a client sees it; the engine's is rows ÷ its tok/s;
 - ``cpu_ms_per_step``: CPU time (every thread, user + system) per step — of the server's
   process tree over a whole round (prefill and HTTP included), of this process over the
-  engine's decode loop; far less sensitive to a busy machine than wall time;
+  engine's decode loop; far less sensitive to a busy machine than wall time; for plimsoll
+  also its main thread's alone (``loop_cpu_ms_per_step``: uvicorn's event loop);
 - ``overhead_ms``: server ``step_ms`` − in-process ``step_ms`` (plimsoll's worker against its
   engine, mlx_lm.server against mlx-lm's generators): what the serving stack adds per step
   (scheduler, event delivery, SSE, HTTP).
@@ -151,6 +154,54 @@ def mlx_inproc_rounds(model: Path, streams: list[int], tokens: int, rounds: int,
         out[str(n)] = {"decode_tps": tps, "runs_tps": runs, "step_ms": 1000 * n / tps}
         print(f"[mlx-lm in process] {n} rows: {tps:.0f} tok/s, {1000 * n / tps:.2f} ms/step",
               flush=True)
+    return out
+
+
+def prefill_shapes(model: Path, count: int = 8, base: int = 320, step: int = 37) -> dict:
+    """Prefill time per prompt when every prompt has its own length against when all have
+    one length, and the distinct lengths once more (in process, each prompt two chunks:
+    tokens 0..n/2 then n/2..n, the second attending to the table). The distinct lengths sit
+    around the one length (same work on average). A backend that builds kernels or graphs
+    per shape shows it as distinct ≫ distinct again ≈ same."""
+    import mlx.core as mx
+    from plimsoll.engine import Engine
+    from plimsoll.engine.work import Step, Work
+
+    longest = base + step * count + 64
+    lengths = [base + step * (k - count // 2) for k in range(count)]
+    eng = Engine.load(model, block_tokens=BLOCK, max_blocks=2 * count * (longest // BLOCK + 2))
+    vocab = min(eng.tokenizer.vocab_size or 1000, 1000)
+
+    def run(lengths: list[int], salt: int) -> list[float]:
+        times, at = [], 0
+        for i, n in enumerate(lengths):
+            toks = tuple((salt * 7919 + i * 104729 + k * 31) % (vocab - 10) + 5 for k in range(n))
+            nb = -(-(n + 1) // BLOCK)
+            table = tuple(range(at, at + nb))
+            at += nb
+            t0 = time.perf_counter()
+            half = n // 2
+            eng.run(Step(prefills=(Work(salt * 1000 + i, toks[:half], 0, table, False),)))
+            eng.run(Step(prefills=(Work(salt * 1000 + i, toks[half:], half, table, True),)))
+            times.append(time.perf_counter() - t0)
+            eng.free_state(salt * 1000 + i)
+        return times
+
+    run([base], 1)  # warm-up at the base length
+    same = run([base] * count, 2)
+    distinct = run(lengths, 3)
+    again = run(lengths, 4)
+    mx.clear_cache()
+    out = {"prompts": count, "same_length": base, "distinct_lengths": lengths,
+           "same_ms": [round(1000 * t, 2) for t in same],
+           "distinct_ms": [round(1000 * t, 2) for t in distinct],
+           "again_ms": [round(1000 * t, 2) for t in again],
+           "same_median_ms": 1000 * statistics.median(same),
+           "distinct_median_ms": 1000 * statistics.median(distinct),
+           "again_median_ms": 1000 * statistics.median(again)}
+    print(f"[prefill shapes] {count} prompts: one length {out['same_median_ms']:.1f} ms each, "
+          f"distinct lengths {out['distinct_median_ms']:.1f}, the same distinct lengths again "
+          f"{out['again_median_ms']:.1f}", flush=True)
     return out
 
 
@@ -315,7 +366,7 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
     env = dict(os.environ)
     if args.preload and Path(args.preload).exists():
         env["LD_PRELOAD"] = args.preload
-    server = ServerProcess(label, argv, env, port, args.out_dir / "logs" / f"{label}-{port}.log")
+    server = ServerProcess(label, argv, env, port, args.log_dir / f"{label}-{port}.log")
     out: dict = {"argv": argv, "loadavg_start": os.getloadavg()}
     print(f"[{label}] starting {shlex.join(argv)}", flush=True)
     server.start()
@@ -334,10 +385,12 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
             asyncio.run(concurrent(server.base_url, model_id, warm, 16, args.request_timeout))
             runs = []
             for r in range(args.rounds):
-                c0 = tree_cpu(server)
+                c0, l0 = tree_cpu(server)
                 runs.append(asyncio.run(concurrent(server.base_url, model_id, prompts[n][r],
                                                    args.tokens, args.request_timeout)))
-                runs[-1]["cpu_ms_per_step"] = 1000 * (tree_cpu(server) - c0) / args.tokens
+                c1, l1 = tree_cpu(server)
+                runs[-1]["cpu_ms_per_step"] = 1000 * (c1 - c0) / args.tokens
+                runs[-1]["loop_cpu_ms_per_step"] = 1000 * (l1 - l0) / args.tokens
             if spy is not None:
                 out[f"py_spy_{n}"] = stop_spy(spy)
             out[str(n)] = summarise(runs)
@@ -354,19 +407,24 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
     return out
 
 
-def tree_cpu(server: ServerProcess) -> float:
-    """CPU seconds (user + system) the server's process tree has used so far."""
+def tree_cpu(server: ServerProcess) -> tuple[float, float]:
+    """CPU seconds (user + system) the server's process tree has used so far, and those of
+    the serving process's main thread (the HTTP event loop: uvicorn runs it there)."""
     import psutil
 
     server.remember_tree()
-    total = 0.0
-    for p in server._known.values():
+    total, loop, busiest = 0.0, 0.0, -1.0
+    for p in server._known.values():  # the serving process: the busiest of the tree
         try:
             t = p.cpu_times()
+            if t.user + t.system > busiest:
+                busiest = t.user + t.system
+                loop = sum(th.user_time + th.system_time for th in p.threads()
+                           if th.id == p.pid)
         except psutil.NoSuchProcess:
             continue
         total += t.user + t.system
-    return total
+    return total, loop
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -377,6 +435,7 @@ def summarise(runs: list[dict]) -> dict:
     return {"aggregate_tps": med("aggregate_tps"), "decode_tps": med("decode_tps"),
             "step_ms": med("step_ms"), "ttft_max_s": med("ttft_max_s"),
             "cpu_ms_per_step": med("cpu_ms_per_step"),
+            "loop_cpu_ms_per_step": med("loop_cpu_ms_per_step"),
             "tokens_each_min": min((r.get("tokens_each_min") or 0) for r in runs),
             "completed": min(r.get("completed", 0) for r in runs),
             "errors": [e for r in runs for e in r.get("errors", [])][:3], "runs": runs}
@@ -481,7 +540,7 @@ def markdown(result: dict, streams: list[int]) -> str:
               ("| streams | plimsoll agg | plimsoll decode | plimsoll ms/step | mlx_lm.server agg "
                "| mlx decode | mlx ms/step | plimsoll ÷ mlx agg | plimsoll ÷ mlx decode | "
                "plimsoll overhead ms/step (vs its engine) | mlx overhead ms/step (vs mlx-lm) | "
-               "plimsoll CPU ms/step | mlx CPU ms/step |"),
+               "plimsoll CPU ms/step (its HTTP loop's) | mlx CPU ms/step |"),
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in streams:
         p = result.get("plimsoll", {}).get(str(n), {})
@@ -495,11 +554,21 @@ def markdown(result: dict, streams: list[int]) -> str:
             f"{f(r.get('plimsoll_over_mlx_decode'), '{:.2f}')} | "
             f"{f(r.get('plimsoll_overhead_ms'), '{:.2f}')} | "
             f"{f(r.get('mlx_overhead_ms'), '{:.2f}')} | "
-            f"{f(p.get('cpu_ms_per_step'), '{:.2f}')} | {f(m.get('cpu_ms_per_step'), '{:.2f}')} |")
+            f"{f(p.get('cpu_ms_per_step'), '{:.2f}')} "
+            f"({f(p.get('loop_cpu_ms_per_step'), '{:.2f}')}) | "
+            f"{f(m.get('cpu_ms_per_step'), '{:.2f}')} |")
+    if ps := result.get("prefill_shapes"):
+        lines += ["", (f"Prefill in process, {ps['prompts']} prompts in two chunks each: all "
+                       f"{ps['same_length']} tokens {ps['same_median_ms']:.1f} ms a prompt; each "
+                       f"its own length ({ps['distinct_lengths'][0]}–"
+                       f"{ps['distinct_lengths'][-1]}) {ps['distinct_median_ms']:.1f} ms a "
+                       f"prompt, those lengths again {ps['again_median_ms']:.1f} ms (medians).")]
     for label in ("plimsoll", "mlx"):
         s = result.get(label)
         if not s:
             continue
+        ttft = [f"{n}: {f(s.get(str(n), {}).get('ttft_max_s'), '{:.2f}')}" for n in streams]
+        lines += ["", f"{label}: slowest TTFT s {', '.join(ttft)}"]
         short = [f"{n}: {s.get(str(n), {}).get('tokens_each_min')}" for n in streams]
         lines += ["", (f"{label}: fewest tokens in one stream {', '.join(short)}"
                        + (f"; error {s['error']}" if s.get("error") else ""))]
@@ -518,8 +587,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-words", type=int, default=24)
     ap.add_argument("--modes", default="engine,scheduler,mlx_inproc,plimsoll,mlx",
-                    help="which of engine, scheduler, mlx_inproc, plimsoll, mlx to run, in "
-                         "this order")
+                    help="which of engine, prefill_shapes, scheduler, mlx_inproc, plimsoll, "
+                         "mlx to run, in this order")
     ap.add_argument("--plimsoll-cmd", default=PLIMSOLL)
     ap.add_argument("--mlx-cmd", default=MLX)
     ap.add_argument("--preload",
@@ -527,6 +596,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--name", default="overhead-cpu")
     ap.add_argument("--py-spy", type=Path, default=None, help="record the worker into this dir")
+    ap.add_argument("--log-dir", type=Path, default=Path(__file__).parent / "out",
+                    help="server logs (default bench/out, ignored by git)")
     ap.add_argument("--ready-timeout", type=float, default=300)
     ap.add_argument("--request-timeout", type=float, default=600)
     args = ap.parse_args(argv)
@@ -553,6 +624,8 @@ def main(argv=None) -> int:
         if mode == "engine":
             result["engine"] = engine_rounds(args.model, args.streams, args.tokens, args.rounds,
                                              args.prompt_words)
+        elif mode == "prefill_shapes":
+            result["prefill_shapes"] = prefill_shapes(args.model)
         elif mode == "scheduler":
             result["scheduler"] = scheduler_rounds(args.model, args.streams, args.tokens,
                                                    args.rounds, args.prompt_words)
@@ -563,8 +636,8 @@ def main(argv=None) -> int:
             template = args.plimsoll_cmd if mode == "plimsoll" else args.mlx_cmd
             result[mode] = run_server(mode, template, args, prompts)
         else:
-            raise SystemExit(f"unknown mode {mode!r}: engine, scheduler, mlx_inproc, plimsoll "
-                             "or mlx")
+            raise SystemExit(f"unknown mode {mode!r}: engine, prefill_shapes, scheduler, "
+                             "mlx_inproc, plimsoll or mlx")
     result["ratios"] = ratios(result, args.streams)
     result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -133,6 +133,9 @@ async def generate(request: Request, kind: P.Kind) -> Response:
                         headers=reserved_headers(res))
 
 
+_JSON_STR = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps builds one per call
+
+
 class TextSSE:
     """``P.sse`` of the chunk of one text delta, byte for byte, without building and encoding
     the whole chunk per token: its bytes around the text are rendered once per response."""
@@ -147,7 +150,7 @@ class TextSSE:
         self._head = head + marker[:-2]
 
     def __call__(self, text: str) -> bytes:
-        return self._head + json.dumps(text, ensure_ascii=False).encode() + self._tail
+        return self._head + _JSON_STR(text).encode() + self._tail
 
     def deltas(self, meta: P.ResponseMeta, deltas: list[P.Delta]) -> bytes:
         """Every delta's event, joined: text through the template, the rest as built."""

@@ -231,6 +231,8 @@ class Scheduler(TripMixin, StatsMixin):
                 self._waiting.append(req)
 
     def _expire_waiting(self) -> None:
+        if not self._waiting:
+            return
         now = time.monotonic()
         kept: collections.deque[GenRequest] = collections.deque()
         for req in self._waiting:
