@@ -64,6 +64,8 @@ class PagedView:
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         self.batch.attended += 1
         read, pool = self.batch.read, self.pool
+        if hasattr(pool, "attend"):  # a kind with its own attention (quantized KV)
+            return pool.attend(queries, scale, sinks, self.batch, self._fresh)
         if (read is not None and read.index is not None and self.batch.lengths is not None
                 and sinks is None
                 and paged_cuda.usable(queries, pool.k_dim, pool.v_dim, pool.kv_heads)):

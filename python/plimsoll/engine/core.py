@@ -49,6 +49,7 @@ from plimsoll.engine.paged import (
     slots_of,
     write_of,
 )
+from plimsoll.engine.quantized import QuantizedAttention
 from plimsoll.engine.sampling import Keys, sample
 from plimsoll.engine.work import Step, Work
 
@@ -87,7 +88,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, facts: ModelFacts, *, block_tokens: int,
                  max_blocks: int, kv_dtype: str | None = None, pipeline: bool = True,
-                 slab_blocks: int | None = None):
+                 slab_blocks: int | None = None, kv_bits: int | None = None):
         if block_tokens <= 0 or max_blocks <= 0:
             raise ValueError("block_tokens and max_blocks must be positive")
         self.model, self.tokenizer, self.facts = model, tokenizer, facts
@@ -96,6 +97,7 @@ class Engine:
         # faster single-stream decode on the CPU backend than the default stream).
         self._stream = mx.new_stream(mx.default_device())
         route_attention()
+        self.kv_bits = kv_bits  # 8 / 4: quantized KV pools (engine/quantized.py)
         self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
         self.block_bytes = sum(k.block_bytes for k in self.layers)
         if slab_blocks is None:  # grow by about SLAB_BYTES: the peak follows what is written
@@ -120,14 +122,12 @@ class Engine:
              kv_dtype: str | None = None, pipeline: bool = True,
              slab_blocks: int | None = None) -> Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
-        kv_dtype, bits = parse_kv_dtype(kv_dtype)
-        if bits:
-            raise NotImplementedError(f"quantized KV ({bits}-bit) is not served by the paged "
-                                      "engine yet; pass kv_dtype float16, bfloat16 or float32")
+        float_dtype, bits = parse_kv_dtype(kv_dtype)  # "q8" / "q4": the model's dtype, quantized
+        facts = inspect_model(model_dir, kv_dtype=kv_dtype)  # refuses head dims off the groups
         model, tokenizer = mlx_lm.load(str(model_dir))
-        facts = inspect_model(model_dir, kv_dtype=kv_dtype)
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,
-                   kv_dtype=kv_dtype, pipeline=pipeline, slab_blocks=slab_blocks)
+                   kv_dtype=float_dtype, pipeline=pipeline, slab_blocks=slab_blocks,
+                   kv_bits=bits)
 
     def _kinds(self, model, kv_dtype: str | None, slab: int) -> list:
         """One kind per cache layer, shapes and dtypes measured by a one-token probe."""
@@ -146,8 +146,10 @@ class Engine:
             if type(c) is KVCache:
                 _, heads, _, k_dim = c.keys.shape
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
-                kinds.append(FullAttention(heads, k_dim, c.values.shape[3], dtype,
-                                           self.block_tokens, self.max_blocks, slab))
+                args = (heads, k_dim, c.values.shape[3], dtype, self.block_tokens,
+                        self.max_blocks, slab)
+                kinds.append(QuantizedAttention(*args, bits=self.kv_bits) if self.kv_bits
+                             else FullAttention(*args))
             else:
                 kinds.append(RecurrentState(len(c.cache), st.nbytes([c.cache])))
         del caches
