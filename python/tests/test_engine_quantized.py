@@ -20,15 +20,19 @@ from mlx_lm.generate import generate_step  # noqa: E402
 from plimsoll.core.model_facts import inspect_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
 from plimsoll.engine.quantized import QuantizedAttention  # noqa: E402
+from plimsoll.engine.work import dequant_transient_bytes, prefill_transient_bytes  # noqa: E402
 
 BLOCK = 16
 POOL = 48
 
 
-def quantized_reference(model, prompt: list[int], n: int, bits: int) -> list[int]:
-    """mlx-lm's own greedy generation over its QuantizedKVCache."""
+def quantized_reference(model, prompt: list[int], n: int, bits: int,
+                        chunk: int = 2048) -> list[int]:
+    """mlx-lm's own greedy generation over its QuantizedKVCache (prefill in ``chunk`` s: its
+    first chunk attends float K/V, later ones the quantized cache, as the engine's do)."""
     return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, kv_bits=bits,
-                                        kv_group_size=64, quantized_kv_start=0)]
+                                        kv_group_size=64, quantized_kv_start=0,
+                                        prefill_step_size=chunk)]
 
 
 @pytest.fixture(scope="module", params=[8, 4], ids=["q8", "q4"])
@@ -72,6 +76,11 @@ def test_pool_bytes_equal_the_facts(engine, family_dir):
     ratio = facts.kv_bytes_per_token / plain.kv_bytes_per_token
     # float32 base, head_dim 64: 8 bit = (64 + 2·4·1)/256 B, 4 bit = (32 + 8)/256 B a vector
     assert ratio == pytest.approx((72 if engine.kv_bits == 8 else 40) / 256)
+    # a prefill chunk attends through a float copy of its context: counted, float pools 0
+    assert dequant_transient_bytes(facts, BLOCK) == 2 * 2 * 64 * 4 * BLOCK
+    assert dequant_transient_bytes(plain, BLOCK) == 0
+    assert prefill_transient_bytes(facts, 32, 256) > prefill_transient_bytes(
+        facts.model_copy(update={"kv_bits": None}), 32, 256)
 
 
 def test_head_dims_off_the_groups_are_refused_before_the_weights(tmp_path):
@@ -96,3 +105,11 @@ def test_growth_in_slabs_keeps_written_blocks(family_dir):
         blocks.append(eng.blocks_allocated())
     assert blocks == [math.ceil((70 + 10) / BLOCK), POOL]
     assert outs[0] == outs[1] and len(set(outs[0][0])) > 3
+    # the chunks past position 0 attend to the dequantized pool: mlx-lm's chunked prefill
+    assert outs[0] == [quantized_reference(eng.model, prompt, 10, 8, chunk=20)]
+
+
+def test_chunked_prefill_equals_mlx_lm_chunked_prefill(engine):
+    prompt = text(engine.tokenizer, 90, salt=4)
+    got = drive(engine, seqs_for([prompt], 8, BLOCK, Blocks(POOL, shuffle=True)), chunk=32)
+    assert got == [quantized_reference(engine.model, prompt, 8, engine.kv_bits, chunk=32)]

@@ -12,15 +12,19 @@ reads and the growth are the same. Group size 64 (mlx-lm's ``kv_group_size`` def
   group by group, so a vector's quantization never depends on its neighbours) and put the
   three parts into their slots — a slice for consecutive slots, else a scatter.
 - **Reads**: :meth:`QuantizedAttention.attend` gathers the table's blocks of the three
-  arrays (still quantized: the transient is the quantized bytes admission counts per
-  token) and runs mlx-lm's ``quantized_scaled_dot_product_attention`` (two
-  ``mx.quantized_matmul`` s and a softmax) once for all rows, with the batch's padding
-  mask or ``"causal"``. Chosen over "dequantize the gathered blocks, then
-  ``mx.fast.scaled_dot_product_attention``" by measurement (``bench/kv_quant_attention.py``,
-  results in ``bench/results/kv-quant-cpu.md``): on this CPU the quantized matmuls were
-  faster at decode and prefill lengths, the transient stays quantized (the dequantized
-  copy would be 2-7 × larger than what admission counts for the gather) and the arithmetic
-  is mlx-lm's own, so greedy output equals mlx-lm's with its ``QuantizedKVCache``.
+  arrays (still quantized) once for all rows, then by measurement
+  (``bench/kv_quant_attention.py``, ``bench/results/kv-quant-attention.json``, one layer of
+  the qwen3-0.6b shape on the CPU box):
+
+  - **decode** (one query a row): mlx-lm's ``quantized_scaled_dot_product_attention`` (two
+    ``mx.quantized_matmul`` s and a softmax, the padding mask) — 1.6-11 × faster than
+    dequantizing then the fused op, its transient stays quantized, and it is mlx-lm's own
+    arithmetic, so greedy output equals mlx-lm's with its ``QuantizedKVCache``;
+  - **prefill chunks** past position 0 (many queries): ``mx.dequantize`` the gathered
+    context into the model's dtype, then ``mx.fast.scaled_dot_product_attention``
+    (``"causal"``) — 5 × faster than the quantized matmuls at 128-512 queries; the float
+    copy of the context is counted in the prefill transient
+    (:func:`plimsoll.engine.work.prefill_transient_bytes`).
 - A prefill chunk at position 0 attends to its own fresh (float) K/V, as mlx-lm's first
   prefill chunk does before ``maybe_quantize_kv_cache`` converts its cache.
 - MLX's CUDA paged-decode kernel (:mod:`plimsoll.engine.paged_cuda`) reads float pools
@@ -175,6 +179,13 @@ class QuantizedAttention(FullAttention):
                                       "(mlx-lm's quantized attention has no sinks either); "
                                       "use a float KV dtype for this model")
         keys, values = self.gather(batch.read)
-        return quantized_scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=batch.mask,
-            group_size=self.group_size, bits=self.bits)
+        if queries.shape[2] == 1:  # decode rows (and a prompt's last token): quantized matmuls
+            return quantized_scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask=batch.mask,
+                group_size=self.group_size, bits=self.bits)
+        # a prefill chunk past position 0: dequantize its gathered context, then the fused op
+        g, b = self.group_size, self.bits
+        keys = mx.dequantize(*keys, group_size=g, bits=b).astype(queries.dtype)
+        values = mx.dequantize(*values, group_size=g, bits=b).astype(queries.dtype)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=batch.mask)

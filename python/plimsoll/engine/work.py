@@ -105,6 +105,15 @@ def gather_transient_bytes(facts: ModelFacts, batch_tokens: int) -> int:
     return 2 * per_layer_token * batch_tokens
 
 
+def dequant_transient_bytes(facts: ModelFacts, tokens: int) -> int:
+    """Quantized KV only: the float copy of K and V of ``tokens`` slots of one layer that a
+    prefill chunk attends through (engine/quantized.py dequantizes its gathered context);
+    0 for float pools and for decode, which reads the quantized blocks directly."""
+    if not facts.kv_bits or tokens <= 0:
+        return 0
+    return 2 * facts.num_key_value_heads * facts.head_dim * facts.kv_dtype_bytes * tokens
+
+
 def _per_chunk_token_bytes(facts: ModelFacts, context: int) -> int:
     """Transient bytes one more query token adds: its attention scores against
     ``context`` keys and their softmax (mlx's unfused attention holds both), and its
@@ -137,7 +146,8 @@ def prefill_transient_bytes(facts: ModelFacts, chunk: int, context: int,
     if chunk <= 0:
         return 0
     context = max(context, chunk)
-    return (gather_transient_bytes(facts, _whole(context, block_tokens))
+    whole = _whole(context, block_tokens)
+    return (gather_transient_bytes(facts, whole) + dequant_transient_bytes(facts, whole)
             + chunk * _per_chunk_token_bytes(facts, context))
 
 
@@ -151,7 +161,9 @@ def prefill_chunk_tokens(facts: ModelFacts, context: int, transient_bytes: int, 
     """
     if context <= 0:
         raise ValueError("context must be positive")
-    room = transient_bytes - gather_transient_bytes(facts, _whole(context, block_tokens))
+    whole = _whole(context, block_tokens)
+    room = (transient_bytes - gather_transient_bytes(facts, whole)
+            - dequant_transient_bytes(facts, whole))
     if room <= 0:
         return 0
     chunk = min(most, context, room // _per_chunk_token_bytes(facts, context))
