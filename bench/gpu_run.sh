@@ -28,9 +28,11 @@
 #   KV_QUANT=1  run issue 15's quantized-KV benchmark instead (bench/kv_quant.py): the agentic
 #           session, 1-stream decode and 8 streams on mlx_lm.server (defaults), then plimsoll at
 #           the model's dtype (bf16), q8 and q4 (`launch --kv-dtype`); results
-#           $OUT/$KV_NAME.{json,md} (KV_NAME must start kv-quant-; default kv-quant-h200); KV (default auto,q8,q4) picks
-#           the plimsoll runs, TURNS (12) and TOOL_TOKENS (2400: ~29k tokens at turn 12) size
-#           the session; EXTRA adds kv_quant.py / agentic.py flags.
+#           $OUT/$KV_NAME.{json,md} (KV_NAME starts kv-quant-; default kv-quant-h200); KV
+#           (default auto,q8,q4) picks the plimsoll runs, TURNS (12) and TOOL_TOKENS (2400:
+#           ~29k tokens at turn 12) size the session; EXTRA adds kv_quant.py / agentic.py
+#           flags (EXTRA='--only candidate' skips mlx_lm.server: a second call when one run
+#           does not fit the budget).
 set -uo pipefail
 start=$(date +%s)
 cd "$(dirname "$0")/.."
