@@ -113,3 +113,23 @@ def test_chunked_prefill_equals_mlx_lm_chunked_prefill(engine):
     prompt = text(engine.tokenizer, 90, salt=4)
     got = drive(engine, seqs_for([prompt], 8, BLOCK, Blocks(POOL, shuffle=True)), chunk=32)
     assert got == [quantized_reference(engine.model, prompt, 8, engine.kv_bits, chunk=32)]
+
+
+def test_a_quantized_block_round_trips_through_the_disk_tier_payload(engine):
+    """export_block gives values + scales + biases of every layer (block_bytes exactly);
+    import_block into another id makes that block read the same triples."""
+    from plimsoll.engine import block_io
+    from plimsoll.engine.paged import Read
+
+    assert block_io.supports(engine) == ""
+    drive(engine, seqs_for([text(engine.tokenizer, 20, salt=1)], 2, BLOCK, Blocks(POOL)),
+          chunk=64)
+    payload = block_io.export_block(engine, 0)
+    assert len(payload) == engine.block_bytes
+    target = engine.blocks_allocated() - 1
+    block_io.import_block(engine, target, payload)
+    for pool in (k for k in engine.layers if isinstance(k, QuantizedAttention)):
+        for a, b in zip(pool.gather(Read(span=(0, BLOCK))),
+                        pool.gather(Read(span=(target * BLOCK, (target + 1) * BLOCK))),
+                        strict=True):
+            assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
