@@ -18,6 +18,10 @@ to mlx-lm's own function. So:
 - ``offset`` is the rope offset: an int for one row, an ``mx.array`` of per-row
   offsets for a decode batch (as mlx-lm's ``BatchKVCache``).
 
+A kind with its own ``attend`` (quantized pools, :mod:`plimsoll.engine.quantized`) takes the
+whole read itself; the CUDA paged-decode kernel (:mod:`plimsoll.engine.paged_cuda`) serves
+float pools only.
+
 ``Batch.attended`` counts the layers that went through :func:`sdpa`; the engine checks
 it after every forward, so a model whose attention bypasses mlx-lm's entry point is
 refused rather than silently attending to nothing.
