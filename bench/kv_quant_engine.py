@@ -25,10 +25,9 @@ import mlx.core as mx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python" / "tests"))
-from engine_drive import Blocks, _plan, seqs_for, text  # noqa: E402
-
-from plimsoll.core.model_facts import inspect_model  # noqa: E402
-from plimsoll.engine import Engine  # noqa: E402
+from engine_drive import Blocks, _plan, seqs_for, text
+from plimsoll.core.model_facts import inspect_model
+from plimsoll.engine import Engine
 
 BLOCK = 16
 
