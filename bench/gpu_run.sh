@@ -33,6 +33,12 @@
 #           ~29k tokens at turn 12) size the session; EXTRA adds kv_quant.py / agentic.py
 #           flags (EXTRA='--only candidate' skips mlx_lm.server: a second call when one run
 #           does not fit the budget).
+#
+# PHASES=overhead runs bench/overhead.py instead of scale.py (the serving stack's overhead
+# per decode step: the engine and the scheduler in process, mlx-lm's generators in process,
+# plimsoll's worker and mlx_lm.server over HTTP; 1, 8, 32 streams; NAME default
+# overhead-h200; OVERHEAD_ARGS adds overhead.py flags, e.g. --tokens 128 --rounds 1):
+#   PHASES=overhead bash bench/gpu_run.sh
 set -uo pipefail
 start=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -65,6 +71,18 @@ if [ "${KV_QUANT:-0}" = 1 ]; then
     2>&1 | tee "$OUT/logs/$KNAME.log"
   rc=${PIPESTATUS[0]}
   say "kv_quant.py exit $rc; results: $OUT/$KNAME.json $OUT/$KNAME.md"
+  exit "$rc"
+fi
+if [ "$PHASES" = overhead ]; then
+  [ "$NAME" = scale-h200 ] && NAME=overhead-h200
+  say "model ready; overhead.py gets ${left}s"
+  # shellcheck disable=SC2086
+  timeout -k 30 "$left" "$PY" bench/overhead.py --model "$MODEL" --name "$NAME" \
+    --out-dir "$OUT" --preload '' --tokens 256 --rounds 2 --ready-timeout 150 \
+    --request-timeout 120 --py-spy "$OUT/logs/py-spy" ${OVERHEAD_ARGS:-} \
+    2>&1 | tee "$OUT/logs/$NAME.log"
+  rc=${PIPESTATUS[0]}
+  say "overhead.py exit $rc; results: $OUT/$NAME.json $OUT/$NAME.md"
   exit "$rc"
 fi
 say "model ready; scale.py gets ${left}s"

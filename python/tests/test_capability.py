@@ -26,11 +26,12 @@ from plimsoll.core.model_facts import facts_from_config
 
 SERVED = {"llama", "qwen3", "qwen3_4bit", "qwen3_moe", "qwen3_next", "qwen3_5", "mistral",
           "glm4_moe", "glm4_moe_mtp", "phi3", "olmo2", "nemotron_h", "jamba",
-          "granitemoehybrid", "lfm2", "olmo_hybrid"}
+          "granitemoehybrid", "lfm2", "olmo_hybrid", "deepseek_v3", "glm4_moe_lite",
+          "kimi_linear", "kimi_k25", "mistral4", "deepseek_v2", "minicpm3",
+          "deepseek_v3_wide", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "falcon_h1",
+          "youtu_llm"}
 REFUSED = {"gpt_oss": "window", "gemma3_text": "window", "ministral3": "window",
-           "deepseek_v3": "latent", "glm4_moe_lite": "latent", "longcat_flash": "latent",
-           "deepseek_v32": "latent", "glm_moe_dsa": "latent", "falcon_h1": "cache-list",
-           "llama4": "chunked", "kimi_linear": "latent", "mamba2": "state-only"}
+           "llama4": "chunked", "mamba2": "state-only"}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -8,8 +8,10 @@ reading gigabytes of weights.
 
 :data:`ENGINE_SUPPORT` is the one table of what the worker's engine serves. It describes the
 engine in ``plimsoll.engine`` today (the block-paged engine of issue 14, ``engine/core.py``):
-full-attention ``KVCache`` in blocks and recurrent state of any slot count (``ArraysCache``,
-gated-delta / mamba2 layers beside full attention), per sequence. Issue 15 adds the rest.
+full-attention ``KVCache`` in blocks, MLA's latent + rope-key blocks (``engine/latent.py``),
+sparse-attention indexer keys, recurrent state of any slot count (``ArraysCache``, gated-delta /
+mamba2 layers beside full attention) per sequence, and ``CacheList`` layers of those, each
+member in its own kind (``engine/composite.py``). Issue 15 adds the rest.
 Change the table, not the callers.
 """
 
@@ -37,13 +39,8 @@ ENGINE_SUPPORT: dict[str, KindSupport] = {
     "chunked": KindSupport(
         "chunked-attention layers", False,
         "the engine has no chunk mask; mlx_lm.server serves the model unbatched"),
-    "latent": KindSupport(
-        "multi-head latent attention (MLA)", False,
-        "batched decode would mix the latent and rope-key arrays; mlx_lm.server serves the "
-        "model unbatched"),
-    "indexer": KindSupport(
-        "sparse-attention indexer keys", False,
-        "the engine keeps no indexer cache; mlx_lm.server serves the model unbatched"),
+    "latent": KindSupport("multi-head latent attention (MLA)", True),
+    "indexer": KindSupport("sparse-attention indexer keys", True),
 }
 STATE_SLOTS: frozenset[int] | None = None
 """ArraysCache sizes the engine's per-sequence state handles (None: any)."""
@@ -51,7 +48,7 @@ SERVES_QUANTIZED_KV = True
 """Quantized KV (``kvDtype`` q8 / q4) for full-attention layers (engine/quantized.py)."""
 QUANTIZED_KINDS = frozenset({"kv", "state"})
 """Cache kinds a quantized-KV model may hold (recurrent state is never quantized)."""
-SERVES_CACHE_LIST = False
+SERVES_CACHE_LIST = True  # each member in its own kind (engine/composite.py)
 SERVES_STATE_ONLY = False  # a model with no attention KV at all (pure state-space)
 
 
@@ -107,7 +104,9 @@ def check(facts: ModelFacts, name: str | None = None) -> Unsupported | None:
         return Unsupported("quantized-kv", (
             f"{who}: quantized KV ({facts.kv_format}) is not served yet by this engine; "
             f"set kvDtype to auto, float16 or bfloat16 (or drop --kv-dtype); {_SERVED_BY}"))
-    if facts.kv_bits and (other := sorted({c.kind for c in caches} - QUANTIZED_KINDS)):
+    if facts.kv_bits and (other := sorted({c.kind for c in caches} - QUANTIZED_KINDS
+                                          | {"CacheList" for c in caches
+                                             if c.mlx_cache.startswith("CacheList")})):
         return Unsupported("quantized-kv", (
             f"{who}: quantized KV ({facts.kv_format}) is served for full-attention layers "
             f"only; this model also holds {', '.join(other)} caches: set kvDtype to auto, "

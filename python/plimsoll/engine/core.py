@@ -10,7 +10,10 @@ object per cache layer of the model:
 - every prefill chunk runs as its own forward (1, L) against its table, causal from
   ``start``; a chunk that samples runs its last token as a separate (1, 1) forward, as
   mlx-lm's ``generate_step`` does, so the lm head never sees the whole chunk;
-- recurrent state (hybrid models) is held per sequence (:mod:`plimsoll.engine.state`).
+- recurrent state (hybrid models) is held per sequence (:mod:`plimsoll.engine.state`);
+- an MLA layer's view hands the model the gathered latent history and the batch mask, and
+  the model's own attention math runs once for all rows (:mod:`plimsoll.engine.latent`);
+  a ``CacheList`` layer gets one view per member (:mod:`plimsoll.engine.composite`).
 
 Pipelining (as mlx-lm's ``generate_step``): :meth:`Engine.run_async` builds a step and
 ``mx.async_eval`` s it; a decode ``Work`` with ``tokens=None`` feeds the token sampled
@@ -39,8 +42,12 @@ import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
+from plimsoll.engine import batched_prefill
+from plimsoll.engine import composite as cl
 from plimsoll.engine import state as st
-from plimsoll.engine.attention import Batch, PagedView, route_attention
+from plimsoll.engine.attention import Batch, fused_prefill, route_attention
+from plimsoll.engine.decode_index import DecodeReads
+from plimsoll.engine.limits import backend_env_defaults
 from plimsoll.engine.paged import (
     FullAttention,
     RecurrentState,
@@ -95,19 +102,28 @@ class Engine:
         self.block_tokens, self.max_blocks, self.pipeline = block_tokens, max_blocks, pipeline
         # Compute on a stream of our own, as mlx-lm's generate does (measured ~5-10%
         # faster single-stream decode on the CPU backend than the default stream).
+        backend_env_defaults()  # before the stream: its encoder reads the graph cache's
         self._stream = mx.new_stream(mx.default_device())
         route_attention()
         self.kv_bits = kv_bits  # 8 / 4: quantized KV pools (engine/quantized.py)
         self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
+        cl.check_bytes(type(model).__module__, self.layers, facts, block_tokens)
         self.block_bytes = sum(k.block_bytes for k in self.layers)
         if slab_blocks is None:  # grow by about SLAB_BYTES: the peak follows what is written
             slab = max(1, min(max_blocks, SLAB_BYTES // max(1, self.block_bytes)))
-            for kind in self.layers:
+            for kind in cl.flatten(self.layers):
                 if isinstance(kind, FullAttention):
                     kind.slab_blocks = slab
-        self.state_bytes_per_seq = sum(k.bytes_per_seq for k in self.layers
+        flat = list(cl.flatten(self.layers))
+        self.state_bytes_per_seq = sum(k.bytes_per_seq for k in flat
                                        if isinstance(k, RecurrentState))
-        self._pools = [k for k in self.layers if isinstance(k, FullAttention)]
+        self._pools = [k for k in flat if isinstance(k, FullAttention)]
+        #: the backend runs a prefill chunk's attention fused (the worker's chunk follows it);
+        #: MLA's prefill attends through the model's own math (engine/latent.py): not counted
+        #: as fused, so its transient keeps the scores
+        self.fused_prefill = fused_prefill(
+            self._compute_dtype, {d for p in self._pools for d in (p.k_dim, p.v_dim)}) \
+            and all(type(p) is FullAttention for p in self._pools)
         self._states: dict[int, list[st.Entries]] = {}
         # The last decode's stacked state (its rows, in order): the next decode of the same
         # rows reuses it instead of stacking again (its row views are what _states holds).
@@ -116,6 +132,10 @@ class Engine:
         self._last: dict[int, tuple[mx.array, int]] = {}  # seq -> (tokens, row), lazy
         self._keys = Keys()
         self._unsettled: list[Pending] = []
+        self._reads = DecodeReads(block_tokens)  # the decode's table index, kept across steps
+        self._prefill_reads = DecodeReads(block_tokens)  # that of batched prompts' last tokens
+        # several prompts' first chunks as one padded forward (engine/batched_prefill.py)
+        self.batch_prefill = all(type(k) is FullAttention for k in self.layers)
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
@@ -124,6 +144,7 @@ class Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
         float_dtype, bits = parse_kv_dtype(kv_dtype)  # "q8" / "q4": the model's dtype, quantized
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)  # refuses head dims off the groups
+        backend_env_defaults()
         model, tokenizer = mlx_lm.load(str(model_dir))
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,
                    kv_dtype=float_dtype, pipeline=pipeline, slab_blocks=slab_blocks,
@@ -132,26 +153,38 @@ class Engine:
     def _kinds(self, model, kv_dtype: str | None, slab: int) -> list:
         """One kind per cache layer, shapes and dtypes measured by a one-token probe."""
         caches = make_prompt_cache(model)
+        self._compute_dtype = mx.float32
         for c in caches:
-            if type(c) not in (KVCache, ArraysCache):
-                raise NotImplementedError(
-                    f"{type(model).__module__}: cache kind {type(c).__name__} (sliding window, "
-                    "chunked, MLA or quantized KV) is not served by the paged engine yet; "
-                    "only full-attention KV (KVCache) and recurrent state (ArraysCache) are")
+            for m in cl.members(c):
+                if type(m) not in (KVCache, ArraysCache):
+                    raise NotImplementedError(
+                        f"{type(model).__module__}: cache kind {type(m).__name__} (sliding "
+                        "window, chunked or quantized KV) is not served by the paged engine "
+                        "yet; only full-attention KV and MLA latents (KVCache) and recurrent "
+                        "state (ArraysCache) are, alone or in a CacheList")
         with mx.stream(self._stream):
             model(mx.array([[0]]), cache=caches)
-            mx.eval([c.state for c in caches])
-        kinds: list = []
-        for c in caches:
+            mx.eval([m.state for c in caches for m in cl.members(c)])
+
+        def kind_of(i: int, c, want: str | None):
+            cl.check_member(type(model).__module__, i, c, want)
             if type(c) is KVCache:
+                self._compute_dtype = c.keys.dtype  # what the model computes K in
                 _, heads, _, k_dim = c.keys.shape
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
                 args = (heads, k_dim, c.values.shape[3], dtype, self.block_tokens,
                         self.max_blocks, slab)
-                kinds.append(QuantizedAttention(*args, bits=self.kv_bits) if self.kv_bits
-                             else FullAttention(*args))
-            else:
-                kinds.append(RecurrentState(len(c.cache), st.nbytes([c.cache])))
+                if self.kv_bits and (want or "kv") == "kv":  # quantized pools (quantized.py)
+                    return QuantizedAttention(*args, bits=self.kv_bits)
+                return cl.pool_class(want)(*args)
+            return RecurrentState(len(c.cache), st.nbytes([c.cache]))
+
+        kinds: list = []
+        for i, c in zip(cl.cache_layers(self.facts, len(caches)), caches, strict=True):
+            parts, wants = cl.members(c), cl.layer_kinds(self.facts, i)
+            wants = wants if len(wants) == len(parts) else [None] * len(parts)
+            built = [kind_of(i, m, w) for m, w in zip(parts, wants, strict=True)]
+            kinds.append(built[0] if parts[0] is c else cl.Composite(built))
         del caches
         mx.clear_cache()
         return kinds
@@ -186,6 +219,8 @@ class Engine:
         self._touched(seq_id)
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
+        self._reads.forget(seq_id)
+        self._prefill_reads.forget(seq_id)
 
     def snapshot_state(self, seq_id: int, key) -> None:
         """Keep a copy of ``seq_id``'s state (after every step submitted so far) as ``key``."""
@@ -206,7 +241,8 @@ class Engine:
             self._batched = None
 
     def _fresh_state(self) -> list[st.Entries]:
-        return [st.fresh(k.slots) for k in self.layers if isinstance(k, RecurrentState)]
+        return [st.fresh(k.slots) for k in cl.flatten(self.layers)
+                if isinstance(k, RecurrentState)]
 
     # ------------------------------------------------------------------ steps
 
@@ -223,7 +259,14 @@ class Engine:
             outs = []
             if step.decodes:
                 outs.append(self._decode(step.decodes))
-            for w in step.prefills:
+            prefills = step.prefills
+            firsts = [w for w in prefills if w.start == 0]
+            if self.batch_prefill and len(firsts) > 1:
+                out = batched_prefill.run(self, firsts)
+                if out is not None:
+                    outs.append(out)
+                prefills = [w for w in prefills if w.start != 0]
+            for w in prefills:
                 out = self._prefill(w)
                 if out is not None:
                     outs.append(out)
@@ -289,10 +332,8 @@ class Engine:
 
     def _forward(self, inputs: mx.array, batch: Batch, states: list) -> mx.array:
         """Run the model over ``inputs`` with paged views and the given state caches."""
-        caches, it = [], iter(states)
-        for kind in self.layers:
-            caches.append(PagedView(kind, batch) if isinstance(kind, FullAttention)
-                          else next(it))
+        it = iter(states)
+        caches = [cl.view_of(kind, batch, it) for kind in self.layers]
         logits = self.model(inputs, cache=caches)
         if batch.attended != len(self._pools):
             raise RuntimeError(f"{type(self.model).__module__}: attention does not go through "
@@ -304,22 +345,26 @@ class Engine:
         pools = [a for p in self._pools for a in (p.keys, p.values)]
         mx.async_eval(([] if tokens is None else [tokens]) + pools + state_arrays)
 
-    def _decode(self, works: tuple[Work, ...]) -> tuple[tuple[Work, ...], mx.array]:
-        self._ensure(works)
+    def _decode(self, works: tuple[Work, ...], reads: DecodeReads | None = None
+                ) -> tuple[tuple[Work, ...], mx.array]:
         bt = self.block_tokens
         starts = [w.start for w in works]
         lengths = [s + 1 for s in starts]
+        ids = tuple(w.seq_id for w in works)
+        # The tables' index is kept across steps (only new blocks are written into it); its
+        # highest id covers every block this step reads or writes.
+        read, top = (reads or self._reads).read(ids, [w.block_table for w in works], lengths)
+        for p in self._pools:
+            p.ensure(top)
         write = np.array([w.block_table[s // bt] * bt + s % bt
                           for w, s in zip(works, starts, strict=True)], dtype=np.int32)
-        read = read_of([w.block_table for w in works], lengths, bt)
+        lengths_mx = mx.array(lengths, dtype=mx.int32)
         mask = None
-        if min(lengths) != max(lengths):
-            m = np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
-            mask = mx.array(m)[:, None, None, :]
+        if min(lengths) != max(lengths):  # built on the device, not row × context on the host
+            mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]
+                    < lengths_mx[:, None])[:, None, None, :]
         offset = starts[0] if len(works) == 1 else mx.array(starts, dtype=mx.int32)
-        batch = Batch(write_of(write), read, mask, offset,
-                      lengths=mx.array(lengths, dtype=mx.int32))
-        ids = tuple(w.seq_id for w in works)
+        batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx)
         if self._batched is not None and self._batched[0] == ids:
             stacked = [st.cache_of(e) for e in self._batched[1]]
         else:
@@ -363,7 +408,7 @@ class Engine:
                 tokens = sample(logits[:, -1, :], (w,), self._keys)
                 self._last[w.seq_id] = (tokens, 0)
             self._submit(tokens, st.arrays(entries))
-        if any(isinstance(k, RecurrentState) for k in self.layers):
+        if any(isinstance(k, RecurrentState) for k in cl.flatten(self.layers)):
             self._states[w.seq_id] = entries
             self._touched(w.seq_id)
         return None if tokens is None else ((w,), tokens)

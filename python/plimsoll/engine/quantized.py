@@ -11,7 +11,7 @@ reads and the growth are the same. Group size 64 (mlx-lm's ``kv_group_size`` def
 - **Writes** quantize only the forward's new K/V (``mx.quantize`` along the head dim,
   group by group, so a vector's quantization never depends on its neighbours) and put the
   three parts into their slots — a slice for consecutive slots, else a scatter.
-- **Reads**: :meth:`QuantizedAttention.attend` gathers the table's blocks of the three
+- **Reads**: :meth:`QuantizedAttention.attend_read` gathers the table's blocks of the three
   arrays (still quantized) once for all rows, then by measurement
   (``bench/kv_quant_attention.py``, ``bench/results/kv-quant-attention.json``, one layer of
   the qwen3-0.6b shape on the CPU box):
@@ -167,7 +167,7 @@ class QuantizedAttention(FullAttention):
             out.append(tuple(parts))
         return out[0], out[1]
 
-    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None, batch,
+    def attend_read(self, queries: mx.array, scale: float, sinks: mx.array | None, batch,
                fresh: tuple[mx.array, mx.array] | None) -> mx.array:
         """Attention of ``queries`` over this forward's read (see the module docstring)."""
         if batch.read is None:  # a chunk at position 0: its own fresh K/V, unquantized

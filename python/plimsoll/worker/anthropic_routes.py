@@ -162,8 +162,8 @@ async def _sse(meta: A.MessageMeta, waiting: tuple, prompt_tokens: int, stream: 
             rec.code = item.code
             yield A.sse_event(A.error_body(item.status, item.message))
             return
-        for event in blocks.feed(item):
-            yield A.sse_event(event)
+        if events := blocks.feed(item):  # one write for the tokens of one wake-up
+            yield b"".join(A.sse_event(event) for event in events)
     if not assembler.done:
         return
     result, stop = assembler.result(), assembler.stop_sequence
