@@ -25,6 +25,14 @@
 #   NAME    output base name (default scale-h200; add the order/phases if you split runs)
 #   MODEL_DIR (default /tmp/qwen3-4b-shaped), BUDGET (530), EXTRA (more scale.py flags: they
 #   come last, so they win), MODEL_ARGS (gpu_model.py flags, e.g. --shape small for a dry run)
+#   KV_QUANT=1  run issue 15's quantized-KV benchmark instead (bench/kv_quant.py): the agentic
+#           session, 1-stream decode and 8 streams on mlx_lm.server (defaults), then plimsoll at
+#           the model's dtype (bf16), q8 and q4 (`launch --kv-dtype`); results
+#           $OUT/$KV_NAME.{json,md} (KV_NAME starts kv-quant-; default kv-quant-h200); KV
+#           (default auto,q8,q4) picks the plimsoll runs, TURNS (12) and TOOL_TOKENS (2400:
+#           ~29k tokens at turn 12) size the session; EXTRA adds kv_quant.py / agentic.py
+#           flags (EXTRA='--only candidate' skips mlx_lm.server: a second call when one run
+#           does not fit the budget).
 #
 # PHASES=overhead runs bench/overhead.py instead of scale.py (the serving stack's overhead
 # per decode step: the engine and the scheduler in process, mlx-lm's generators in process,
@@ -51,6 +59,20 @@ timeout -k 10 200 "$PY" bench/gpu_model.py "$MODEL" ${MODEL_ARGS:-} 2>&1 | tee "
 if [ "${PIPESTATUS[0]}" != 0 ]; then say "model build failed"; exit 1; fi
 
 left=$(( BUDGET - ($(date +%s) - start) ))
+if [ "${KV_QUANT:-0}" = 1 ]; then
+  KNAME=${KV_NAME:-kv-quant-h200}
+  say "model ready; kv_quant.py gets ${left}s (KV=${KV:-auto,q8,q4})"
+  # shellcheck disable=SC2086
+  timeout -k 30 "$left" "$PY" bench/kv_quant.py --model "$MODEL" --tag "${KNAME#kv-quant-}" \
+    --kv "${KV:-auto,q8,q4}" --out-dir "$OUT" --log-dir "$OUT/logs" --preload '' \
+    --launch-args '--concurrency 8 --context 40960 --max-tokens 2048' \
+    --turns "${TURNS:-12}" --tool-tokens "${TOOL_TOKENS:-2400}" --decode-tokens 256 \
+    --streams 8 --stream-tokens 256 --ready-timeout 150 --request-timeout 120 ${EXTRA:-} \
+    2>&1 | tee "$OUT/logs/$KNAME.log"
+  rc=${PIPESTATUS[0]}
+  say "kv_quant.py exit $rc; results: $OUT/$KNAME.json $OUT/$KNAME.md"
+  exit "$rc"
+fi
 if [ "$PHASES" = overhead ]; then
   [ "$NAME" = scale-h200 ] && NAME=overhead-h200
   say "model ready; overhead.py gets ${left}s"

@@ -52,10 +52,21 @@ def test_a_pure_state_space_model_is_refused_for_what_it_is():
     assert "pure state-space" in message and "mlx_lm" in message
 
 
-def test_quantized_kv_is_counted_but_not_yet_served():
-    facts = facts_from_config(FAMILIES["llama"].config, 0, kv_dtype="q8")
-    refusal = capability.check(facts, "llama")
-    assert refusal.kind == "quantized-kv" and "kvDtype" in refusal.message
+def test_quantized_kv_is_served_for_attention_and_state_layers(monkeypatch):
+    def at64(name):  # head dims in groups of 64 (the tiny families use 16)
+        return {**FAMILIES[name].config, "head_dim": 64}
+
+    for name in ("llama", "qwen3_next"):  # full attention; gated-delta state beside it
+        facts = facts_from_config(at64(name), 0, kv_dtype="q8")
+        assert facts.kv_bits == 8 and capability.check(facts, name) is None
+    # a kind the engine serves but does not quantize (here: windows, once served) is refused
+    monkeypatch.setitem(capability.ENGINE_SUPPORT, "window",
+                        capability.KindSupport("sliding-window layers", True))
+    facts = facts_from_config(at64("gemma3_text"), 0, kv_dtype="q4")
+    refusal = capability.check(facts, "gemma3_text")
+    assert refusal.kind == "quantized-kv" and "window" in refusal.message
+    assert "kvDtype" in refusal.message
+    assert capability.check(facts_from_config(at64("gemma3_text"), 0)) is None
 
 
 def _admit(*args):
@@ -160,7 +171,7 @@ def test_proxy_refuses_before_evicting_anyone(tiny_model, family_dir, tmp_path):
         assert not p.stop()
 
 
-def test_admit_counts_quantized_kv_exactly_and_says_it_is_not_served(family_dir):
+def test_admit_counts_quantized_kv_exactly_and_serves_it(family_dir):
     path = str(family_dir("llama"))  # 4 layers, 2 KV heads × head_dim 64, float32
     plain = json.loads(_admit(path, "--json", "--block-tokens", "16").output)
     q8 = json.loads(_admit(path, "--json", "--block-tokens", "16", "--kv-dtype", "q8").output)
@@ -169,4 +180,4 @@ def test_admit_counts_quantized_kv_exactly_and_says_it_is_not_served(family_dir)
     assert plain["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 4
     assert q8["kv_bytes_per_token"] == 2 * 4 * 2 * per_vector[8]
     assert q4["kv_bytes_per_token"] == 2 * 4 * 2 * per_vector[4]
-    assert q8["kv_dtype"] == "q8" and q8["unsupported"]["kind"] == "quantized-kv"
+    assert q8["kv_dtype"] == "q8" and q8.get("unsupported") is None

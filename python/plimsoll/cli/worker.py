@@ -37,8 +37,11 @@ from plimsoll.cli.common import EXIT_REFUSED, UsageFailure, invalid_figures
               help="Prompt tokens computed per step over all prefills, beside every running "
               "decode: a long prompt delays running streams by at most this chunk per step "
               "[default: 2048 on a GPU (fused prefill attention), 512 on a CPU].")
-@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
-              help="KV cache dtype (default: the model's).")
+@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32", "q8", "q4"]),
+              help="KV cache dtype (default: the model's); q8 / q4: quantized KV, 8 / 4 bits "
+              "in groups of 64 (mlx-lm's QuantizedKVCache format), batched.")
+@click.option("--kv-bits", type=click.Choice(["8", "4"]),
+              help="Quantized KV, as mlx_lm's --kv-bits: the same as --kv-dtype q8 / q4.")
 @click.option("--transient-bytes", type=click.IntRange(min=1),
               help="Compute transient admission counted (its reserve less the MLX buffer "
               "cache): the prefill chunk follows the context to stay under it, and a decode "
@@ -94,9 +97,14 @@ def worker_command(model_dir, model_name, max_tokens, default_max_tokens, ceilin
     from plimsoll.core.model_facts import ModelInspectionError, check_servable, inspect_model
     from plimsoll.worker.config import WorkerConfig
 
+    if (bits := flags.pop("kv_bits")) is not None:
+        if flags["kv_dtype"] not in (None, f"q{bits}"):
+            raise UsageFailure(f"--kv-bits {bits} and --kv-dtype {flags['kv_dtype']} disagree; "
+                               f"pass one of them (--kv-bits {bits} is --kv-dtype q{bits})")
+        flags["kv_dtype"] = f"q{bits}"
     try:  # a broken download is a one-line error here, not an engine traceback at load
         check_servable(model_dir)
-        require_supported(inspect_model(model_dir), model_name)
+        require_supported(inspect_model(model_dir, kv_dtype=flags["kv_dtype"]), model_name)
     except UnsupportedModel as err:
         click.echo(f"plimsoll worker: REFUSE: {err}", err=True)
         raise SystemExit(EXIT_REFUSED) from None
@@ -141,6 +149,10 @@ class _Interrupted(Exception):
 @click.option("--max-tokens", type=click.IntRange(min=1))
 @click.option("--cache-memory-mb", type=click.IntRange(min=0),
               help="Prefix-cache cap inside the pool (default: the whole pool).")
+@click.option("--kv-dtype", type=click.Choice(["auto", "float16", "bfloat16", "float32", "q8",
+                                               "q4"]),
+              help="KV cache dtype, as the policy's kvDtype (q8 / q4: quantized KV, counted "
+              "and verified in bytes) [default: the policy's, else the model's].")
 @click.option("--disk-cache-dir", type=click.Path(file_okay=False, path_type=Path),
               help="The disk tier for KV blocks leaving memory (default: the policy's "
               "diskCache, else off).")
@@ -151,7 +163,7 @@ class _Interrupted(Exception):
 @click.option("--port", type=click.IntRange(0, 65535), default=8081, show_default=True,
               help="0 picks a free port.")
 def launch_command(model, policy_file, mode, concurrency, context, max_tokens, cache_memory_mb,
-                   disk_cache_dir, disk_cache_gb, host, port) -> None:
+                   kv_dtype, disk_cache_dir, disk_cache_gb, host, port) -> None:
     """Admit MODEL against live memory, start its worker with the derived caps, verify them.
 
     Refuses (exit 3, with the figures) a model that cannot hold one sequence; clamps
@@ -186,7 +198,8 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     figures = memory_figures(pol, mode, MemoryOverrides(), read_snapshot)
     try:
         facts, _req, decision = plan(model_dir, entry, pol, figures,
-                                     Wanted(concurrency, context, max_tokens))
+                                     Wanted(concurrency, context, max_tokens,
+                                            kv_dtype=kv_dtype))
         check_servable(model_dir)
         require_supported(facts, model_dir.name)  # before any worker (or weight byte) exists
     except UnsupportedModel as err:

@@ -44,7 +44,10 @@ ENGINE_SUPPORT: dict[str, KindSupport] = {
 }
 STATE_SLOTS: frozenset[int] | None = None
 """ArraysCache sizes the engine's per-sequence state handles (None: any)."""
-SERVES_QUANTIZED_KV = False
+SERVES_QUANTIZED_KV = True
+"""Quantized KV (``kvDtype`` q8 / q4) for full-attention layers (engine/quantized.py)."""
+QUANTIZED_KINDS = frozenset({"kv", "state"})
+"""Cache kinds a quantized-KV model may hold (recurrent state is never quantized)."""
 SERVES_CACHE_LIST = True  # each member in its own kind (engine/composite.py)
 SERVES_STATE_ONLY = False  # a model with no attention KV at all (pure state-space)
 
@@ -106,6 +109,13 @@ def check(facts: ModelFacts, name: str | None = None) -> Unsupported | None:
         return Unsupported("quantized-kv", (
             f"{who}: quantized KV ({facts.kv_format}) is not served yet by this engine; "
             f"set kvDtype to auto, float16 or bfloat16 (or drop --kv-dtype); {_SERVED_BY}"))
+    if facts.kv_bits and (other := sorted({c.kind for c in caches} - QUANTIZED_KINDS
+                                          | {"CacheList" for c in caches
+                                             if c.mlx_cache.startswith("CacheList")})):
+        return Unsupported("quantized-kv", (
+            f"{who}: quantized KV ({facts.kv_format}) is served for full-attention layers "
+            f"only; this model also holds {', '.join(other)} caches: set kvDtype to auto, "
+            "float16 or bfloat16 (or drop --kv-dtype)"))
     return None
 
 

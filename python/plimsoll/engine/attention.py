@@ -18,6 +18,10 @@ to mlx-lm's own function. So:
 - ``offset`` is the rope offset: an int for one row, an ``mx.array`` of per-row
   offsets for a decode batch (as mlx-lm's ``BatchKVCache``).
 
+A kind with its own ``attend_read`` (quantized pools, :mod:`plimsoll.engine.quantized`) takes the
+whole read itself; the CUDA paged-decode kernel (:mod:`plimsoll.engine.paged_cuda`) serves
+float pools only.
+
 ``Batch.attended`` counts the layers that went through :func:`sdpa`; the engine checks
 it after every forward, so a model whose attention bypasses mlx-lm's entry point is
 refused rather than silently attending to nothing.
@@ -74,6 +78,8 @@ class PagedView:
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         self.batch.attended += 1
         read, pool = self.batch.read, self.pool
+        if hasattr(pool, "attend_read"):  # a kind that reads its own pool (quantized KV)
+            return pool.attend_read(queries, scale, sinks, self.batch, self._fresh)
         if (read is not None and read.index is not None and self.batch.lengths is not None
                 and sinks is None
                 and paged_cuda.usable(queries, pool.k_dim, pool.v_dim, pool.kv_heads)):

@@ -3,9 +3,10 @@
 The disk tier (:mod:`plimsoll.worker.disk_tier`) stores a block as one flat byte string:
 for every paged pool in order (full attention, MLA latents, a ``CacheList``'s members in
 turn: :func:`~plimsoll.engine.composite.flatten`), that block's K slots then its V slots, in the
-pool's dtype (``(kv_heads, block_tokens, dim)`` each, C order). Only the engine's public
-attributes are used (``layers`` with ``.keys``/``.values``, ``block_tokens``,
-``block_bytes``), so the engine itself needs no hook.
+pool's dtype (``(kv_heads, block_tokens, dim)`` each, C order); a quantized pool
+(:mod:`plimsoll.engine.quantized`) gives K's packed values, scales and biases, then V's.
+Only the engine's public attributes are used (``layers`` with ``.keys``/``.values`` or
+``.arrays()``, ``block_tokens``, ``block_bytes``), so the engine itself needs no hook.
 
 Bounded: :func:`export_block` copies one block of one layer at a time to host memory
 (``block_bytes`` in all per block), never a whole pool; :func:`import_block` writes one
@@ -42,6 +43,12 @@ def _pools(engine) -> list[FullAttention]:
     return [k for k in flatten(engine.layers) if isinstance(k, FullAttention)]
 
 
+def _arrays(pool: FullAttention) -> list[mx.array]:
+    """The pool's arrays on the slot axis, in payload order: K then V (a quantized pool:
+    K's packed values, scales, biases, then V's)."""
+    return pool.arrays() if hasattr(pool, "arrays") else [pool.keys, pool.values]
+
+
 def _host(a: mx.array) -> np.ndarray:
     """The raw bytes of ``a`` as a flat uint8 numpy array (bfloat16 included)."""
     raw = a.view(_BITS[a.dtype.size]) if a.dtype not in _BITS.values() else a
@@ -56,7 +63,7 @@ def export_block(engine, block_id: int) -> bytes:
     for p in _pools(engine):
         if p.keys is None or block_id >= p.blocks:
             raise ValueError(f"block {block_id} was never allocated")
-        for arr in (p.keys, p.values):
+        for arr in _arrays(p):
             out += _host(arr[:, lo:hi]).tobytes()
     return bytes(out)
 
@@ -77,11 +84,10 @@ def import_block(engine, block_id: int, payload: bytes | memoryview) -> None:
     at = 0
     for p in _pools(engine):
         p.ensure(block_id)
-        for name, dim in (("keys", p.k_dim), ("values", p.v_dim)):
-            n = p.kv_heads * bt * dim * p.dtype.size
+        for pool in _arrays(p):
+            width, dtype = pool.shape[2], pool.dtype
+            n = p.kv_heads * bt * width * dtype.size
             raw = np.frombuffer(view[at:at + n], dtype=np.uint8).copy()
             at += n
-            part = mx.array(raw).view(p.dtype).reshape(p.kv_heads, bt, dim)
-            pool = getattr(p, name)
-            pool[:, lo:hi] = part
+            pool[:, lo:hi] = mx.array(raw).view(dtype).reshape(p.kv_heads, bt, width)
             mx.eval(pool)

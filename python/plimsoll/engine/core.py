@@ -56,6 +56,7 @@ from plimsoll.engine.paged import (
     slots_of,
     write_of,
 )
+from plimsoll.engine.quantized import QuantizedAttention
 from plimsoll.engine.sampling import Keys, sample
 from plimsoll.engine.window import Rings, WindowAttention, WindowView, window_kind
 from plimsoll.engine.work import Step, Work
@@ -104,7 +105,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, facts: ModelFacts, *, block_tokens: int,
                  max_blocks: int, kv_dtype: str | None = None, pipeline: bool = True,
-                 slab_blocks: int | None = None, context: int | None = None):
+                 slab_blocks: int | None = None, context: int | None = None,
+                 kv_bits: int | None = None):
         if block_tokens <= 0 or max_blocks <= 0:
             raise ValueError("block_tokens and max_blocks must be positive")
         self.model, self.tokenizer, self.facts = model, tokenizer, facts
@@ -115,6 +117,7 @@ class Engine:
         backend_env_defaults()  # before the stream: its encoder reads the graph cache's
         self._stream = mx.new_stream(mx.default_device())
         route_attention()
+        self.kv_bits = kv_bits  # 8 / 4: quantized KV pools (engine/quantized.py)
         self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
         cl.check_bytes(type(model).__module__, self.layers, facts, block_tokens)
         self.block_bytes = sum(k.block_bytes for k in self.layers)
@@ -155,16 +158,13 @@ class Engine:
              kv_dtype: str | None = None, pipeline: bool = True,
              slab_blocks: int | None = None, context: int | None = None) -> Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
-        kv_dtype, bits = parse_kv_dtype(kv_dtype)
-        if bits:
-            raise NotImplementedError(f"quantized KV ({bits}-bit) is not served by the paged "
-                                      "engine yet; pass kv_dtype float16, bfloat16 or float32")
+        float_dtype, bits = parse_kv_dtype(kv_dtype)  # "q8" / "q4": the model's dtype, quantized
+        facts = inspect_model(model_dir, kv_dtype=kv_dtype)  # refuses head dims off the groups
         backend_env_defaults()
         model, tokenizer = mlx_lm.load(str(model_dir))
-        facts = inspect_model(model_dir, kv_dtype=kv_dtype)
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,
-                   kv_dtype=kv_dtype, pipeline=pipeline, slab_blocks=slab_blocks,
-                   context=context)
+                   kv_dtype=float_dtype, pipeline=pipeline, slab_blocks=slab_blocks,
+                   context=context, kv_bits=bits)
 
     def _kinds(self, model, kv_dtype: str | None, slab: int) -> list:
         """One kind per cache layer, shapes and dtypes measured by a one-token probe."""
@@ -189,8 +189,11 @@ class Engine:
                 self._compute_dtype = c.keys.dtype  # what the model computes K in
                 _, heads, _, k_dim = c.keys.shape
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
-                return cl.pool_class(want)(heads, k_dim, c.values.shape[3], dtype,
-                                           self.block_tokens, self.max_blocks, slab)
+                args = (heads, k_dim, c.values.shape[3], dtype, self.block_tokens,
+                        self.max_blocks, slab)
+                if self.kv_bits and (want or "kv") == "kv":  # quantized pools (quantized.py)
+                    return QuantizedAttention(*args, bits=self.kv_bits)
+                return cl.pool_class(want)(*args)
             if type(c) is RotatingKVCache:
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
                 return window_kind(c, dtype, self.max_blocks + 2, 1, self.context)

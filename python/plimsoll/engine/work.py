@@ -105,6 +105,15 @@ def gather_transient_bytes(facts: ModelFacts, batch_tokens: int) -> int:
     return 2 * per_layer_token * batch_tokens
 
 
+def dequant_transient_bytes(facts: ModelFacts, tokens: int) -> int:
+    """Quantized KV only: the float copy of K and V of ``tokens`` slots of one layer that a
+    prefill chunk attends through (engine/quantized.py dequantizes its gathered context);
+    0 for float pools and for decode, which reads the quantized blocks directly."""
+    if not facts.kv_bits or tokens <= 0:
+        return 0
+    return 2 * facts.num_key_value_heads * facts.head_dim * facts.kv_dtype_bytes * tokens
+
+
 def _per_chunk_token_bytes(facts: ModelFacts, context: int, fused: bool = False) -> int:
     """Transient bytes one more query token adds: its attention scores against
     ``context`` keys and their softmax (mlx's unfused attention holds both; a fused kernel,
@@ -148,9 +157,10 @@ def prefill_transient_bytes(facts: ModelFacts, chunk: int, context: int,
 
 def _context_transient_bytes(facts: ModelFacts, tokens: int) -> int:
     """A prefill chunk's transient that follows the context, not the chunk: the gather,
-    and (MLA) the per-head keys and values one layer expands the latent of every
+    the float copy of a quantized context (:func:`dequant_transient_bytes`), and (MLA) the
+    per-head keys and values one layer expands the latent of every
     context token into."""
-    return (gather_transient_bytes(facts, tokens)
+    return (gather_transient_bytes(facts, tokens) + dequant_transient_bytes(facts, tokens)
             + tokens * facts.prefill_expand_per_token * _ACT_BYTES)
 
 

@@ -71,7 +71,7 @@ def worker_config(
         trip_offset=policy.trip_offset if policy else Policy.model_fields["trip_offset"].default,
         mlx_cache_mb=S.mlx_cache_mb(decision.transient_reserve_bytes),
         wired_limit_bytes=wired_bytes(wire, decision), host=host, port=port,
-        kv_dtype=facts.kv_dtype, block_bytes=decision.block_bytes,
+        kv_dtype=facts.kv_format, block_bytes=decision.block_bytes,
         disk_cache_dir=disk_cache_dir,
         **({"disk_cache_gb": disk_gb} if disk_gb else {}),
         transient_bytes=S.compute_transient_bytes(decision.transient_reserve_bytes) or None,

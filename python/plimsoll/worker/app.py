@@ -269,7 +269,7 @@ def make_pool(cfg: WorkerConfig, eng: Any, pool_cls: type[BlockPool] = BlockPool
         raise SystemExit(
             f"--block-bytes {cfg.block_bytes} (what admission counted per block) differs "
             f"from the loaded engine's {eng.block_bytes} B per block of {cfg.block_tokens} "
-            f"tokens (KV dtype {facts.kv_dtype}): pass the --kv-dtype admission used")
+            f"tokens (KV dtype {facts.kv_format}): pass the --kv-dtype admission used")
     fixed = S.fixed_blocks(facts.fixed_bytes(cfg.context), eng.block_bytes)  # windows ≤ context
     if problem := S.pool_problem(cfg.max_cache_blocks, cfg.context, cfg.block_tokens, fixed):
         raise SystemExit(problem)
@@ -278,7 +278,7 @@ def make_pool(cfg: WorkerConfig, eng: Any, pool_cls: type[BlockPool] = BlockPool
         cache_cap_blocks=S.cache_cap_blocks(cfg.prefix_cache_bytes, eng.block_bytes,
                                             cfg.max_cache_blocks),
         fixed_blocks_per_seq=fixed, hybrid=eng.state_bytes_per_seq > 0,
-        extra_key=f"{cfg.model_dir.resolve()}|{facts.kv_dtype}".encode())
+        extra_key=f"{cfg.model_dir.resolve()}|{facts.kv_format}".encode())
 
 
 def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
@@ -364,7 +364,7 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
                "native_max_context": eng.facts.native_max_context,
                "block_bytes": eng.block_bytes,
                "kv_bytes_per_token": eng.block_bytes // cfg.block_tokens,
-               "kv_dtype": eng.facts.kv_dtype,
+               "kv_dtype": eng.facts.kv_format,  # q8 / q4 when quantized
                "applied_limits": loaded["applied"], "engine_memory": eng.memory,
                "rss": lambda: proc.memory_info().rss, "guard": self_guard,
                "constrained_decoding": True}

@@ -39,8 +39,9 @@ class WorkerConfig(BaseModel):
         "Prompt tokens computed per step over all prefills, beside every running decode; "
         "None: PREFILL_CHUNK_FUSED where the backend's prefill attention is fused (a GPU), "
         "else PREFILL_CHUNK."))
-    kv_dtype: Literal["float16", "bfloat16", "float32"] | None = Field(
-        default=None, description="KV cache dtype; None: the model's.")
+    kv_dtype: Literal["float16", "bfloat16", "float32", "q8", "q4"] | None = Field(
+        default=None, description="KV cache dtype; None: the model's; q8 / q4: quantized KV "
+        "(8 / 4 bits in groups of 64, scales and biases in the model's dtype).")
     transient_bytes: int | None = Field(default=None, gt=0, description=(
         "The compute transient admission counted (the reserve less the MLX buffer cache): "
         "prefill chunks and decode batches stay under it. None: --prefill-chunk only."))

@@ -39,7 +39,7 @@ def open_tier(root: str | Path, cap_bytes: int, model_dir: Path, engine: Any) ->
     from plimsoll.core.weights_key import engine_version, weights_hash
 
     return DiskTier.open(root, cap_bytes, engine, weights_hash=weights_hash(model_dir),
-                         kv_dtype=str(engine.facts.kv_dtype), engine_version=engine_version())
+                         kv_dtype=str(engine.facts.kv_format), engine_version=engine_version())
 
 
 class SpillingPool(BlockPool):
