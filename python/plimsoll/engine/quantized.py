@@ -179,13 +179,29 @@ class QuantizedAttention(FullAttention):
                                       "(mlx-lm's quantized attention has no sinks either); "
                                       "use a float KV dtype for this model")
         keys, values = self.gather(batch.read)
-        if queries.shape[2] == 1:  # decode rows (and a prompt's last token): quantized matmuls
+        if queries.shape[2] == 1 and not _cuda():  # decode rows: the quantized matmuls
             return quantized_scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask=batch.mask,
                 group_size=self.group_size, bits=self.bits)
-        # a prefill chunk past position 0: dequantize its gathered context, then the fused op
+        # a prefill chunk past position 0 (and, on CUDA, every read): dequantize the gathered
+        # context, then the fused op
         g, b = self.group_size, self.bits
         keys = mx.dequantize(*keys, group_size=g, bits=b).astype(queries.dtype)
         values = mx.dequantize(*values, group_size=g, bits=b).astype(queries.dtype)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                     mask=batch.mask)
+
+
+def _cuda() -> bool:
+    """MLX's CUDA backend: its ``quantized_matmul`` has no kernel for the attention shapes a
+    decode makes (measured on the H200: "No implementation for problem shape 1x195x128x32"
+    at 8 and 4 bits), so reads there dequantize the gathered blocks first (the decode
+    transient counts that float copy: engine/work.py)."""
+    return mx.default_device().type == mx.DeviceType.gpu and not _metal()
+
+
+def _metal() -> bool:
+    try:
+        return mx.metal.is_available()
+    except AttributeError:
+        return False

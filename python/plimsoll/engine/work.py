@@ -107,8 +107,8 @@ def gather_transient_bytes(facts: ModelFacts, batch_tokens: int) -> int:
 
 def dequant_transient_bytes(facts: ModelFacts, tokens: int) -> int:
     """Quantized KV only: the float copy of K and V of ``tokens`` slots of one layer that a
-    prefill chunk attends through (engine/quantized.py dequantizes its gathered context);
-    0 for float pools and for decode, which reads the quantized blocks directly."""
+    prefill chunk attends through (engine/quantized.py dequantizes its gathered context;
+    a decode on CUDA too, so a decode batch counts it on every backend); 0 for float pools."""
     if not facts.kv_bits or tokens <= 0:
         return 0
     return 2 * facts.num_key_value_heads * facts.head_dim * facts.kv_dtype_bytes * tokens
@@ -132,10 +132,13 @@ def _per_chunk_token_bytes(facts: ModelFacts, context: int, fused: bool = False)
 def decode_transient_bytes(facts: ModelFacts, rows: int, longest: int,
                            block_tokens: int = 16) -> int:
     """Transient bytes of one batched decode step: the gather of ``rows × longest`` slots
-    (whole blocks) plus every row's scores and activations (one query token each)."""
+    (whole blocks; for quantized KV also their float copy, see
+    :func:`dequant_transient_bytes`) plus every row's scores and activations (one query
+    token each)."""
     if rows <= 0:
         return 0
-    return (gather_transient_bytes(facts, rows * _whole(longest, block_tokens))
+    slots = rows * _whole(longest, block_tokens)
+    return (gather_transient_bytes(facts, slots) + dequant_transient_bytes(facts, slots)
             + rows * _per_chunk_token_bytes(facts, longest))
 
 
