@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from starlette.requests import Request
@@ -107,7 +107,7 @@ def make_constraint(state: Any, spec: Any) -> Any:
 async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
                  top_p: float, seed: int | None = None,
                  constraint: TokenConstraint | None = None,
-                 wait_s: float | None = None
+                 wait_s: float | None = None, ignore_eos: bool = False
                  ) -> tuple[Started | Refused | _Pending | None, asyncio.Queue, GenRequest]:
     """Hand a request to the scheduler; wait for admission (Started) or a Refused.
 
@@ -118,7 +118,8 @@ async def submit(request: Request, prompt: list[int], max_tokens: int, *, temper
     queue: asyncio.Queue = asyncio.Queue()
     gen = GenRequest(prompt=prompt, max_tokens=max_tokens,
                      sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
-                     temperature=temperature, top_p=top_p, seed=seed, constraint=constraint)
+                     temperature=temperature, top_p=top_p, seed=seed, constraint=constraint,
+                     ignore_eos=ignore_eos)
     request.app.state.scheduler.submit(gen)
     return await next_event(queue, request, gen, wait_s), queue, gen
 
@@ -160,17 +161,25 @@ async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest,
 
 
 async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
-                  assembler: P.TextAssembler) -> AsyncIterator[list[P.Delta] | Refused]:
-    """Deltas until the assembler is done (then the sequence is cancelled), or a Refused.
+                 assembler: P.TextAssembler, idle_s: float | None = None
+                 ) -> AsyncIterator[list[P.Delta] | Refused | _Pending]:
+    """Deltas until the assembler is done (then the sequence is cancelled), or a Refused;
+    with ``idle_s``, :data:`PENDING` each time that passed before the first token (a long
+    prefill: the stream's keep-alive).
 
     The access record learns the first token's time and the completion count."""
     rec = access(request)
+    waited = idle_s  # None once the first token came
     try:
         while not assembler.done:
-            ev = await next_event(queue, request, gen)
+            ev = await next_event(queue, request, gen, waited)
             if ev is None:
                 return
+            if ev is PENDING:
+                yield ev
+                continue
             if isinstance(ev, Token):
+                waited = None
                 rec.first_token()
                 yield assembler.feed(ev.token_id)
             elif isinstance(ev, Finished):
@@ -183,3 +192,47 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
         if not gen.cancelled.is_set():  # stop string, tool call, or client gone
             gen.cancelled.set()
             request.app.state.scheduler.wake()
+
+
+async def sse_stream(waiting: tuple, assembler: P.TextAssembler, *, opening: Iterable[bytes],
+                     keepalive: bytes, refusal: Callable[[Refused], Iterable[bytes]],
+                     deltas: Callable[[list[P.Delta]], Iterable[bytes]],
+                     closing: Callable[[Started], Iterable[bytes]]) -> AsyncIterator[bytes]:
+    """A streamed answer in any protocol: ``opening`` at once, then ``keepalive`` every
+    :data:`KEEPALIVE_S` until the first token — while the request waits for admission
+    (``waiting`` is :func:`submit`'s result, its first item maybe :data:`PENDING`) and while
+    its prompt is prefilled (clients drop a connection silent for minutes: Node's default
+    body timeout is 300 s) — then each token's ``deltas``, and ``closing`` once the answer
+    is complete. A refusal at any point is the protocol's ``refusal`` events (the headers
+    are sent: no HTTP 503 now); a client that left ends the stream silently."""
+    first, queue, request, gen = waiting
+    rec = access(request)
+    for chunk in opening:
+        yield chunk
+    async for item in started(first, queue, request, gen, keepalive=keepalive):
+        if isinstance(item, bytes):
+            yield item
+        else:
+            first = item
+    if first is None:  # the client left
+        return
+    if isinstance(first, Refused):
+        rec.code = first.code
+        for chunk in refusal(first):
+            yield chunk
+        return
+    rec.cached = first.cached_tokens
+    async for item in events(queue, request, gen, assembler, idle_s=KEEPALIVE_S):
+        if item is PENDING:
+            yield keepalive
+        elif isinstance(item, Refused):
+            rec.code = item.code
+            for chunk in refusal(item):
+                yield chunk
+            return
+        else:
+            for chunk in deltas(item):
+                yield chunk
+    if assembler.done:
+        for chunk in closing(first):
+            yield chunk
