@@ -179,8 +179,6 @@ KNOWN_REGRESSIONS = {
         "the paged worker's resident set at start is above the test's soft line",
     "test_cluster_serve.py::test_over_the_committed_context_is_a_400_naming_it":
         "max_tokens over the context is clamped by default now (issue 16), not a 400",
-    "test_clients_worker.py::test_a_slow_start_opens_the_stream_early_with_keep_alives":
-        "the paged engine's prefill is faster than the test's slow start: fewer keep-alives",
     "test_launch.py::test_launch_starts_a_verified_worker_and_stops_it":
         "fails under load only (passes alone): the stop's exit status",
 }

@@ -151,8 +151,10 @@ async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest,
             return Refused(503, f"the worker is shutting down and its drain time "
                            f"({drain.drain_s:g} s) ran out before this request finished",
                            "worker_stopping", 1)
+        poll = DISCONNECT_POLL_S if until is None else min(DISCONNECT_POLL_S,
+                                                            max(0.0, until - time.monotonic()))
         try:
-            return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            return await asyncio.wait_for(queue.get(), poll)
         except TimeoutError:
             if await request.is_disconnected():
                 gen.cancelled.set()
