@@ -27,6 +27,7 @@ from plimsoll.protocol import responses_events as E
 from plimsoll.protocol import responses_request as R
 from plimsoll.protocol import structured
 from plimsoll.web.body import read_body
+from plimsoll.web.edge import access
 
 from . import submit as W
 from .scheduler import Refused, Started
@@ -94,16 +95,19 @@ async def responses(request: Request) -> Response:
     req = R.parse_responses(raw)
     if isinstance(req, P.ProtocolError):
         return W.protocol_error(req)
+    rec = access(request)
+    rec.model = req.model or cfg.model_name
     if err := P.check_model(req.model, cfg.model_name):
         return W.protocol_error(err)
     try:
         chat, prompt, constraint, convo = await run_in_threadpool(_prepare, state, req)
     except P.ProtocolError as err:
         return W.protocol_error(err)
+    rec.prompt = len(prompt)
     res = W.reservation(state, len(prompt), req.max_output_tokens, "input")
     if isinstance(res, P.ProtocolError):
         return W.protocol_error(res)
-    max_tokens = res.max_tokens
+    max_tokens = rec.reservation = res.max_tokens
     if refused := W.stopping(request):
         return W.error(refused.status, refused.message, code=refused.code,
                        retry_after=refused.retry_after)
