@@ -44,6 +44,8 @@ from harness_server import (
     has_status,
     render,
     rss_sampler,
+    served_model,
+    server_env,
     status_sampler,
 )
 from harness_workload import (
@@ -109,30 +111,6 @@ def build_workload(args: argparse.Namespace) -> dict:
             "stream_prompt_sets": stream_prompt_sets, "source_sha256": source.digest}
 
 
-def server_env(preload: str) -> dict[str, str]:
-    env = dict(os.environ)
-    if preload:
-        if not Path(preload).exists():
-            raise SystemExit(f"--preload {preload} does not exist (pass --preload '' to skip)")
-        env["LD_PRELOAD"] = preload
-    return env
-
-
-def served_model(base_url: str, model_dir: Path) -> str:
-    """The model id to send: the id ``/v1/models`` lists for this directory (mlx_lm.server
-    lists its resolved path, plimsoll's worker the directory's name), else the only id listed,
-    else the path."""
-    try:
-        listed = httpx.get(base_url + "/v1/models", timeout=10.0).json().get("data") or []
-        ids = [m["id"] for m in listed]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
-        ids = []
-    for name in (str(model_dir), model_dir.name):
-        if name in ids:
-            return name
-    return ids[0] if len(ids) == 1 else str(model_dir)
-
-
 def wait_for_memory(target: int, timeout_s: float = 60.0) -> int:
     """After a server stops, wait until available memory is back near ``target``."""
     deadline = time.monotonic() + timeout_s
@@ -148,7 +126,7 @@ def run_server(label: str, template: str, args: argparse.Namespace, work: dict,
               "port": str(port), "plimsoll": shutil.which("plimsoll")
               or str(Path(sys.executable).with_name("plimsoll"))}
     argv = shlex.split(render(template, values))
-    server = ServerProcess(label, argv, server_env(args.preload), port,
+    server = ServerProcess(label, argv, server_env(args.preload, strict=True), port,
                            args.log_dir / f"{label}-{port}.log")
     out: dict = {"label": label, "template": template, "argv": argv, "port": port,
                  "log": str(server.log_path), "loadavg_start": os.getloadavg(),

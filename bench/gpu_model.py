@@ -11,7 +11,9 @@ The tokenizer is plimsoll's locally trained byte-level BPE (:mod:`plimsoll.demo.
 ``<|pad_N|>`` entries up to the model's 151936 ids: every id the model can emit decodes (the
 padding is unreachable from text, so encoding is unchanged).
 
-``--shape small`` builds the same layout with a tiny shape, to check this script on a CPU.
+``--shape small`` builds the same layout with a tiny shape, to check this script on a CPU;
+``--shape micro`` (2 layers, hidden 128) is bench/overhead.py's model, where the serving
+stack's Python per step, not the model, is what is measured.
 The build is atomic (a temp dir renamed into place); an existing complete build is reused.
 
     python3 bench/gpu_model.py /tmp/qwen3-4b-shaped
@@ -34,6 +36,10 @@ SHAPES = {
     "small": {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,
               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
               "vocab_size": 8192},
+    # bench/overhead.py's model: so small that the server's Python per step dominates
+    "micro": {"hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "vocab_size": 4096},
 }
 BASE = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": False,
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000, "rope_scaling": None,

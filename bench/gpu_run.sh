@@ -25,6 +25,12 @@
 #   NAME    output base name (default scale-h200; add the order/phases if you split runs)
 #   MODEL_DIR (default /tmp/qwen3-4b-shaped), BUDGET (530), EXTRA (more scale.py flags: they
 #   come last, so they win), MODEL_ARGS (gpu_model.py flags, e.g. --shape small for a dry run)
+#
+# PHASES=overhead runs bench/overhead.py instead of scale.py (the serving stack's overhead
+# per decode step: the engine and the scheduler in process, mlx-lm's generators in process,
+# plimsoll's worker and mlx_lm.server over HTTP; 1, 8, 32 streams; NAME default
+# overhead-h200; OVERHEAD_ARGS adds overhead.py flags, e.g. --tokens 128 --rounds 1):
+#   PHASES=overhead bash bench/gpu_run.sh
 set -uo pipefail
 start=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -45,6 +51,18 @@ timeout -k 10 200 "$PY" bench/gpu_model.py "$MODEL" ${MODEL_ARGS:-} 2>&1 | tee "
 if [ "${PIPESTATUS[0]}" != 0 ]; then say "model build failed"; exit 1; fi
 
 left=$(( BUDGET - ($(date +%s) - start) ))
+if [ "$PHASES" = overhead ]; then
+  [ "$NAME" = scale-h200 ] && NAME=overhead-h200
+  say "model ready; overhead.py gets ${left}s"
+  # shellcheck disable=SC2086
+  timeout -k 30 "$left" "$PY" bench/overhead.py --model "$MODEL" --name "$NAME" \
+    --out-dir "$OUT" --log-dir "$OUT/logs" --preload '' --tokens 256 --rounds 2 --ready-timeout 150 \
+    --request-timeout 120 --py-spy "$OUT/logs/py-spy" ${OVERHEAD_ARGS:-} \
+    2>&1 | tee "$OUT/logs/$NAME.log"
+  rc=${PIPESTATUS[0]}
+  say "overhead.py exit $rc; results: $OUT/$NAME.json $OUT/$NAME.md"
+  exit "$rc"
+fi
 say "model ready; scale.py gets ${left}s"
 # shellcheck disable=SC2086
 timeout -k 30 "$left" "$PY" bench/scale.py --model "$MODEL" --name "$NAME" \

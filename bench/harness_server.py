@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -26,14 +25,36 @@ from pathlib import Path
 
 import httpx
 import psutil
+from plimsoll.web.serve import free_port  # noqa: F401  (the benches' one port picker)
 
 HOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+def server_env(preload: str, *, strict: bool = False) -> dict[str, str]:
+    """This environment with ``LD_PRELOAD=preload`` (OpenBLAS on the CPU box) where it
+    exists; ``strict`` makes a missing one an error instead of a skip."""
+    env = dict(os.environ)
+    if preload:
+        if Path(preload).exists():
+            env["LD_PRELOAD"] = preload
+        elif strict:
+            raise SystemExit(f"--preload {preload} does not exist (pass --preload '' to skip)")
+    return env
+
+
+def served_model(base_url: str, model_dir: Path) -> str:
+    """The model id to send: the id ``/v1/models`` lists for this directory (mlx_lm.server
+    lists its resolved path, plimsoll's worker the directory's name), else the only id listed,
+    else the path."""
+    try:
+        listed = httpx.get(base_url + "/v1/models", timeout=10.0).json().get("data") or []
+        ids = [m["id"] for m in listed]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        ids = []
+    for name in (str(model_dir), model_dir.name):
+        if name in ids:
+            return name
+    return ids[0] if len(ids) == 1 else str(model_dir)
 
 
 def render(template: str, values: dict[str, str]) -> str:

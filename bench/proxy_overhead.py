@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,17 +44,12 @@ import time
 from pathlib import Path
 
 import httpx
+from plimsoll.web.serve import free_port
 
 HERE = Path(__file__).resolve().parent
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 MSG = [{"role": "user", "content": "hello there"}]
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def quantile(xs: list[float], q: float) -> float:

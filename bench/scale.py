@@ -38,7 +38,15 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import psutil
-from harness_server import HOST, ServerProcess, free_port, has_status, render
+from harness_server import (
+    HOST,
+    ServerProcess,
+    free_port,
+    has_status,
+    render,
+    served_model,
+    server_env,
+)
 from scale_phases import Ctx, run_phase
 from scale_probe import Gpu, copy_bandwidth, memory_sampler, status_sampler
 from scale_report import markdown, summarise
@@ -156,26 +164,6 @@ def groups(args: argparse.Namespace) -> list[list[str]]:
         else:
             out[-1].append(phase)
     return out
-
-
-def server_env(preload: str) -> dict[str, str]:
-    env = dict(os.environ)
-    if preload and Path(preload).exists():
-        env["LD_PRELOAD"] = preload
-    return env
-
-
-def served_model(base_url: str, model_dir: Path) -> str:
-    import httpx
-
-    try:
-        ids = [m["id"] for m in httpx.get(base_url + "/v1/models", timeout=10.0).json()["data"]]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        ids = []
-    for name in (str(model_dir), model_dir.name):
-        if name in ids:
-            return name
-    return ids[0] if len(ids) == 1 else str(model_dir)
 
 
 def run_group(label: str, template: str, phases: list[str], args, work, facts,

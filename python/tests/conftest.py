@@ -163,24 +163,6 @@ def family_dir(tmp_path_factory):
 # closing notes and left for the next session: they still run, and pass or fail visibly
 # (xfail, not skip). Each reason says what changed.
 KNOWN_REGRESSIONS = {
-    "test_proxy.py::test_routes_unknown_model_and_lists_every_model":
-        "the prefill-transient clamp (issue 14) admits the 32k test contexts at 13088 tokens",
-    "test_proxy.py::test_a_then_b_swaps_with_verified_release_before_the_spawn":
-        "the release check sees ~150 MiB of a stopped worker's memory not come back",
-    "test_proxy.py::test_a_small_model_stays_co_resident_and_is_unloaded_when_idle":
-        "the prefill-transient clamp changes which test models are co-resident",
-    "test_proxy.py::test_admin_mode_needs_the_token_and_a_downshift_evicts_before_answering":
-        "the release check sees ~150 MiB of a stopped worker's memory not come back",
-    "test_metrics.py::test_refusals_by_reason_and_swaps":
-        "the release check sees ~150 MiB of a stopped worker's memory not come back",
-    "test_watcher_netns.py::test_downshift_evicts_before_the_ceiling_drops_and_upshift_raises_first":
-        "the downshift's eviction waits on the same release check",
-    "test_guard.py::test_soft_line_answers_503_not_an_oom_kill":
-        "the paged worker's resident set at start is above the test's soft line",
-    "test_cluster_serve.py::test_over_the_committed_context_is_a_400_naming_it":
-        "max_tokens over the context is clamped by default now (issue 16), not a 400",
-    "test_launch.py::test_launch_starts_a_verified_worker_and_stops_it":
-        "fails under load only (passes alone): the stop's exit status",
 }
 
 

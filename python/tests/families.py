@@ -192,6 +192,39 @@ FAMILIES: dict[str, Family] = {
                                                    "short_conv_kernel_size": 4}),
                           "kimi_linear"),
 }
+FAMILIES["kimi_k25"] = Family({"model_type": "kimi_k25",
+                               "architectures": ["KimiK25ForConditionalGeneration"],
+                               "tie_word_embeddings": False,
+                               "text_config": {"model_type": "kimi_k2", **_COMMON,
+                                               "num_hidden_layers": 4, **_DSV3}}, "kimi_k25")
+FAMILIES["mistral4"] = Family(_cfg("mistral4", "Mistral4ForCausalLM", **{
+    k: v for k, v in _DSV3.items() if k not in ("rope_theta", "rope_scaling")},
+    rope_interleave=True,
+    rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
+                     "original_max_position_embeddings": 4096}), "mistral4")
+FAMILIES["deepseek_v2"] = Family(_cfg("deepseek_v2", "DeepseekV2ForCausalLM", **{
+    **{k: v for k, v in _DSV3.items() if k not in ("scoring_func", "norm_topk_prob")},
+    "topk_method": "greedy", "rope_scaling": {
+        "type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0}}), "deepseek_v2")
+FAMILIES["minicpm3"] = Family(_cfg("minicpm3", "MiniCPM3ForCausalLM", hidden_size=64,
+                                   num_attention_heads=4, num_key_value_heads=4,
+                                   intermediate_size=128, q_lora_rank=32, kv_lora_rank=64,
+                                   qk_nope_head_dim=16, qk_rope_head_dim=16, dim_model_base=64,
+                                   scale_depth=1.4, scale_emb=12, rope_theta=10000.0,
+                                   rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                                                 "long_factor": [1.0] * 8,
+                                                 "original_max_position_embeddings": 4096}),
+                              "minicpm3")
+FAMILIES["youtu_llm"] = Family(_cfg("youtu_llm", "YoutuForCausalLM", hidden_size=64,
+                                    num_attention_heads=4, num_key_value_heads=4,
+                                    intermediate_size=128, kv_lora_rank=64, q_lora_rank=32,
+                                    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+                                    rope_theta=10000.0, rope_traditional=True,
+                                    attention_bias=False, mlp_bias=False), "youtu_llm")
+FAMILIES["deepseek_v3_wide"] = Family(_cfg("deepseek_v3", "DeepseekV3ForCausalLM", **{
+    **_DSV3, "num_attention_heads": 32, "num_key_value_heads": 32, "qk_nope_head_dim": 64,
+    "v_head_dim": 64, "qk_rope_head_dim": 16}), "deepseek_v3")  # MLA's prefill expansion
 FAMILIES["glm4_moe_mtp"] = Family({**FAMILIES["glm4_moe"].config, "num_nextn_predict_layers": 1},
                                   "glm4_moe", extra_tensors={
                                       f"model.layers.{{n}}.{name}": shape for name, shape in (

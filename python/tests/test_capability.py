@@ -26,11 +26,11 @@ from plimsoll.core.model_facts import facts_from_config
 
 SERVED = {"llama", "qwen3", "qwen3_4bit", "qwen3_moe", "qwen3_next", "qwen3_5", "mistral",
           "glm4_moe", "glm4_moe_mtp", "phi3", "olmo2", "nemotron_h", "jamba",
-          "granitemoehybrid", "lfm2", "olmo_hybrid"}
-REFUSED = {"gpt_oss": "window", "gemma3_text": "window", "ministral3": "window",
-           "deepseek_v3": "latent", "glm4_moe_lite": "latent", "longcat_flash": "latent",
-           "deepseek_v32": "latent", "glm_moe_dsa": "latent", "falcon_h1": "cache-list",
-           "llama4": "chunked", "kimi_linear": "latent", "mamba2": "state-only"}
+          "granitemoehybrid", "lfm2", "olmo_hybrid", "deepseek_v3", "glm4_moe_lite",
+          "kimi_linear", "kimi_k25", "mistral4", "deepseek_v2", "minicpm3",
+          "deepseek_v3_wide", "longcat_flash", "deepseek_v32", "glm_moe_dsa", "falcon_h1",
+          "youtu_llm", "gpt_oss", "gemma3_text", "ministral3"}
+REFUSED = {"llama4": "chunked", "mamba2": "state-only"}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -64,18 +64,26 @@ def _admit(*args):
 
 
 def test_admit_reports_an_unsupported_kind_in_text_and_json(family_dir):
-    path = family_dir("gemma3_text")
+    path = family_dir("llama4")
     text = _admit(str(path))
     assert text.exit_code == 3, text.output
     assert text.output.startswith("REFUSE (engine)")
-    assert "REFUSE (window)" in text.output and "RotatingKVCache" in text.output
-    assert "window   " in text.output  # the per-cache breakdown
+    assert "REFUSE (chunked)" in text.output and "ChunkedKVCache" in text.output
+    assert "chunked   " in text.output  # the per-cache breakdown
     out = _admit(str(path), "--json")
     assert out.exit_code == 3
     doc = json.loads(out.output)
-    assert doc["servable"] is False and doc["unsupported"]["kind"] == "window"
-    assert doc["cache_kinds"] == ["kv", "window"]
+    assert doc["servable"] is False and doc["unsupported"]["kind"] == "chunked"
+    assert doc["cache_kinds"] == ["chunked", "kv"]
     assert doc["decision"] != "refuse"  # memory would admit it: the engine is the reason
+
+
+def test_a_window_that_keeps_its_first_tokens_is_refused():
+    facts = facts_from_config(FAMILIES["gemma3_text"].config, 0)
+    caches = tuple(c.model_copy(update={"keep": 4}) if c.kind == "window" else c
+                   for c in facts.caches)
+    refusal = capability.check(facts.model_copy(update={"caches": caches}), "gemma3_text")
+    assert refusal.kind == "window" and "keep=4" in refusal.message
 
 
 def test_admit_says_a_served_model_is_servable(family_dir):
@@ -102,13 +110,13 @@ def _workers_of(path) -> list[int]:
 
 
 def test_launch_refuses_before_spawning_a_worker(family_dir, tmp_path):
-    path = tmp_path / "swa-model"
-    shutil.copytree(family_dir("gpt_oss"), path)
+    path = tmp_path / "chunked-model"
+    shutil.copytree(family_dir("llama4"), path)
     proc = subprocess.run([sys.executable, "-m", "plimsoll.cli", "launch", str(path)],
                           env=worker_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
-    assert "REFUSE" in proc.stderr and "sliding-window" in proc.stderr
-    assert "gpt_oss" in proc.stderr and "mlx_lm.server" in proc.stderr
+    assert "REFUSE" in proc.stderr and "chunked-attention" in proc.stderr
+    assert "llama4" in proc.stderr and "mlx_lm.server" in proc.stderr
     assert "loading" not in proc.stderr and proc.stdout == ""  # no "ready" event, no spawn
     assert _workers_of(path) == []
 
@@ -117,7 +125,7 @@ def test_proxy_refuses_before_evicting_anyone(tiny_model, family_dir, tmp_path):
     from test_proxy import Proxy, chat
 
     swa = tmp_path / "swa"
-    shutil.copytree(family_dir("gemma3_text"), swa)
+    shutil.copytree(family_dir("llama4"), swa)
     cfg = json.loads((swa / "config.json").read_text())
     (swa / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 262144}))
     big = {"context": 32768, "maxTokens": 1024, "concurrency": 4}
@@ -138,7 +146,7 @@ def test_proxy_refuses_before_evicting_anyone(tiny_model, family_dir, tmp_path):
             "model": "swa", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 503, r.text
         err = r.json()["error"]
-        assert err["code"] == "model_unsupported" and "sliding-window" in err["message"]
+        assert err["code"] == "model_unsupported" and "chunked-attention" in err["message"]
         assert p.worker("a")["state"] == "ready" and p.worker("a")["pid"] == a_pid
         assert not [e for e in p.events(mark) if e["kind"] in ("evict", "spawn")]
         assert p.worker("swa")["state"] == "stopped" and _workers_of(swa) == []

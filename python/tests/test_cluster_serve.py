@@ -234,13 +234,24 @@ def test_two_requests_at_once_each_get_their_solo_answer(cluster):
     assert counters["admitted"] >= 4
 
 
-def test_over_the_committed_context_is_a_400_naming_it(cluster):
+def test_a_prompt_over_the_committed_context_is_a_400_and_max_tokens_over_it_is_clamped(
+        cluster):
+    """Issue 16's contract: a prompt alone over the context is a 400 with the figures;
+    ``max_tokens`` past what the context leaves is clamped to it and reported."""
     r = httpx.post(cluster.url + "/v1/completions", timeout=30, json={
-        "model": "tiny", "prompt": "word " * 900, "max_tokens": 300})
+        "model": "tiny", "prompt": "word " * 1100, "max_tokens": 16})
     assert r.status_code == 400
     err = r.json()["error"]
-    assert err["code"] == "context_length_exceeded"
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
     assert "configured total context: 1024 tokens" in err["message"]
+    r = httpx.post(cluster.url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "word " * 900, "max_tokens": 300, "temperature": 0})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    applied = int(r.headers["x-plimsoll-max-tokens"])
+    assert applied == 1024 - usage["prompt_tokens"] < 300  # what the context leaves
+    assert usage["completion_tokens"] <= applied
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 1024
 
 
 def test_killing_rank_1_mid_stream_tears_every_rank_down(ring_ok, tiny_model):  # noqa: F811

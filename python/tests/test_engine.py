@@ -164,15 +164,18 @@ def test_seeded_sampling_reproduces_in_any_batch(tiny):
     assert run(7, False) != run(8, False)
 
 
-def test_refuses_unsupported_cache_kind(tiny_dir):
+@pytest.mark.parametrize("kind", ["chunked", "keep"])
+def test_refuses_unsupported_cache_kind(tiny_dir, kind):
     import mlx_lm
-    from mlx_lm.models.cache import RotatingKVCache
+    from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
 
     from plimsoll.core.model_facts import inspect_model
 
     model, tok = mlx_lm.load(str(tiny_dir))
-    model.make_cache = lambda: [RotatingKVCache(max_size=64) for _ in model.layers]
-    with pytest.raises(NotImplementedError, match="RotatingKVCache"):
+    make, match = {"chunked": (lambda: ChunkedKVCache(64), "ChunkedKVCache"),
+                   "keep": (lambda: RotatingKVCache(max_size=64, keep=4), "keep=4")}[kind]
+    model.make_cache = lambda: [make() for _ in model.layers]
+    with pytest.raises(NotImplementedError, match=match):
         Engine(model, tok, inspect_model(tiny_dir), block_tokens=BLOCK, max_blocks=POOL)
 
 

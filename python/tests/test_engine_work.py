@@ -72,3 +72,25 @@ def test_growth_transient_is_one_array_of_the_pool():
 
     assert growth_transient_bytes(32768, 100, 4) == 32768 * 100 // 8
     assert growth_transient_bytes(32768, 100, 0) == 0
+
+
+@given(context=st.integers(1, 100_000), bound=st.integers(0, 8 << 30))
+def test_a_fused_prefill_takes_a_chunk_at_least_as_big_and_stays_under_the_bound(context, bound):
+    fused = prefill_chunk_tokens(FACTS, context, bound, fused=True)
+    assert fused >= prefill_chunk_tokens(FACTS, context, bound)
+    if fused:
+        assert prefill_transient_bytes(FACTS, fused, context, fused=True) <= bound
+
+
+def test_a_fused_prefill_holds_no_scores():
+    # the difference between the two transients is exactly the score matrix and its softmax
+    unfused = prefill_transient_bytes(FACTS, 512, 8192)
+    fused = prefill_transient_bytes(FACTS, 512, 8192, fused=True)
+    assert unfused - fused == 512 * 2 * FACTS.num_attention_heads * 8192 * 4
+
+
+def test_the_default_chunk_follows_the_backend():
+    from plimsoll.worker.config import PREFILL_CHUNK, PREFILL_CHUNK_FUSED, default_prefill_chunk
+
+    assert default_prefill_chunk(False) == PREFILL_CHUNK < default_prefill_chunk(True) == \
+        PREFILL_CHUNK_FUSED

@@ -48,7 +48,7 @@ def test_launch_starts_a_verified_worker_and_stops_it(tiny_model, tmp_path):
         assert r.status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0  # a clean stop is a clean exit
+    assert proc.wait(30) == 0  # a clean stop is a clean exit
     # the worker went with it
     time.sleep(0.5)
     try:
@@ -56,6 +56,56 @@ def test_launch_starts_a_verified_worker_and_stops_it(tiny_model, tmp_path):
         raise AssertionError("the worker outlived its launcher")
     except httpx.ConnectError:
         pass
+
+
+def _workers_on(port: int) -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "worker" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == str(port):
+            out.append(p.pid)
+    return out
+
+
+def test_a_sigterm_right_after_the_ready_line_stops_the_worker_and_exits_0(tiny_model,
+                                                                            tmp_path):
+    """The race: the handlers were installed after the ready line, so a SIGTERM sent as soon
+    as it was read killed the launcher by the default action (-15) and left the worker
+    running in its own session."""
+    port = free_port()
+    proc = launch("tiny", "--policy", policy_file(tmp_path, 1, tiny_model), "--port", str(port))
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["event"] == "ready"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(30)
+    assert _workers_on(port) == []  # (checked first: a surviving worker holds our stderr)
+    assert rc == 0, proc.stderr.read()
+
+
+def test_a_sigterm_while_the_worker_loads_stops_it_and_exits_0(tiny_model, tmp_path):
+    port = free_port()
+    proc = launch("tiny", "--policy", policy_file(tmp_path, 1, tiny_model), "--port", str(port))
+    seen = []
+    try:
+        for _ in range(200):  # the admission report, then "starting the worker"
+            line = proc.stderr.readline()
+            seen.append(line)
+            if "starting the worker" in line or not line:
+                break
+        assert "starting the worker" in seen[-1], seen
+        deadline = time.monotonic() + 60
+        while not _workers_on(port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(60)
+    assert _workers_on(port) == []  # (checked first: a surviving worker holds our stderr)
+    assert rc == 0
+    assert "stopped before the worker was ready" in proc.stderr.read()
 
 
 def test_the_policys_kv_dtype_reaches_the_worker_and_launch_checks_bytes(tiny_model, tmp_path):

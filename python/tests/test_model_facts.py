@@ -200,6 +200,20 @@ def test_mla_counts_the_latent_once():
     assert any("expanded" in n for n in facts.notes)
 
 
+def test_mla_of_an_unknown_cache_is_refused_not_guessed():
+    """A latent model type plimsoll has no rule for (mlx-lm's bailing_hybrid, kimi_k3, …)
+    might cache the latent or the expanded heads: refused up front, not counted as K/V."""
+    cfg = {"model_type": "bailing_hybrid", "num_hidden_layers": 4, "num_attention_heads": 4,
+           "hidden_size": 64, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+           "torch_dtype": "bfloat16"}
+    with pytest.raises(ModelInspectionError, match=r"kv_lora_rank .*not served yet"):
+        facts_from_config(cfg, 0)
+    cfg.update(model_type="deepseek_v2", qk_nope_head_dim=16, v_head_dim=32)
+    facts = facts_from_config(cfg, 0)  # latent projections, expanded per-head cache
+    assert facts.cache_kinds == ("kv",)
+    assert facts.kv_bytes_per_token == 4 * 4 * (16 + 16 + 32) * 2
+
+
 # ------------------------------------------------------------------ refusals
 
 

@@ -246,3 +246,68 @@ def test_a_4gib_cgroup_admits_the_qwen3_demo(tmp_path):
     assert d["decision"] in ("admit", "clamp") and d["budget_bytes"] == 4 * GIB
     assert d["ceiling_bytes"] == 4 * GIB and "cgroup" in d["sources"]
     assert d["weights_bytes"] > 2 * GIB  # the real 0.6B shape in float32
+
+
+# ------------------------------------------------ the prefill transient admission counts
+
+@given(st.integers(0, 64 * GIB))
+def test_the_reserve_for_a_compute_transient_holds_it(compute):
+    from plimsoll.core.sizing import compute_transient_bytes, reserve_for_compute
+
+    reserve = reserve_for_compute(compute)
+    assert compute_transient_bytes(reserve) >= compute
+    assert reserve <= max(2 * compute, compute + MIB)  # never more than twice (or 1 MiB)
+
+
+@given(st.integers(0, 5000), st.integers(0, 5000), st.integers(0, 6000),
+       st.sampled_from([1, 16, 64]))
+def test_largest_fitting_is_the_last_fit(low, high, limit, step):
+    from plimsoll.core.sizing import largest_fitting
+
+    got = largest_fitting(low, high, lambda x: x <= limit, step)
+    fitting = [x for x in range(low, high + 1) if x % step == 0 and x <= limit]
+    assert got == (max(fitting) if fitting else None)
+
+
+def _plan_tiny(context: int, budget_mib: int, concurrency: int = 4, max_tokens: int = 1024):
+    from plimsoll.launch.live_admission import admit_counting_transient, transient_floor
+
+    req = AdmissionRequest(
+        ceiling_bytes=48 * GIB, total_ram_bytes=64 * GIB, budget_bytes=budget_mib * MIB,
+        weights_bytes=FACTS.weights_bytes, kv_bytes_per_token=FACTS.kv_bytes_per_token,
+        native_max_context=40960, transient_reserve=0.05, block_tokens=16,
+        concurrency=concurrency, context=context, max_tokens=max_tokens)
+    return admit_counting_transient(FACTS, req), transient_floor
+
+
+def test_a_long_context_takes_its_transient_from_the_pool_not_a_third_of_its_context():
+    """The regression: the tiny demo at 4 × 32768 in a 512 MiB budget was clamped to 13088
+    tokens because the gather of 32k tokens passed 5 % of the budget, while the pool had
+    room to spare. Now the reserve holds the transient at 32k and the context stands."""
+    from plimsoll.core.sizing import compute_transient_bytes
+    from plimsoll.engine.work import prefill_transient_bytes
+    from plimsoll.worker.config import prefill_chunk
+
+    d, floor = _plan_tiny(32768, 512)
+    assert d.decision == "admit" and d.context == 32768 and d.concurrency == 4, d.reasons
+    assert d.transient_reserve_bytes == floor(FACTS, 32768, 16) > 0.05 * 512 * MIB
+    assert d.footprint_bytes <= d.budget_bytes
+    compute = compute_transient_bytes(d.transient_reserve_bytes)
+    chunks = [prefill_chunk(FACTS, c, compute, block_tokens=16, most=512)
+              for c in (1024, 8192, 32768)]
+    assert chunks[0] >= chunks[1] >= chunks[2] >= 16, chunks  # the chunk follows the context
+    for c, chunk in zip((1024, 8192, 32768), chunks, strict=True):
+        assert prefill_transient_bytes(FACTS, chunk, c, 16) <= compute  # under one bound
+    # the worker started from it accepts its context (its start-up check)
+    cfg = worker_config(Path("/m"), "m", FACTS, right_size(d), None, None, port=1)
+    assert cfg.transient_bytes == compute and cfg.context == 32768
+
+
+def test_a_transient_the_envelope_cannot_hold_clamps_the_context_to_the_longest_that_fits():
+    d, _ = _plan_tiny(32768, 64, concurrency=1, max_tokens=256)
+    assert d.decision == "clamp" and 2048 <= d.context < 32768, d.reasons
+    assert any("prefill transient at context 32768" in r for r in d.reasons)
+    nxt, _ = _plan_tiny(d.context + 16, 64, concurrency=1, max_tokens=256)
+    assert nxt.decision != "admit" or nxt.context < d.context + 16  # the longest that fits
+    tiny, _ = _plan_tiny(32768, 20, concurrency=1, max_tokens=256)
+    assert tiny.decision == "refuse"

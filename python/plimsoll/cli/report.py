@@ -80,6 +80,8 @@ def admission_report(
         f"  KV per token    {d.kv_bytes_per_token} B"
         + (f" = 2 × {facts.kv_layers} × {facts.num_key_value_heads} × {facts.head_dim} × "
            f"{facts.kv_dtype_bytes}" if facts.cache_kinds == ("kv",) and not facts.kv_bits
+           and d.kv_bytes_per_token == 2 * facts.kv_layers * facts.num_key_value_heads
+           * facts.head_dim * facts.kv_dtype_bytes
            else " (the sum of the growing caches above)"),
         f"  block           {d.block_bytes} B = {d.block_tokens} tokens × KV per token"
         + (f"; {d.fixed_blocks_per_seq} fixed block(s)/seq for window/recurrent state"

@@ -33,9 +33,10 @@ from plimsoll.cli.common import EXIT_REFUSED, UsageFailure, invalid_figures
               help="Sequences running at once, a runtime bound of its own: shorter requests "
               "fit many more than --max-num-seqs when their reservations fit "
               "[default: max(64, --max-num-seqs)].")
-@click.option("--prefill-chunk", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(min=1),
               help="Prompt tokens computed per step over all prefills, beside every running "
-              "decode: a long prompt delays running streams by at most this chunk per step.")
+              "decode: a long prompt delays running streams by at most this chunk per step "
+              "[default: 2048 on a GPU (fused prefill attention), 512 on a CPU].")
 @click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32"]),
               help="KV cache dtype (default: the model's).")
 @click.option("--transient-bytes", type=click.IntRange(min=1),
@@ -125,6 +126,10 @@ def worker_command(model_dir, model_name, max_tokens, default_max_tokens, ceilin
     serve_worker(cfg)
 
 
+class _Interrupted(Exception):
+    """SIGTERM/SIGINT while ``plimsoll launch`` is still starting its worker."""
+
+
 @click.command("launch")
 @click.argument("model")
 @click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path),
@@ -201,24 +206,41 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
                         port=port or free_port(host), host=host,
                         cache_memory_mb=cache_memory_mb, disk_cache_dir=disk_cache_dir,
                         disk_cache_gb=disk_cache_gb)
+    # The worker runs in its own session, so signals to us don't reach it: forward them.
+    # The handlers are in place before the worker exists (a SIGTERM right after the ready
+    # line used to kill us by the default action and leave the worker running). Until the
+    # worker is ready a signal interrupts the start (start_worker stops what it started);
+    # after that it only records, and stopping happens below, outside Popen.wait's lock.
+    stop: list[bool] = []
+    started: list[bool] = []
+    proc = None
+
+    def on_signal(_signum, _frame) -> None:
+        stop.append(True)
+        if not started and len(stop) == 1:  # once: a second signal must not cut the stop
+            raise _Interrupted
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         with progress(f"loading {name}") as report:
             report(f"starting the worker on {host}:{cfg.port} "
                    f"(weights {fmt_bytes(decision.weights_bytes)}, "
                    f"pool {decision.pool_blocks} blocks)")
             proc, status = start_worker(cfg)
+            started.append(True)
             report(f"ready, pid {proc.pid}: limits verified")
+    except _Interrupted:
+        if proc is not None:  # the signal came between start_worker's return and the flag
+            stop_worker(proc)
+        click.echo("plimsoll launch: stopped before the worker was ready", err=True)
+        raise SystemExit(0) from None
     except LaunchError as err:
         click.echo(f"plimsoll launch: {err}", err=True)
         raise SystemExit(1) from None
     click.echo(json.dumps({"event": "ready", "pid": proc.pid, "url": f"http://{host}:{cfg.port}",
                            "limits": status["limits"]}), err=False)
     sys.stdout.flush()
-    # The worker runs in its own session, so signals to us don't reach it: forward them.
-    # The handler only records the signal; stopping happens here, outside Popen.wait's lock.
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-    signal.signal(signal.SIGINT, lambda *_: stop.append(True))
     while proc.poll() is None and not stop:
         time.sleep(0.2)
     if stop:  # asked to stop: a clean stop of the worker is a clean exit of ours

@@ -11,6 +11,8 @@ The invariant ``footprint < trip < ceiling`` gives the band
 and ``u = band_high − margin``. The pool fills what the envelope leaves:
     pool_blocks = floor((min((u − margin) × ceiling, budget) − resident − weights − reserve)
                         / block_bytes)
+with ``reserve = max(transient_reserve × budget, transient_floor)`` (the floor: the
+engine's least transient at the context, see ``transient_floor_bytes``),
 so the footprint stays ≤ ``(u − margin) × ceiling`` and ≤ the mode budget. Then
 ``concurrency × blocks_per_seq ≤ pool_blocks`` is restored by clamping concurrency
 first, then context; a model that cannot hold one sequence of the minimum context is
@@ -51,6 +53,11 @@ class AdmissionRequest(BaseModel):
     per_sequence_fixed_bytes: int = Field(default=0, ge=0)
     native_max_context: int | None = None
     transient_reserve: float = Field(ge=0, le=1, description="Fraction of the budget.")
+    transient_floor_bytes: int = Field(default=0, ge=0, description=(
+        "The least transient reserve the engine needs at this context (one prefill chunk's "
+        "gather, scores and activations, with MLX's buffer cache): the reserve is the larger "
+        "of this and the fraction, so a long context takes its transient from the pool "
+        "instead of passing the bound."))
     trip_offset: float = Field(default=0.05, gt=0, lt=1)
     u_margin: float = Field(default=0.02, gt=0, lt=1)
     block_tokens: int = Field(gt=0)
@@ -120,6 +127,13 @@ def admit(req: AdmissionRequest) -> AdmissionDecision:
     block_bytes = req.kv_bytes_per_token * req.block_tokens
     fixed = fixed_blocks(req.per_sequence_fixed_bytes, block_bytes)
     reserve = math.floor(req.transient_reserve * req.budget_bytes)
+    if req.transient_floor_bytes > reserve:
+        notes.append(
+            f"transient reserve raised from {fmt_bytes(reserve)} ({req.transient_reserve:g} of "
+            f"the budget) to {fmt_bytes(req.transient_floor_bytes)}: the engine's least "
+            f"transient at context {min(req.context, req.native_max_context or req.context)}"
+        )
+        reserve = req.transient_floor_bytes
 
     band_high = ceiling / total - req.trip_offset
     u = max(band_high - req.u_margin, 0.0)

@@ -13,7 +13,10 @@ Cache kinds (:data:`CacheKind`), per layer:
 - ``chunked``: chunked attention (llama4's ``ChunkedKVCache``): at most ``chunk`` tokens;
 - ``latent``: multi-head latent attention (MLA: deepseek_v3, glm4_moe_lite, kimi, mistral4,
   longcat_flash, deepseek_v32): one copy of ``kv_lora_rank + qk_rope_head_dim`` values a token
-  (mlx-lm caches the latent and the rope key, not the expanded heads);
+  (mlx-lm caches the latent and the rope key, not the expanded heads); deepseek_v2,
+  minicpm3 and youtu_llm project through a latent too but cache the expanded per-head K
+  (qk_nope + qk_rope) and V: ``kv`` of ``heads × (k_dim + v_dim)``; any other model type
+  with ``kv_lora_rank`` is refused (its cache is not known);
 - ``indexer``: deepseek_v32's sparse-attention indexer keys (``CacheList`` member): mlx-lm holds
   ``index_head_dim`` keys and a zeros array of the same shape as values, so 2 × per token;
 - ``state``: recurrent state of a linear-attention / SSM / conv layer (``ArraysCache``): a fixed
@@ -47,8 +50,10 @@ _FULL = {"full_attention", "attention", "global", "global_attention", "*"}
 _SLIDING = {"sliding_attention", "sliding", "local", "local_attention"}
 _LINEAR = {"linear_attention", "mamba", "mamba2", "ssm", "recurrent", "conv", "M"}
 _NO_CACHE = {"moe", "mlp", "-", "E"}  # nemotron_h blocks without a mixer cache
-_MLA_TYPES = {"deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite",
+_MLA_TYPES = {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite",
               "kimi_k25", "kimi_k2", "kimi_vl", "mistral4", "longcat_flash", "kimi_linear"}
+_EXPANDED_MLA_TYPES = {"deepseek_v2", "minicpm3", "youtu_llm"}
+"""Latent projections, but mlx-lm's attention caches the expanded per-head K and V."""
 
 
 class CacheLayoutError(ModelInspectionError):
@@ -201,6 +206,20 @@ def _attention(cfg: dict, act: int, bits: int | None) -> tuple[list[tuple[str, i
         if mtype == "longcat_flash":
             return parts * 2, "CacheList(KVCache, KVCache)"
         return parts, "KVCache"
+    if isinstance(rank, int) and mtype in _EXPANDED_MLA_TYPES:
+        heads = _int(cfg, "num_attention_heads")
+        k_dim = _int(cfg, "qk_nope_head_dim") + _int(cfg, "qk_rope_head_dim")
+        v_dim = _int(cfg, "hidden_size") // heads if mtype == "minicpm3" \
+            else _int(cfg, "v_head_dim")  # minicpm3's attention derives it
+        return ([("kv", heads * (vector_bytes(k_dim, act, bits) + vector_bytes(v_dim, act, bits)),
+                  f"{heads} heads × (K qk_nope + qk_rope {k_dim} + V {v_dim}), expanded")],
+                "KVCache")
+    if isinstance(rank, int):
+        raise CacheLayoutError(
+            f"config.json: {mtype} has kv_lora_rank (multi-head latent attention), but plimsoll "
+            f"does not know whether mlx-lm's {mtype} caches the latent or expanded per-head "
+            "K/V (nor its layer layout), so it cannot count its KV: not served yet; "
+            "mlx_lm.server serves it unbatched")
     heads = _int(cfg, "num_attention_heads")
     kv_heads = lookup(cfg, "num_key_value_heads", heads)
     if not isinstance(kv_heads, int) or isinstance(kv_heads, bool) or kv_heads <= 0:
@@ -335,6 +354,21 @@ def expanded_mla_bytes_per_token(cfg: dict, act_bytes: int) -> int | None:
     heads = _int(cfg, "num_attention_heads")
     k = _int(cfg, "qk_nope_head_dim") + _int(cfg, "qk_rope_head_dim")
     return heads * (k + _int(cfg, "v_head_dim")) * act_bytes
+
+
+def mla_prefill_expansion(cfg: dict) -> int:
+    """Values per context token of one layer that an MLA prefill expands the cached latent
+    into (a transient, not a cache): per head, the keys (``qk_nope_head_dim``) and values
+    (``v_head_dim``) of mlx-lm's prefill path; mistral4 also concatenates the rope keys to
+    the keys (``qk_nope + qk_rope`` more). 0 for a model without a cached latent."""
+    mtype = str(cfg.get("model_type") or lookup(cfg, "model_type") or "")
+    if not isinstance(lookup(cfg, "kv_lora_rank"), int) or mtype not in _MLA_TYPES:
+        return 0
+    heads, nope = _int(cfg, "num_attention_heads"), _int(cfg, "qk_nope_head_dim")
+    per_head = nope + _int(cfg, "v_head_dim")
+    if mtype == "mistral4":
+        per_head += nope + _int(cfg, "qk_rope_head_dim")
+    return heads * per_head
 
 
 def sequence_bytes(caches: tuple[LayerCache, ...], tokens: int) -> int:

@@ -8,8 +8,11 @@ reading gigabytes of weights.
 
 :data:`ENGINE_SUPPORT` is the one table of what the worker's engine serves. It describes the
 engine in ``plimsoll.engine`` today (the block-paged engine of issue 14, ``engine/core.py``):
-full-attention ``KVCache`` in blocks and recurrent state of any slot count (``ArraysCache``,
-gated-delta / mamba2 layers beside full attention), per sequence. Issue 15 adds the rest.
+full-attention ``KVCache`` in blocks, MLA's latent + rope-key blocks (``engine/latent.py``),
+sparse-attention indexer keys, recurrent state of any slot count (``ArraysCache``, gated-delta /
+mamba2 layers beside full attention) per sequence, sliding windows (``RotatingKVCache`` with
+``keep=0``: a ring of the window per sequence, ``engine/window.py``), and ``CacheList`` layers
+of those, each member in its own kind (``engine/composite.py``). Issue 15 adds the rest.
 Change the table, not the callers.
 """
 
@@ -30,25 +33,19 @@ class KindSupport:
 ENGINE_SUPPORT: dict[str, KindSupport] = {
     "kv": KindSupport("full-attention KV", True),
     "state": KindSupport("recurrent state", True),
-    "window": KindSupport(
-        "sliding-window layers", False,
-        "the engine would keep the whole history where mlx-lm keeps a window; "
-        "mlx_lm.server serves the model unbatched"),
+    "window": KindSupport("sliding-window layers", True),  # engine/window.py: rings
     "chunked": KindSupport(
         "chunked-attention layers", False,
-        "the engine has no chunk mask; mlx_lm.server serves the model unbatched"),
-    "latent": KindSupport(
-        "multi-head latent attention (MLA)", False,
-        "batched decode would mix the latent and rope-key arrays; mlx_lm.server serves the "
-        "model unbatched"),
-    "indexer": KindSupport(
-        "sparse-attention indexer keys", False,
-        "the engine keeps no indexer cache; mlx_lm.server serves the model unbatched"),
+        "mlx-lm's llama4 builds its chunk mask and attention temperature from one integer "
+        "cache offset, so rows at different positions cannot share a batched decode; "
+        "mlx_lm.server serves the model unbatched"),
+    "latent": KindSupport("multi-head latent attention (MLA)", True),
+    "indexer": KindSupport("sparse-attention indexer keys", True),
 }
 STATE_SLOTS: frozenset[int] | None = None
 """ArraysCache sizes the engine's per-sequence state handles (None: any)."""
 SERVES_QUANTIZED_KV = False
-SERVES_CACHE_LIST = False
+SERVES_CACHE_LIST = True  # each member in its own kind (engine/composite.py)
 SERVES_STATE_ONLY = False  # a model with no attention KV at all (pure state-space)
 
 
@@ -88,6 +85,11 @@ def check(facts: ModelFacts, name: str | None = None) -> Unsupported | None:
                 f"{who}: {support.what} ({c.mlx_cache}, {len(c.layers)} of "
                 f"{facts.num_layers} layers) are not served yet by this engine: "
                 f"{support.unserved_reason}; {_SERVED_BY}"))
+        if c.kind == "window" and c.keep:
+            return Unsupported("window", (
+                f"{who}: sliding-window layers that keep their first {c.keep} tokens forever "
+                f"(RotatingKVCache(keep={c.keep})) are not served yet by this engine, which "
+                f"serves keep=0 windows; mlx_lm.server serves the model unbatched"))
         if c.mlx_cache.startswith("CacheList") and not SERVES_CACHE_LIST:
             return Unsupported("cache-list", (
                 f"{who}: layers holding several caches at once ({c.mlx_cache}) are not "

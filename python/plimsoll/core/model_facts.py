@@ -39,6 +39,7 @@ from .cache_layout import (
     cache_layout,
     expanded_mla_bytes_per_token,
     lookup,
+    mla_prefill_expansion,
 )
 from .safetensors_header import (
     ModelInspectionError,
@@ -81,6 +82,9 @@ class ModelFacts(BaseModel):
     num_attention_heads: int | None = None
     hidden_size: int | None = None
     intermediate_size: int | None = None
+    # MLA: values per context token of one layer a prefill chunk expands the latent into
+    # (per-head keys and values, a transient); 0 for other models.
+    prefill_expand_per_token: int = Field(default=0, ge=0)
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -260,7 +264,8 @@ def facts_from_config(config: dict, weights_bytes: int, kv_dtype: str | None = N
             per_sequence_fixed_bytes=_fixed_bytes(caches, None), caches=caches,
             num_attention_heads=_optional_int(config, "num_attention_heads"),
             hidden_size=_optional_int(config, "hidden_size"),
-            intermediate_size=_optional_int(config, "intermediate_size"), notes=notes)
+            intermediate_size=_optional_int(config, "intermediate_size"),
+            prefill_expand_per_token=mla_prefill_expansion(config), notes=notes)
     except ValidationError as e:  # a figure the arithmetic cannot hold: name the first one
         first = e.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]) or "config"

@@ -22,8 +22,11 @@ down by what the process held before a replacement may start:
 back (anonymous resident memory on Linux, phys_footprint on macOS; see :mod:`plimsoll.probes.held`),
 read together with ``in_use_before_stop`` while the process was still alive. The in-use
 figure is the binding cgroup's usage, or macOS's wired memory; where it is host-wide
-(Linux with no cgroup limit: ``MemTotal − MemAvailable``) every *other* process's
-anonymous memory is subtracted from it (``Supervisor.unaccounted``), so another tenant
+(Linux with no cgroup limit) it is the memory the kernel holds with content
+(``probes.held.content_bytes``: anonymous, shared, unreclaimable kernel memory; not
+``MemTotal − MemAvailable``, which a VM's free page reporting holds up for seconds after
+an exit) and every *other* process's anonymous memory is subtracted from it
+(``Supervisor.unaccounted``), so another tenant
 of a shared host allocating a few hundred MiB does not read as memory the dead worker
 kept, while memory it really left behind (shared memory, a driver's buffers) still
 shows. The readings are seconds apart, not a baseline taken at load minutes earlier;
@@ -109,6 +112,31 @@ def mlx_cache_mb(transient_reserve_bytes: int) -> int:
 def compute_transient_bytes(transient_reserve_bytes: int) -> int:
     """What the reserve leaves for compute transients once MLX's buffer cache has its cap."""
     return max(0, transient_reserve_bytes - mlx_cache_mb(transient_reserve_bytes) * MIB)
+
+
+def reserve_for_compute(compute_bytes: int) -> int:
+    """The smallest-enough transient reserve whose compute share
+    (:func:`compute_transient_bytes`: the reserve less MLX's buffer-cache cap) holds
+    ``compute_bytes``; admission counts a transient the engine must hold through it."""
+    if compute_bytes <= 0:
+        return 0
+    return max(2 * compute_bytes, compute_bytes + MIB)
+
+
+def largest_fitting(low: int, high: int, fits, step: int = 1) -> int | None:
+    """The largest multiple of ``step`` in ``[low, high]`` for which the monotone ``fits``
+    holds (true below some point, false above), or ``None`` when not even ``low`` fits.
+    The one bisection admission's context searches share."""
+    lo, hi = -(-low // step), high // step
+    if lo > hi or not fits(lo * step):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * step):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * step
 
 
 def default_max_batch(max_num_seqs: int) -> int:

@@ -4,12 +4,15 @@ Owns: :mod:`.work` (the pure contract between scheduler and engine: Sampling,
 TokenConstraint, Work, Step, and the transient arithmetic admission counts),
 :mod:`.core` (the Engine: steps, pipelining, recurrent state), :mod:`.paged` (the
 physical pools, one kind per cache layer), :mod:`.attention` (the cache views mlx-lm's
-models see and the routed attention), :mod:`.sampling`, :mod:`.state` (recurrent state
-of hybrid models), :mod:`.limits` (process-wide MLX limits) and :mod:`.pool` (the pure
-block pool).
+models see and the routed attention), :mod:`.latent` (MLA's latent + rope-key blocks
+and view), :mod:`.composite` (mlx-lm ``CacheList`` layers, one kind per member),
+:mod:`.window` (sliding-window layers: a ring of the window per sequence), :mod:`.sampling`,
+:mod:`.state` (recurrent state of hybrid models), :mod:`.limits` (process-wide MLX limits),
+:mod:`.warmup` (a GPU backend's first-use compilation paid at load) and :mod:`.pool` (the
+pure block pool).
 
-May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, sampling,
-state and limits only).
+May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, latent,
+composite, window, sampling, state, limits and warmup only).
 
 The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``
 and ``.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads
@@ -26,6 +29,7 @@ from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
 _EXPORTS = {
     "Engine": "core", "Pending": "core",
     "active_memory": "limits", "clear_buffer_cache": "limits", "process_limits": "limits",
+    "warm_up": "warmup",
 }
 
 __all__ = [
@@ -38,11 +42,13 @@ __all__ = [
     "active_memory",
     "clear_buffer_cache",
     "process_limits",
+    "warm_up",
 ]
 
 if TYPE_CHECKING:
     from plimsoll.engine.core import Engine, Pending
     from plimsoll.engine.limits import active_memory, clear_buffer_cache, process_limits
+    from plimsoll.engine.warmup import warm_up
 
 
 def __getattr__(name: str) -> Any:

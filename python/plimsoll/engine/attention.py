@@ -39,12 +39,15 @@ _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
 class Batch:
     """What every layer of one forward shares: where to write, what to read, mask, offset."""
 
-    __slots__ = ("attended", "lengths", "mask", "offset", "read", "write")
+    __slots__ = ("attended", "lengths", "mask", "offset", "read", "select", "write")
 
     def __init__(self, write: mx.array, read: Read | None, mask, offset,
-                 lengths: mx.array | None = None):
+                 lengths: mx.array | None = None, select: mx.array | None = None):
         self.write, self.read, self.mask, self.offset = write, read, mask, offset
         self.lengths = lengths  # decode rows' lengths (int32): the CUDA kernel's bound
+        # padded rows (a batched prefill): the flat (row × position) indices of the real
+        # tokens, the only ones written
+        self.select = select
         self.attended = 0
 
 
@@ -57,7 +60,14 @@ class PagedView:
         self._fresh: tuple[mx.array, mx.array] | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.pool.write(self.batch.write, keys, values)
+        if self.batch.select is None:
+            self.pool.write(self.batch.write, keys, values)
+        else:  # padded rows: write the real tokens only (the pads' slots are nobody's)
+            b, h, n, _ = keys.shape
+            sel = self.batch.select
+            self.pool.write(self.batch.write,
+                            keys.transpose(1, 0, 2, 3).reshape(h, b * n, -1)[:, sel][None],
+                            values.transpose(1, 0, 2, 3).reshape(h, b * n, -1)[:, sel][None])
         self._fresh = (keys, values)
         return keys, values
 
@@ -97,10 +107,32 @@ class PagedView:
         return False
 
 
+def fused_prefill(dtype: mx.Dtype, head_dims: set[int]) -> bool:
+    """Does this backend run a prefill chunk's attention as a fused kernel (no score matrix
+    held)? MLX's CUDA backend uses cuDNN for f16/bf16 with head dims that are multiples of 8
+    up to 128; Metal's fused kernel takes head dims 64, 80 and 128; the CPU backend
+    materialises the scores. Admission's transient and the default chunk follow it."""
+    if mx.default_device().type != mx.DeviceType.gpu or not head_dims:
+        return False
+    if _metal():
+        return head_dims <= {64, 80, 128}
+    return dtype in (mx.float16, mx.bfloat16) and all(d % 8 == 0 and d <= 128
+                                                      for d in head_dims)
+
+
+def _metal() -> bool:
+    try:
+        return mx.metal.is_available()
+    except AttributeError:
+        return False
+
+
 def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's attention entry point, paged for a :class:`PagedView`."""
     if isinstance(cache, PagedView):
         return cache.attend(queries, scale, sinks)
+    if getattr(cache, "attends_inputs", False):  # MLA (engine.latent): the model's own
+        return cache.attend(queries, keys, values, scale, mask)  # keys, values and mask
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask,
                           sinks=sinks)
 

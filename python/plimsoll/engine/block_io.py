@@ -1,7 +1,8 @@
 """Block payloads in and out of the paged pools, one block at a time (imports mlx).
 
 The disk tier (:mod:`plimsoll.worker.disk_tier`) stores a block as one flat byte string:
-for every full-attention layer in order, that block's K slots then its V slots, in the
+for every paged pool in order (full attention, MLA latents, a ``CacheList``'s members in
+turn: :func:`~plimsoll.engine.composite.flatten`), that block's K slots then its V slots, in the
 pool's dtype (``(kv_heads, block_tokens, dim)`` each, C order). Only the engine's public
 attributes are used (``layers`` with ``.keys``/``.values``, ``block_tokens``,
 ``block_bytes``), so the engine itself needs no hook.
@@ -21,6 +22,7 @@ from collections.abc import Iterable
 import mlx.core as mx
 import numpy as np
 
+from plimsoll.engine.composite import flatten
 from plimsoll.engine.paged import FullAttention, RecurrentState
 
 _BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
@@ -28,16 +30,16 @@ _BITS = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 def supports(engine) -> str:
     """Why the tier cannot serve this engine ("" when it can)."""
-    if any(isinstance(k, RecurrentState) for k in engine.layers):
+    if any(isinstance(k, RecurrentState) for k in flatten(engine.layers)):
         return ("hybrid model: a block carries no recurrent state snapshot, so prefixes "
                 "found on disk are prefilled instead")
-    if not any(isinstance(k, FullAttention) for k in engine.layers):
+    if not any(isinstance(k, FullAttention) for k in flatten(engine.layers)):
         return "no paged KV layers"
     return ""
 
 
 def _pools(engine) -> list[FullAttention]:
-    return [k for k in engine.layers if isinstance(k, FullAttention)]
+    return [k for k in flatten(engine.layers) if isinstance(k, FullAttention)]
 
 
 def _host(a: mx.array) -> np.ndarray:

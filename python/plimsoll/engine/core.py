@@ -10,7 +10,10 @@ object per cache layer of the model:
 - every prefill chunk runs as its own forward (1, L) against its table, causal from
   ``start``; a chunk that samples runs its last token as a separate (1, 1) forward, as
   mlx-lm's ``generate_step`` does, so the lm head never sees the whole chunk;
-- recurrent state (hybrid models) is held per sequence (:mod:`plimsoll.engine.state`).
+- recurrent state (hybrid models) is held per sequence (:mod:`plimsoll.engine.state`);
+- an MLA layer's view hands the model the gathered latent history and the batch mask, and
+  the model's own attention math runs once for all rows (:mod:`plimsoll.engine.latent`);
+  a ``CacheList`` layer gets one view per member (:mod:`plimsoll.engine.composite`).
 
 Pipelining (as mlx-lm's ``generate_step``): :meth:`Engine.run_async` builds a step and
 ``mx.async_eval`` s it; a decode ``Work`` with ``tokens=None`` feeds the token sampled
@@ -36,11 +39,15 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
+from plimsoll.engine import batched_prefill
+from plimsoll.engine import composite as cl
 from plimsoll.engine import state as st
-from plimsoll.engine.attention import Batch, PagedView, route_attention
+from plimsoll.engine.attention import Batch, fused_prefill, route_attention
+from plimsoll.engine.decode_index import DecodeReads
+from plimsoll.engine.limits import backend_env_defaults
 from plimsoll.engine.paged import (
     FullAttention,
     RecurrentState,
@@ -50,12 +57,22 @@ from plimsoll.engine.paged import (
     write_of,
 )
 from plimsoll.engine.sampling import Keys, sample
+from plimsoll.engine.window import Rings, WindowAttention, WindowView, window_kind
 from plimsoll.engine.work import Step, Work
 
 # Pool growth step: measured on the H200, a slab of max_blocks / 8 (10 GiB for a 4B model's
 # admitted pool) put the first request's peak at 2.3 x weights + KV; 256 MiB keeps the
 # excess to one slab while a 30k-token session grows in ~20 steps.
 SLAB_BYTES = 256 << 20
+
+
+class _At:
+    """A prefill piece's sequence and start, for the window rings."""
+
+    __slots__ = ("seq_id", "start")
+
+    def __init__(self, seq_id: int, start: int):
+        self.seq_id, self.start = seq_id, start
 
 
 class Pending:
@@ -87,25 +104,39 @@ class Engine:
 
     def __init__(self, model, tokenizer, facts: ModelFacts, *, block_tokens: int,
                  max_blocks: int, kv_dtype: str | None = None, pipeline: bool = True,
-                 slab_blocks: int | None = None):
+                 slab_blocks: int | None = None, context: int | None = None):
         if block_tokens <= 0 or max_blocks <= 0:
             raise ValueError("block_tokens and max_blocks must be positive")
         self.model, self.tokenizer, self.facts = model, tokenizer, facts
         self.block_tokens, self.max_blocks, self.pipeline = block_tokens, max_blocks, pipeline
+        self.context = context  # the longest sequence; sliding-window rings hold min(window, it)
         # Compute on a stream of our own, as mlx-lm's generate does (measured ~5-10%
         # faster single-stream decode on the CPU backend than the default stream).
+        backend_env_defaults()  # before the stream: its encoder reads the graph cache's
         self._stream = mx.new_stream(mx.default_device())
         route_attention()
         self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
+        cl.check_bytes(type(model).__module__, self.layers, facts, block_tokens)
         self.block_bytes = sum(k.block_bytes for k in self.layers)
         if slab_blocks is None:  # grow by about SLAB_BYTES: the peak follows what is written
             slab = max(1, min(max_blocks, SLAB_BYTES // max(1, self.block_bytes)))
-            for kind in self.layers:
+            for kind in cl.flatten(self.layers):
                 if isinstance(kind, FullAttention):
                     kind.slab_blocks = slab
-        self.state_bytes_per_seq = sum(k.bytes_per_seq for k in self.layers
-                                       if isinstance(k, RecurrentState))
-        self._pools = [k for k in self.layers if isinstance(k, FullAttention)]
+        flat = list(cl.flatten(self.layers))
+        # sliding-window rings are per-sequence state too (engine/window.py): a pool with
+        # them runs hybrid, so prefixes are reused through ring snapshots
+        self._rings = Rings([k for k in flat if isinstance(k, WindowAttention)])
+        self.state_bytes_per_seq = sum(k.bytes_per_seq for k in flat
+                                       if isinstance(k, RecurrentState)) \
+            + self._rings.bytes_per_seq
+        self._pools = [k for k in flat if isinstance(k, FullAttention)]
+        #: the backend runs a prefill chunk's attention fused (the worker's chunk follows it);
+        #: MLA's prefill attends through the model's own math (engine/latent.py): not counted
+        #: as fused, so its transient keeps the scores
+        self.fused_prefill = fused_prefill(
+            self._compute_dtype, {d for p in self._pools for d in (p.k_dim, p.v_dim)}) \
+            and all(type(p) is FullAttention for p in self._pools)
         self._states: dict[int, list[st.Entries]] = {}
         # The last decode's stacked state (its rows, in order): the next decode of the same
         # rows reuses it instead of stacking again (its row views are what _states holds).
@@ -114,42 +145,63 @@ class Engine:
         self._last: dict[int, tuple[mx.array, int]] = {}  # seq -> (tokens, row), lazy
         self._keys = Keys()
         self._unsettled: list[Pending] = []
+        self._reads = DecodeReads(block_tokens)  # the decode's table index, kept across steps
+        self._prefill_reads = DecodeReads(block_tokens)  # that of batched prompts' last tokens
+        # several prompts' first chunks as one padded forward (engine/batched_prefill.py)
+        self.batch_prefill = all(type(k) is FullAttention for k in self.layers)
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
              kv_dtype: str | None = None, pipeline: bool = True,
-             slab_blocks: int | None = None) -> Engine:
+             slab_blocks: int | None = None, context: int | None = None) -> Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
         kv_dtype, bits = parse_kv_dtype(kv_dtype)
         if bits:
             raise NotImplementedError(f"quantized KV ({bits}-bit) is not served by the paged "
                                       "engine yet; pass kv_dtype float16, bfloat16 or float32")
+        backend_env_defaults()
         model, tokenizer = mlx_lm.load(str(model_dir))
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,
-                   kv_dtype=kv_dtype, pipeline=pipeline, slab_blocks=slab_blocks)
+                   kv_dtype=kv_dtype, pipeline=pipeline, slab_blocks=slab_blocks,
+                   context=context)
 
     def _kinds(self, model, kv_dtype: str | None, slab: int) -> list:
         """One kind per cache layer, shapes and dtypes measured by a one-token probe."""
         caches = make_prompt_cache(model)
+        self._compute_dtype = mx.float32
         for c in caches:
-            if type(c) not in (KVCache, ArraysCache):
-                raise NotImplementedError(
-                    f"{type(model).__module__}: cache kind {type(c).__name__} (sliding window, "
-                    "chunked, MLA or quantized KV) is not served by the paged engine yet; "
-                    "only full-attention KV (KVCache) and recurrent state (ArraysCache) are")
+            for m in cl.members(c):
+                if type(m) not in (KVCache, ArraysCache, RotatingKVCache):
+                    raise NotImplementedError(
+                        f"{type(model).__module__}: cache kind {type(m).__name__} (chunked or "
+                        "quantized KV) is not served by the paged engine yet; only "
+                        "full-attention KV and MLA latents (KVCache), sliding windows "
+                        "(RotatingKVCache) and recurrent state (ArraysCache) are, alone or in "
+                        "a CacheList")
         with mx.stream(self._stream):
             model(mx.array([[0]]), cache=caches)
-            mx.eval([c.state for c in caches])
-        kinds: list = []
-        for c in caches:
+            mx.eval([m.state for c in caches for m in cl.members(c)])
+
+        def kind_of(i: int, c, want: str | None):
+            cl.check_member(type(model).__module__, i, c, want)
             if type(c) is KVCache:
+                self._compute_dtype = c.keys.dtype  # what the model computes K in
                 _, heads, _, k_dim = c.keys.shape
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
-                kinds.append(FullAttention(heads, k_dim, c.values.shape[3], dtype,
-                                           self.block_tokens, self.max_blocks, slab))
-            else:
-                kinds.append(RecurrentState(len(c.cache), st.nbytes([c.cache])))
+                return cl.pool_class(want)(heads, k_dim, c.values.shape[3], dtype,
+                                           self.block_tokens, self.max_blocks, slab)
+            if type(c) is RotatingKVCache:
+                dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
+                return window_kind(c, dtype, self.max_blocks + 2, 1, self.context)
+            return RecurrentState(len(c.cache), st.nbytes([c.cache]))
+
+        kinds: list = []
+        for i, c in zip(cl.cache_layers(self.facts, len(caches)), caches, strict=True):
+            parts, wants = cl.members(c), cl.layer_kinds(self.facts, i)
+            wants = wants if len(wants) == len(parts) else [None] * len(parts)
+            built = [kind_of(i, m, w) for m, w in zip(parts, wants, strict=True)]
+            kinds.append(built[0] if parts[0] is c else cl.Composite(built))
         del caches
         mx.clear_cache()
         return kinds
@@ -166,7 +218,7 @@ class Engine:
     def state_bytes_held(self) -> int:
         """nbytes of every recurrent state and snapshot held."""
         return (sum(st.nbytes(s) for s in self._states.values())
-                + sum(st.nbytes(s) for s in self._snapshots.values()))
+                + sum(st.nbytes(s) for s in self._snapshots.values()) + self._rings.nbytes())
 
     def memory(self) -> dict[str, int]:
         """MLX's own allocator figures, in bytes."""
@@ -181,22 +233,29 @@ class Engine:
     def free_state(self, seq_id: int) -> None:
         """A sequence ended: drop its recurrent state, last token and random key."""
         self._states.pop(seq_id, None)
+        self._rings.free(seq_id)
         self._touched(seq_id)
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
+        self._reads.forget(seq_id)
+        self._prefill_reads.forget(seq_id)
 
     def snapshot_state(self, seq_id: int, key) -> None:
         """Keep a copy of ``seq_id``'s state (after every step submitted so far) as ``key``."""
         self._snapshots[key] = st.copy(self._states.get(seq_id) or self._fresh_state())
-        mx.async_eval(st.arrays(self._snapshots[key]))
+        rings = self._rings.snapshot(seq_id, key) if self._rings else []
+        mx.async_eval(st.arrays(self._snapshots[key]) + rings)
 
     def restore_state(self, key, seq_id: int) -> None:
         """Give ``seq_id`` a copy of snapshot ``key`` (the snapshot stays)."""
         self._states[seq_id] = st.copy(self._snapshots[key])
+        if self._rings:
+            self._rings.restore(key, seq_id)
         self._touched(seq_id)
 
     def drop_snapshot(self, key) -> None:
         self._snapshots.pop(key, None)
+        self._rings.drop(key)
 
     def _touched(self, seq_id: int) -> None:
         """``seq_id``'s state changed outside a decode: the stacked batch is stale."""
@@ -204,7 +263,8 @@ class Engine:
             self._batched = None
 
     def _fresh_state(self) -> list[st.Entries]:
-        return [st.fresh(k.slots) for k in self.layers if isinstance(k, RecurrentState)]
+        return [st.fresh(k.slots) for k in cl.flatten(self.layers)
+                if isinstance(k, RecurrentState)]
 
     # ------------------------------------------------------------------ steps
 
@@ -221,7 +281,14 @@ class Engine:
             outs = []
             if step.decodes:
                 outs.append(self._decode(step.decodes))
-            for w in step.prefills:
+            prefills = step.prefills
+            firsts = [w for w in prefills if w.start == 0]
+            if self.batch_prefill and len(firsts) > 1:
+                out = batched_prefill.run(self, firsts)
+                if out is not None:
+                    outs.append(out)
+                prefills = [w for w in prefills if w.start != 0]
+            for w in prefills:
                 out = self._prefill(w)
                 if out is not None:
                     outs.append(out)
@@ -285,45 +352,50 @@ class Engine:
                  for w, last in zip(works, lasts, strict=True)]
         return mx.concatenate(parts)[:, None]
 
-    def _forward(self, inputs: mx.array, batch: Batch, states: list) -> mx.array:
+    def _forward(self, inputs: mx.array, batch: Batch, states: list, works=()) -> mx.array:
         """Run the model over ``inputs`` with paged views and the given state caches."""
-        caches, it = [], iter(states)
-        for kind in self.layers:
-            caches.append(PagedView(kind, batch) if isinstance(kind, FullAttention)
-                          else next(it))
+        it = iter(states)
+        rings = self._rings.batch([w.seq_id for w in works], [w.start for w in works],
+                                  inputs.shape[1]) if self._rings else None
+        caches = [WindowView(kind, batch, rings) if isinstance(kind, WindowAttention)
+                  else cl.view_of(kind, batch, it) for kind in self.layers]
         logits = self.model(inputs, cache=caches)
-        if batch.attended != len(self._pools):
+        if batch.attended != len(self._pools) + len(self._rings.layers):
             raise RuntimeError(f"{type(self.model).__module__}: attention does not go through "
                                "mlx_lm.models.base.scaled_dot_product_attention; the paged "
                                "engine cannot serve this model")
         return logits
 
     def _submit(self, tokens: mx.array | None, state_arrays: list) -> None:
-        pools = [a for p in self._pools for a in (p.keys, p.values)]
+        pools = [a for p in self._pools for a in (p.keys, p.values)] + self._rings.arrays()
         mx.async_eval(([] if tokens is None else [tokens]) + pools + state_arrays)
 
-    def _decode(self, works: tuple[Work, ...]) -> tuple[tuple[Work, ...], mx.array]:
-        self._ensure(works)
+    def _decode(self, works: tuple[Work, ...], reads: DecodeReads | None = None
+                ) -> tuple[tuple[Work, ...], mx.array]:
         bt = self.block_tokens
         starts = [w.start for w in works]
         lengths = [s + 1 for s in starts]
+        ids = tuple(w.seq_id for w in works)
+        # The tables' index is kept across steps (only new blocks are written into it); its
+        # highest id covers every block this step reads or writes.
+        read, top = (reads or self._reads).read(ids, [w.block_table for w in works], lengths)
+        for p in self._pools:
+            p.ensure(top)
         write = np.array([w.block_table[s // bt] * bt + s % bt
                           for w, s in zip(works, starts, strict=True)], dtype=np.int32)
-        read = read_of([w.block_table for w in works], lengths, bt)
+        lengths_mx = mx.array(lengths, dtype=mx.int32)
         mask = None
-        if min(lengths) != max(lengths):
-            m = np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
-            mask = mx.array(m)[:, None, None, :]
+        if min(lengths) != max(lengths):  # built on the device, not row × context on the host
+            mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]
+                    < lengths_mx[:, None])[:, None, None, :]
         offset = starts[0] if len(works) == 1 else mx.array(starts, dtype=mx.int32)
-        batch = Batch(write_of(write), read, mask, offset,
-                      lengths=mx.array(lengths, dtype=mx.int32))
-        ids = tuple(w.seq_id for w in works)
+        batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx)
         if self._batched is not None and self._batched[0] == ids:
             stacked = [st.cache_of(e) for e in self._batched[1]]
         else:
             rows = [self._states.get(w.seq_id) or self._fresh_state() for w in works]
             stacked = [st.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
-        logits = self._forward(self._decode_inputs(works), batch, stacked)[:, -1, :]
+        logits = self._forward(self._decode_inputs(works), batch, stacked, works)[:, -1, :]
         for j, c in enumerate(stacked):
             for w, entries in zip(works, st.split(c, len(works)), strict=True):
                 self._states.setdefault(w.seq_id, self._fresh_state())[j] = entries
@@ -355,13 +427,14 @@ class Engine:
             read = None if start == 0 else read_of([w.block_table], [start + n], bt)
             batch = Batch(write, read, "causal" if n > 1 else None, start)
             caches = [st.cache_of(e) for e in entries]
-            logits = self._forward(mx.array(piece, dtype=mx.uint32)[None], batch, caches)
+            logits = self._forward(mx.array(piece, dtype=mx.uint32)[None], batch, caches,
+                                   (_At(w.seq_id, start),))
             entries = [c.cache for c in caches]
             if sampled:
                 tokens = sample(logits[:, -1, :], (w,), self._keys)
                 self._last[w.seq_id] = (tokens, 0)
             self._submit(tokens, st.arrays(entries))
-        if any(isinstance(k, RecurrentState) for k in self.layers):
+        if any(isinstance(k, RecurrentState) for k in cl.flatten(self.layers)):
             self._states[w.seq_id] = entries
             self._touched(w.seq_id)
         return None if tokens is None else ((w,), tokens)

@@ -10,6 +10,27 @@ import os
 
 import mlx.core as mx
 
+#: MLX's CUDA backend keeps cuDNN attention plans and CUDA graphs in LRU caches keyed by
+#: shape (or topology) whose *lifetime* miss count is a fuse: past twice the capacity every
+#: further miss throws, leaving the stream's encoder unusable — the worker's requests then
+#: fail with a 500. Chunked prefill makes a new (chunk, context) shape every chunk, so a long-
+#: running worker crosses 512 SDPA misses in a few hundred chunks. Measured on an H200
+#: (bench/results/scale-h200.md's notes): a cuDNN plan build costs 40-55 ms, a cached plan
+#: 0.15-2 ms. So: no fuse (a miss only costs its plan build) and room for the shapes a
+#: worker repeats. Set before MLX reads them (the engine's own stream and first cuDNN call
+#: come after); a value already in the environment wins. No effect on CPU or Metal.
+BACKEND_ENV_DEFAULTS = {
+    "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
+    "MLX_CUDA_SDPA_CACHE_SIZE": "1024",
+}
+
+
+def backend_env_defaults() -> dict[str, str]:
+    """Apply :data:`BACKEND_ENV_DEFAULTS` where the environment does not set them; returns
+    the values in effect. Process-lifetime by nature (MLX reads each once), so never
+    restored."""
+    return {k: os.environ.setdefault(k, v) for k, v in BACKEND_ENV_DEFAULTS.items()}
+
 
 def active_memory() -> int:
     """MLX's active (allocated, in use) bytes: what the trip compares with."""

@@ -14,12 +14,13 @@ state) are laid out; the engine builds one per entry of mlx-lm's
 - :class:`RecurrentState` (mlx-lm ``ArraysCache``, any slot count): no blocks; each
   sequence holds its own arrays (see :mod:`plimsoll.engine.state`).
 
-Room for the kinds of issue 15 without another rewrite: a sliding-window kind is a
-``FullAttention`` whose scheduler recycles blocks outside the window (the engine only
-masks); an MLA latent kind is one "head" of ``kv_lora_rank + rope`` dims (``k_dim`` and
-``v_dim`` are separate here already); a quantized kind keeps, per pool, the values plus
-scales and biases arrays of mlx-lm's group size on the same slot axis — each kind
-reports its own ``block_bytes`` and ``nbytes``, and the engine only sums them.
+Room for the kinds of issue 15 without another rewrite: a sliding-window layer keeps a
+ring of its window per sequence in a ``FullAttention`` whose "block" is one ring
+(:mod:`plimsoll.engine.window`); an MLA latent kind (:mod:`plimsoll.engine.latent`) is one
+"head" whose K pool holds the ``kv_lora_rank`` latent and V pool the ``qk_rope_head_dim``
+rope key; a quantized kind keeps, per pool, the values plus scales and biases arrays of
+mlx-lm's group size on the same slot axis — each kind reports its own ``block_bytes`` and
+``nbytes``, and the engine only sums them.
 
 Growth: pools are never preallocated whole. They grow in slabs of ``slab_blocks`` up to
 ``max_blocks`` when a block id past the allocated range is written; each array is

@@ -110,6 +110,7 @@ class _Seq:
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # of table[:len(hashes)], registered
     snapshots: list[Hashable] = field(default_factory=list)  # taken, not bound to a hash yet
+    frozen: tuple[int, ...] | None = None  # tuple(table), kept until the table grows
 
 
 @dataclass
@@ -260,7 +261,10 @@ class BlockPool:
             self._ref[block] = 1
             self._held += 1
             seq.table.append(block)
-        return tuple(seq.table)
+            seq.frozen = None
+        if seq.frozen is None or len(seq.frozen) != len(seq.table):
+            seq.frozen = tuple(seq.table)  # the same object every step until it grows
+        return seq.frozen
 
     def commit(self, seq_id: Hashable, tokens: Sequence[int], written: int | None = None
                ) -> None:

@@ -105,14 +105,17 @@ def gather_transient_bytes(facts: ModelFacts, batch_tokens: int) -> int:
     return 2 * per_layer_token * batch_tokens
 
 
-def _per_chunk_token_bytes(facts: ModelFacts, context: int) -> int:
+def _per_chunk_token_bytes(facts: ModelFacts, context: int, fused: bool = False) -> int:
     """Transient bytes one more query token adds: its attention scores against
-    ``context`` keys and their softmax (mlx's unfused attention holds both), and its
-    activations in one layer."""
+    ``context`` keys and their softmax (mlx's unfused attention holds both; a fused kernel,
+    ``fused``, holds only tiles of them), and its activations in one layer."""
     heads = facts.num_attention_heads or facts.num_key_value_heads
     hidden = facts.hidden_size or heads * facts.head_dim
     inter = facts.intermediate_size or 4 * hidden
-    scores = 2 * heads * context * _ACT_BYTES
+    # scores and softmax (none in a fused attention); MLA also holds its positional scores
+    # and their masked copy, the additive mask it hands the attention, fused or not
+    arrays = (0 if fused else 2) + (2 if facts.prefill_expand_per_token else 0)
+    scores = arrays * heads * context * _ACT_BYTES
     acts = (4 * hidden + 3 * inter + 2 * heads * facts.head_dim) * _ACT_BYTES
     return scores + acts
 
@@ -132,29 +135,40 @@ def _whole(tokens: int, block_tokens: int) -> int:
 
 
 def prefill_transient_bytes(facts: ModelFacts, chunk: int, context: int,
-                            block_tokens: int = 16) -> int:
-    """Transient bytes of one prefill chunk of ``chunk`` tokens ending at ``context``."""
+                            block_tokens: int = 16, fused: bool = False) -> int:
+    """Transient bytes of one prefill chunk of ``chunk`` tokens ending at ``context``
+    (``fused``: the backend's prefill attention is a fused kernel, see
+    :func:`_per_chunk_token_bytes`)."""
     if chunk <= 0:
         return 0
     context = max(context, chunk)
-    return (gather_transient_bytes(facts, _whole(context, block_tokens))
-            + chunk * _per_chunk_token_bytes(facts, context))
+    return (_context_transient_bytes(facts, _whole(context, block_tokens))
+            + chunk * _per_chunk_token_bytes(facts, context, fused))
+
+
+def _context_transient_bytes(facts: ModelFacts, tokens: int) -> int:
+    """A prefill chunk's transient that follows the context, not the chunk: the gather,
+    and (MLA) the per-head keys and values one layer expands the latent of every
+    context token into."""
+    return (gather_transient_bytes(facts, tokens)
+            + tokens * facts.prefill_expand_per_token * _ACT_BYTES)
 
 
 def prefill_chunk_tokens(facts: ModelFacts, context: int, transient_bytes: int, *,
-                         multiple: int = 16, most: int = 2048, block_tokens: int = 16) -> int:
+                         multiple: int = 16, most: int = 2048, block_tokens: int = 16,
+                         fused: bool = False) -> int:
     """The largest prefill chunk (a multiple of ``multiple``, at most ``most``; below
     ``multiple`` any size) whose transient at ``context`` stays within ``transient_bytes``.
 
-    0 when not even one token fits (the gather of the context alone passes the bound):
+    0 when not even one token fits (what follows the context alone passes the bound):
     the caller refuses that context rather than exceed it.
     """
     if context <= 0:
         raise ValueError("context must be positive")
-    room = transient_bytes - gather_transient_bytes(facts, _whole(context, block_tokens))
+    room = transient_bytes - _context_transient_bytes(facts, _whole(context, block_tokens))
     if room <= 0:
         return 0
-    chunk = min(most, context, room // _per_chunk_token_bytes(facts, context))
+    chunk = min(most, context, room // _per_chunk_token_bytes(facts, context, fused))
     if chunk >= multiple:
         chunk -= chunk % multiple
     return int(chunk)

@@ -145,6 +145,30 @@ def memory_mount() -> tuple[linux.CgroupVersion, Path] | None:
     return None
 
 
+def own_directory(version: linux.CgroupVersion, root: Path) -> Path:
+    """This process's own memory cgroup (its leaf) as a directory under the mount; the
+    mount point when it is not visible (a container without a cgroup namespace)."""
+    paths = linux.parse_proc_cgroup(_read(Path("/proc/self/cgroup")) or "")
+    mounts = linux.parse_mountinfo(_read(Path("/proc/self/mountinfo")) or "")
+    if version not in paths or version not in mounts:
+        return root
+    return Path(linux.cgroup_levels(mounts[version], paths[version])[0][1])
+
+
+def default_parent() -> Path | None:
+    """Where worker cgroups go by default: ``plimsoll`` *below the creator's own cgroup*,
+    so every limit that binds the creator (a proxy in a cgroup: its whole memory world is
+    that cgroup's usage) binds and counts its workers too. At the root that is the old
+    ``<mount>/plimsoll``. (Under cgroup v2 a non-root cgroup with processes in it cannot
+    delegate the memory controller: creation fails and the worker, unguarded, stays in
+    its creator's cgroup, still bound and counted.)"""
+    found = memory_mount()
+    if found is None:
+        return None
+    version, root = found
+    return own_directory(version, root) / "plimsoll"
+
+
 def unavailable_reason(parent: Path | None = None) -> str | None:
     """Why a per-worker cgroup cannot be made here, or None when it can."""
     if os.name != "posix" or not Path("/proc/self/mountinfo").exists():
@@ -152,15 +176,14 @@ def unavailable_reason(parent: Path | None = None) -> str | None:
     found = memory_mount()
     if found is None:
         return "no memory cgroup controller is mounted"
-    _, root = found
-    where = parent if parent is not None else root
+    where = parent if parent is not None else default_parent()
     if not os.access(where if where.exists() else where.parent, os.W_OK):
         return f"{where} is not writable (not root, or a read-only cgroup mount)"
     return None
 
 
 def create(name: str, limit_bytes: int, parent: Path | None = None) -> Cgroup:
-    """Make ``parent``/``name`` (default parent: ``<memory mount>/plimsoll``) with a limit.
+    """Make ``parent``/``name`` (default parent: :func:`default_parent`) with a limit.
 
     v2 first needs ``+memory`` in the parent's ``cgroup.subtree_control``. Raises OSError
     with the path when the kernel says no; the caller decides whether that is fatal.
@@ -169,7 +192,7 @@ def create(name: str, limit_bytes: int, parent: Path | None = None) -> Cgroup:
     if found is None:
         raise OSError(errno.ENOENT, "no memory cgroup controller is mounted")
     version, root = found
-    base = parent if parent is not None else root / "plimsoll"
+    base = parent if parent is not None else default_parent()
     base.mkdir(exist_ok=True)
     if version == "v2":
         for d in [*reversed(base.relative_to(root).parents), base.relative_to(root)]:
@@ -177,7 +200,11 @@ def create(name: str, limit_bytes: int, parent: Path | None = None) -> Cgroup:
             if "memory" not in (_read(ctl) or "").split():
                 ctl.write_text("+memory")
     path = base / name
-    path.mkdir()
+    try:
+        path.mkdir()
+    except FileNotFoundError:  # the last sibling's close removed an emptied base meanwhile
+        base.mkdir(exist_ok=True)
+        path.mkdir()
     cg = Cgroup(version, path)
     try:
         cg.set_limit(limit_bytes)

@@ -30,6 +30,7 @@ before the OS is under pressure.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -124,6 +125,13 @@ class WorkerGuard:
         ok = self.cgroup.remove()
         if not ok:
             log.warning("memory cgroup %s still busy; left in place", self.cgroup.path)
+        base = self.cgroup.path.parent
+        found = cgroups.memory_mount()
+        if ok and base == cgroups.default_parent() and found and base.parent != found[1]:
+            # a default base below the creator's own cgroup goes when its last worker does
+            # (a cgroup with a child cannot be removed); <mount>/plimsoll stays, as before
+            with contextlib.suppress(OSError):
+                base.rmdir()
         return ok
 
 

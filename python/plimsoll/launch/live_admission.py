@@ -15,11 +15,12 @@ from pathlib import Path
 from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
 from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.core.policy import Mode, ModelEntry, Policy
-from plimsoll.core.sizing import compute_transient_bytes
+from plimsoll.core.sizing import compute_transient_bytes, largest_fitting, reserve_for_compute
 from plimsoll.core.units import fmt_bytes, gib_to_bytes, mib_to_bytes
+from plimsoll.engine.work import prefill_transient_bytes
 from plimsoll.launch.calibration import lookup, reserve_fraction
 from plimsoll.probes.snapshot import MemorySnapshot
-from plimsoll.worker.config import WorkerConfig, prefill_chunk
+from plimsoll.worker.config import PREFILL_CHUNK, prefill_chunk
 
 DEFAULT_CONTEXT = 8192
 DEFAULT_MAX_TOKENS = 1024
@@ -161,40 +162,64 @@ def plan(
         max_tokens=max_tokens,
         min_context=knob("min_context"),
     )
-    return facts, req, check_transient(facts, req, admit(req))
+    return facts, req, admit_counting_transient(facts, req)
+
+
+def transient_floor(facts: ModelFacts, context: int, block_tokens: int) -> int:
+    """The least transient reserve a worker of ``context`` needs: its compute share holds
+    a prefill chunk of one block at the full context (the gather of the context, and one
+    block of queries' scores and activations); at shorter prompts the chunk grows back
+    under the same bound (:func:`plimsoll.worker.config.prefill_chunk`)."""
+    return reserve_for_compute(prefill_transient_bytes(facts, block_tokens, context,
+                                                       block_tokens))
 
 
 def _chunk(facts: ModelFacts, d: AdmissionDecision, context: int) -> int:
     return prefill_chunk(facts, context, compute_transient_bytes(d.transient_reserve_bytes),
                          block_tokens=d.block_tokens,
-                         most=WorkerConfig.model_fields["prefill_chunk"].default)
+                         most=PREFILL_CHUNK)
 
 
-def check_transient(facts: ModelFacts, req: AdmissionRequest,
-                    d: AdmissionDecision) -> AdmissionDecision:
-    """The compute transient (the reserve less the MLX buffer cache) must hold one prefill
-    chunk at the context, or the worker would refuse to start: else clamp the context to
-    the longest that fits (admission re-run on it), or refuse below the minimum."""
-    if not d.admitted or _chunk(facts, d, d.context) > 0:
+def _at(facts: ModelFacts, req: AdmissionRequest, context: int) -> AdmissionRequest:
+    """``req`` at ``context``, its transient floor counted at that context."""
+    ctx = min(context, req.native_max_context or context)
+    return req.model_copy(update={
+        "context": context, "transient_floor_bytes": transient_floor(facts, ctx, req.block_tokens)})
+
+
+def admit_counting_transient(facts: ModelFacts, req: AdmissionRequest) -> AdmissionDecision:
+    """Admission with the prefill transient at the context counted in the reserve.
+
+    The reserve grows to hold the engine's least transient at the context (taken from the
+    pool, which admission then fits as usual), so the chunk shrinks as the context grows
+    and the context is not cut to fit a fixed fraction. Only when the envelope cannot hold
+    that transient beside one sequence is the context clamped: to the longest whose own
+    transient fits (one search), else the refusal stands.
+    """
+    target = min(req.context, req.native_max_context or req.context)
+    d = admit(_at(facts, req, req.context))
+    if d.admitted and d.context == target and _chunk(facts, d, d.context) > 0:
         return d
-    transient = compute_transient_bytes(d.transient_reserve_bytes)
-    floor = max(min(req.min_context, d.context), req.max_tokens + 1)
-    lo, hi = 0, d.context // d.block_tokens  # in blocks: the longest context that fits
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _chunk(facts, d, mid * d.block_tokens) > 0:
-            lo = mid
-        else:
-            hi = mid - 1
-    why = (f"the compute transient of {fmt_bytes(transient)} (the transient reserve less the "
-           f"MLX buffer cache) cannot hold one prefill chunk at context {d.context} (the "
-           "gather of the context alone passes it)")
-    if lo * d.block_tokens >= floor:
-        again = admit(req.model_copy(update={"context": lo * d.block_tokens}))
-        if again.admitted:
-            return again.model_copy(update={"decision": "clamp", "requested_context": req.context,
-                                            "reasons": [*again.reasons, f"context clamped to "
-                                                        f"{again.context}: {why}"]})
+    if not admit(req.model_copy(update={"transient_floor_bytes": 0})).admitted:
+        return d  # refused whatever the transient: admission's own reasons say why
+    floor = max(min(req.min_context, target), req.max_tokens + 1)
+
+    def fits(ctx: int) -> bool:  # admitted at ctx, its own transient counted, not cut further
+        got = admit(_at(facts, req, ctx))
+        return got.admitted and got.context == ctx
+
+    best = largest_fitting(floor, target - 1, fits, step=req.block_tokens)
+    need = transient_floor(facts, target, req.block_tokens)
+    why = (f"the prefill transient at context {target} (a reserve of {fmt_bytes(need)}: "
+           "the gather of the context and one block of queries) and one sequence of it do not "
+           "fit the envelope together")
+    if best is None and d.admitted:
+        return d  # admission's own clamp, its transient counted at the longer context
+    if best is not None:
+        again = admit(_at(facts, req, best))
+        return again.model_copy(update={"decision": "clamp", "requested_context": req.context,
+                                        "reasons": [*again.reasons, f"context clamped to "
+                                                    f"{again.context}: {why}"]})
     return d.model_copy(update={"decision": "refuse", "reasons": [
-        *d.reasons, f"refused: {why}, nor at the minimum context {floor}: raise the "
-        "transient reserve or the budget, or lower the context"]})
+        *d.reasons, f"refused: {why}, nor at the minimum context {floor}: raise the budget, "
+        "or lower the context or the concurrency"]})

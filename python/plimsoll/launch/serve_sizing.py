@@ -1,9 +1,11 @@
 """The model entry ``plimsoll serve`` sizes for coding clients (``--model`` or the demo).
 
 The largest context up to the model's native maximum that this machine's budget admits at
-``concurrency`` sequences (found by bisection over admission itself), an output limit of a
-quarter of it (at most :data:`~.defaults.MAX_OUTPUT`; a larger request is clamped), unless
-``--context`` / ``--concurrency`` / ``--max-tokens`` say otherwise.
+``concurrency`` sequences (found by bisection over admission itself:
+:func:`~plimsoll.core.sizing.largest_fitting`, the one search admission's context clamps
+share), an output limit of a quarter of it (at most :data:`~.defaults.MAX_OUTPUT`; a
+larger request is clamped), unless ``--context`` / ``--concurrency`` / ``--max-tokens``
+say otherwise.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from plimsoll.core.policy import parse_policy
+from plimsoll.core.sizing import largest_fitting
 from plimsoll.probes.snapshot import MemorySnapshot
 
 from .defaults import DEFAULT_CONCURRENCY, FALLBACK_CONTEXT, MAX_OUTPUT, budgets
@@ -50,7 +53,5 @@ def largest_context(model_dir: Path, native: int, concurrency: int,
     low, high = pol.min_context, max(native, pol.min_context)
     if fits(high):
         return high
-    while high - low > 256:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    best = largest_fitting(low, high, fits, step=pol.block_tokens)
+    return best if best is not None else low

@@ -95,7 +95,7 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
         "--ceiling-bytes", str(cfg.ceiling_bytes), "--total-ram-bytes", str(cfg.total_ram_bytes),
         "--trip-offset", repr(cfg.trip_offset), "--mlx-cache-mb", str(cfg.mlx_cache_mb),
         "--wired-limit-bytes", str(cfg.wired_limit_bytes),
-        "--prefill-chunk", str(cfg.prefill_chunk),
+        *(["--prefill-chunk", str(cfg.prefill_chunk)] if cfg.prefill_chunk else []),
         *(["--max-batch", str(cfg.max_batch)] if cfg.max_batch else []),
         *(["--kv-dtype", cfg.kv_dtype] if cfg.kv_dtype else []),
         *(["--block-bytes", str(cfg.block_bytes)] if cfg.block_bytes else []),

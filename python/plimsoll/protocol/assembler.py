@@ -23,8 +23,10 @@ With ``reasoning`` markers (:mod:`.reasoning`), text inside a reasoning block co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -79,6 +81,8 @@ def _partial_suffix(text: str, needles: list[str]) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of a needle."""
     best = 0
     for needle in needles:
+        if len(needle) < 2 or needle[0] not in text[-(len(needle) - 1):]:
+            continue  # the common case, per token: no start of the needle in the tail
         for k in range(min(len(needle) - 1, len(text)), best, -1):
             if text.endswith(needle[:k]):
                 best = k
@@ -97,12 +101,26 @@ def fresh_detokenizer(tokenizer: Any) -> Any:
     """
     detok = tokenizer.detokenizer  # mlx-lm hands out a reset copy per access
     detok.reset()
-    newline = tokenizer.encode("\n", add_special_tokens=False)
+    newline = _newline(tokenizer)
     if len(newline) == 1:
         detok.add_token(newline[0])
         if detok.last_segment != "\n":
             detok.reset()
     return detok
+
+
+_NEWLINES: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+
+
+def _newline(tokenizer: Any) -> list[int]:
+    """The newline's ids, encoded once per tokenizer (an encode costs ~1 ms a request)."""
+    try:
+        return _NEWLINES[tokenizer]
+    except (KeyError, TypeError):
+        ids = tokenizer.encode("\n", add_special_tokens=False)
+    with contextlib.suppress(TypeError):  # not weak-referenceable: encoded each time
+        _NEWLINES[tokenizer] = ids
+    return ids
 
 
 def new_tool_call_id() -> str:

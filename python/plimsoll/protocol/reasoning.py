@@ -41,6 +41,8 @@ def markers_for(tokenizer: Any, prompt: list[int] | None = None) -> Markers:
 
 def _partial(text: str, marker: str) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
+    if len(marker) < 2 or marker[0] not in text[-(len(marker) - 1):]:
+        return 0  # the common case, per token: no start of the marker in the tail
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):
             return k

@@ -140,10 +140,12 @@ def final_chunks(meta: ResponseMeta, result: Assembled, usage: dict[str, Any] | 
     return [last] + ([usage_chunk(meta, usage)] if usage is not None else [])
 
 
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # made once, not per call
+
+
 def sse(obj: dict[str, Any]) -> bytes:
     """One Server-Sent Event: ``data: {json}`` and a blank line."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
+    return b"data: " + _COMPACT.encode(obj).encode() + b"\n\n"
 
 
 # --- models -------------------------------------------------------------------------------

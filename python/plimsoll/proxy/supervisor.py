@@ -48,7 +48,7 @@ from plimsoll.launch.live_admission import (
 from plimsoll.launch.spawn import LaunchError, worker_config
 from plimsoll.web.serve import free_port
 
-from ..probes.held import anon_bytes_except, held_bytes
+from ..probes.held import anon_bytes_except, held_bytes, read_content_bytes
 from ..probes.snapshot import MemorySnapshot
 from .errors import ProxyError
 from .events import EventLog, log
@@ -90,15 +90,17 @@ class Supervisor:
     def unaccounted(self, pid: int = 0) -> int:
         """The in-use figure the release check compares (blocking: ~10 ms on Linux).
 
-        Where in-use is host-wide (Linux with no binding cgroup: ``MemTotal −
-        MemAvailable``), every other process's anonymous memory is subtracted, so other
-        tenants growing or shrinking do not move it, while memory a dead worker left
-        behind (shared memory, a driver's allocations) still does. A binding cgroup's
-        usage, or macOS's wired figure, is taken as it is.
+        Where in-use is host-wide (Linux with no binding cgroup), the figure is the memory
+        the kernel holds with content (:func:`plimsoll.probes.held.content_bytes`: not
+        ``MemTotal − MemAvailable``, which a VM's free page reporting holds up for seconds
+        after an exit) less every other process's anonymous memory, so other tenants
+        growing or shrinking do not move it, while memory a dead worker left behind
+        (shared memory, kernel objects) still does. A binding cgroup's usage, or macOS's
+        wired figure, is taken as it is.
         """
         snap = self._snapshot()
         if snap.platform == "linux" and snap.ceiling_source.startswith("MemTotal"):
-            return snap.in_use_bytes - anon_bytes_except(pid)
+            return read_content_bytes() - anon_bytes_except(pid)
         return snap.in_use_bytes
 
     def measure(self, pid: int) -> tuple[int, int]:

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
@@ -43,7 +44,7 @@ from plimsoll.web.body import read_body
 from plimsoll.web.edge import Edge, access
 from plimsoll.web.errors import no_route_handler
 from plimsoll.web.graceful import Drain
-from plimsoll.worker.config import WorkerConfig, prefill_chunk
+from plimsoll.worker.config import WorkerConfig, default_prefill_chunk, prefill_chunk
 
 from . import anthropic_routes, responses_routes
 from .scheduler import (
@@ -130,6 +131,36 @@ async def generate(request: Request, kind: P.Kind) -> Response:
                         headers=reserved_headers(res))
 
 
+_JSON_STR = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps builds one per call
+
+
+class TextSSE:
+    """``P.sse`` of the chunk of one text delta, byte for byte, without building and encoding
+    the whole chunk per token: its bytes around the text are rendered once per response."""
+
+    def __init__(self, meta: P.ResponseMeta) -> None:
+        chat = meta.kind == "chat"
+        raw = P.sse(P.chat_chunk(meta, {"content": ""}) if chat else P.completion_chunk(meta, ""))
+        marker = b'"content":""' if chat else b'"text":""'
+        head, found, self._tail = raw.rpartition(marker)
+        if not found:  # pragma: no cover - the chunk builders changed shape
+            raise RuntimeError("a text chunk without its text field")
+        self._head = head + marker[:-2]
+
+    def __call__(self, text: str) -> bytes:
+        return self._head + _JSON_STR(text).encode() + self._tail
+
+    def deltas(self, meta: P.ResponseMeta, deltas: list[P.Delta]) -> bytes:
+        """Every delta's event, joined: text through the template, the rest as built."""
+        out = []
+        for d in deltas:
+            if type(d) is P.TextDelta:
+                out.append(self(d.text))
+            else:
+                out.extend(P.sse(c) for c in P.delta_chunks(meta, [d]))
+        return b"".join(out)
+
+
 def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
     return P.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
 
@@ -144,10 +175,10 @@ def _sse(meta: P.ResponseMeta, req: P.Request, waiting: tuple,
         usage = _usage(first, assembler) if req.include_usage else None
         return [*map(P.sse, P.final_chunks(meta, assembler.result(), usage)), P.SSE_DONE]
 
+    text_sse = TextSSE(meta)
     return sse_stream(waiting, assembler, opening=map(P.sse, P.first_chunks(meta)),
                       keepalive=b": keep-alive\n\n", refusal=refusal,
-                      deltas=lambda item: map(P.sse, P.delta_chunks(meta, item)),
-                      closing=closing)
+                      deltas=lambda item: [text_sse.deltas(meta, item)], closing=closing)
 
 
 # --- the other routes -------------------------------------------------------------------
@@ -218,7 +249,7 @@ def make_pool(cfg: WorkerConfig, eng: Any, pool_cls: type[BlockPool] = BlockPool
             f"--block-bytes {cfg.block_bytes} (what admission counted per block) differs "
             f"from the loaded engine's {eng.block_bytes} B per block of {cfg.block_tokens} "
             f"tokens (KV dtype {facts.kv_dtype}): pass the --kv-dtype admission used")
-    fixed = S.fixed_blocks(facts.per_sequence_fixed_bytes, eng.block_bytes)
+    fixed = S.fixed_blocks(facts.fixed_bytes(cfg.context), eng.block_bytes)  # windows ≤ context
     if problem := S.pool_problem(cfg.max_cache_blocks, cfg.context, cfg.block_tokens, fixed):
         raise SystemExit(problem)
     return pool_cls(
@@ -232,11 +263,14 @@ def make_pool(cfg: WorkerConfig, eng: Any, pool_cls: type[BlockPool] = BlockPool
 def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
     """The step's figures: the prefill chunk follows the context so its transient stays
     under the bound admission counted, and a sequence joins the running batch only while
-    the decode step's transient stays under it too."""
+    the decode step's transient stays under it too. The chunk's default and its transient
+    follow the backend (``eng.fused_prefill``: a fused prefill attention holds no scores)."""
     from plimsoll.engine.work import decode_transient_bytes
 
+    fused = bool(getattr(eng, "fused_prefill", False))
+    most = cfg.prefill_chunk or default_prefill_chunk(fused)
     if prefill_chunk(eng.facts, cfg.context, cfg.transient_bytes,
-                     block_tokens=cfg.block_tokens, most=cfg.prefill_chunk) <= 0:
+                     block_tokens=cfg.block_tokens, most=most, fused=fused) <= 0:
         raise SystemExit(
             f"--transient-bytes {cfg.transient_bytes} cannot hold one prefill token at "
             f"--context {cfg.context} (the gather of the context alone passes it): raise "
@@ -248,9 +282,9 @@ def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
 
         def chunk_for(prompt_tokens: int) -> int:  # short prompts take bigger chunks
             return prefill_chunk(eng.facts, max(1, prompt_tokens), cfg.transient_bytes,
-                                 block_tokens=cfg.block_tokens, most=cfg.prefill_chunk)
+                                 block_tokens=cfg.block_tokens, most=most, fused=fused)
     return SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
-                           max_batch=cfg.batch_bound, prefill_tokens=cfg.prefill_chunk,
+                           max_batch=cfg.batch_bound, prefill_tokens=most,
                            transient_bytes=cfg.transient_bytes or 0, decode_bytes=decode,
                            chunk_for=chunk_for)
 
@@ -274,18 +308,23 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
         from plimsoll import engine as E  # the engine edge: the only place mlx is imported
 
         eng = E.Engine.load(cfg.model_dir, block_tokens=cfg.block_tokens,
-                            max_blocks=cfg.max_cache_blocks, kv_dtype=cfg.kv_dtype)
+                            max_blocks=cfg.max_cache_blocks, kv_dtype=cfg.kv_dtype,
+                            context=cfg.context)
         loaded["applied"] = stack.enter_context(E.process_limits(
             cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
         loaded["active_memory"] = E.active_memory
         if cfg.disk_cache_dir is None:
-            return eng, make_pool(cfg, eng), scheduler_limits(cfg, eng)
-        from plimsoll.worker.disk_restore import SpillingPool, open_tier
+            pool = make_pool(cfg, eng)
+        else:
+            from plimsoll.worker.disk_restore import SpillingPool, open_tier
 
-        pool = make_pool(cfg, eng, SpillingPool)
-        sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
-        sched.disk.attach(pool)
-        return eng, pool, scheduler_limits(cfg, eng)
+            pool = make_pool(cfg, eng, SpillingPool)
+            sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
+            sched.disk.attach(pool)
+        limits = scheduler_limits(cfg, eng)
+        if took := E.warm_up(eng):  # GPU backends only: see engine/warmup
+            log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
+        return eng, pool, limits
 
     def memory_probe() -> dict[str, int]:
         return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
@@ -363,6 +402,8 @@ def serve_worker(cfg: WorkerConfig) -> None:
 
     basic_logging()
     set_quiet(cfg.quiet)
+    if interval := os.environ.get("PLIMSOLL_SWITCH_INTERVAL_S"):  # a tuning knob (bench/)
+        sys.setswitchinterval(float(interval))  # how soon the engine thread gets the GIL
     app = make_app(cfg)
     limit = in_flight_limit(cfg)
     # h11 whatever else is installed: its cap on a request head bounds enormous headers.

@@ -35,8 +35,10 @@ class WorkerConfig(BaseModel):
     max_batch: int | None = Field(default=None, gt=0, description=(
         "Sequences running at once (a runtime bound: short requests fit many more than "
         "max_num_seqs when their reservations fit); default max(64, max_num_seqs)."))
-    prefill_chunk: int = Field(default=512, gt=0, description=(
-        "Prompt tokens computed per step over all prefills, beside every running decode."))
+    prefill_chunk: int | None = Field(default=None, gt=0, description=(
+        "Prompt tokens computed per step over all prefills, beside every running decode; "
+        "None: PREFILL_CHUNK_FUSED where the backend's prefill attention is fused (a GPU), "
+        "else PREFILL_CHUNK."))
     kv_dtype: Literal["float16", "bfloat16", "float32"] | None = Field(
         default=None, description="KV cache dtype; None: the model's.")
     transient_bytes: int | None = Field(default=None, gt=0, description=(
@@ -93,8 +95,21 @@ class WorkerConfig(BaseModel):
         return self.mlx_cache_mb * MIB
 
 
+#: The per-step prompt budget (``--prefill-chunk``) by default. On a CPU a chunk's compute
+#: is what the running streams wait for, so it stays small. On a GPU every chunk at a prefix
+#: costs a fixed ~40-55 ms of attention-plan build on MLX's CUDA backend (a new key length
+#: each chunk; bench/results/cuda-attention-h200.md), so bigger chunks, as mlx_lm.server's
+#: 2048-token prefill steps, pay it for more tokens; a 2048 chunk delays streams ~0.1 s.
+PREFILL_CHUNK = 512
+PREFILL_CHUNK_FUSED = 2048
+
+
+def default_prefill_chunk(fused: bool) -> int:
+    return PREFILL_CHUNK_FUSED if fused else PREFILL_CHUNK
+
+
 def prefill_chunk(facts: ModelFacts, context: int, transient_bytes: int | None, *,
-                  block_tokens: int, most: int) -> int:
+                  block_tokens: int, most: int, fused: bool = False) -> int:
     """The prefill chunk at ``context`` whose transient (scores, activations and the gather
     of its table) stays within ``transient_bytes``: a multiple of the block, at most
     ``most``; 0 when not even one token fits. Admission (launch) and the worker both call
@@ -103,4 +118,4 @@ def prefill_chunk(facts: ModelFacts, context: int, transient_bytes: int | None, 
     if transient_bytes is None:
         return most
     return prefill_chunk_tokens(facts, context, transient_bytes, multiple=block_tokens,
-                                most=most, block_tokens=block_tokens)
+                                most=most, block_tokens=block_tokens, fused=fused)

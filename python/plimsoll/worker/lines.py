@@ -10,16 +10,45 @@ engine's own ``kv_bytes_allocated``. Both run on the scheduler thread only.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger("plimsoll.worker")
 
+#: Decode-only steps probe memory at most this often (see :meth:`TripMixin._probe_due`).
+PROBE_INTERVAL_S = 0.05
+#: The status snapshot of decode-only steps is refreshed at most this often; anything a
+#: reader acts on (admissions, ends, refusals, the trip, going idle) publishes at once.
+PUBLISH_INTERVAL_S = 0.05
+
 
 class TripMixin:
     """Needs: pool, engine, limits, memory_probe, counters, tripped, _waiting, _running,
-    _end, _refuse, _drop_snapshots."""
+    _end, _refuse, _drop_snapshots, _spiked, _probed_at, _dirty."""
+
+    def _probe_due(self) -> bool:
+        """Whether this iteration probes memory (the trip check): always after a step that
+        ran a prefill, while nothing runs, and at least every
+        :data:`PROBE_INTERVAL_S` otherwise.
+
+        Why the bound still holds between probes: a step of decodes only adds what
+        admission already counted — one token per row written into blocks of the row's
+        reservation (the pool's own accounting is the hard bound: ``held + outstanding ≤
+        total``, pool arrays grow only up to ``max_blocks``) and a decode transient that
+        ``_decode_fits`` kept under ``transient_bytes`` when the row joined. The probe is
+        the line for what accounting cannot see (allocator fragmentation, a guard's limit
+        lowered from outside); the spikes it exists for — prefills — are probed before
+        every admission (``_plan``) and in the iteration right after every prefill step,
+        and a cgroup's hard line or the footprint guard's thread act on their own. So a
+        decode-only stretch is re-checked within :data:`PROBE_INTERVAL_S`, a few steps.
+        """
+        now = time.monotonic()
+        return (self._spiked or not self._running
+                or now - self._probed_at >= PROBE_INTERVAL_S)
 
     def _check_trip(self) -> None:
+        self._probed_at = time.monotonic()
+        was = self.tripped
         over = self._over_trip()
         if over and self.pool.cached:
             self.pool.drop_cached()
@@ -31,6 +60,8 @@ class TripMixin:
         if over and not self.tripped:
             log.error("trip: %s after the emergency clear; refusing new work", over)
         self.tripped = over
+        if over or was:
+            self._dirty = True
         if over:
             self._shed(over)
 
@@ -64,14 +95,23 @@ class TripMixin:
 
 
 class StatsMixin:
-    """Needs: pool, engine, limits, counters, tripped, _running, _waiting, _inbox, _steps."""
+    """Needs: pool, engine, limits, counters, tripped, _running, _waiting, _inbox, _steps,
+    _dirty, _published_at."""
 
     stats: dict[str, Any]
     kv_bytes_peak: int
     disk: Any  # worker/disk_restore.DiskTier or None
 
+    def _maybe_publish(self) -> None:
+        """Publish if something a reader acts on changed, or the last snapshot is older
+        than :data:`PUBLISH_INTERVAL_S` (decode-only steps change counts, not decisions)."""
+        if self._dirty or time.monotonic() - self._published_at >= PUBLISH_INTERVAL_S:
+            self._publish()
+
     def _publish(self) -> None:
         """A consistent snapshot for /v1/plimsoll/status (read from other threads)."""
+        self._dirty = False
+        self._published_at = time.monotonic()
         pool, eng = self.pool, self.engine
         allocated = eng.kv_bytes_allocated()
         self.kv_bytes_peak = max(self.kv_bytes_peak, allocated)

@@ -29,13 +29,20 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
 Hybrid models (recurrent state) cannot cut a state, so a prefix is reused only where the
 engine holds a snapshot of the state at the end of a block. The rule: whenever a submitted
 step leaves a sequence's written tokens on a block boundary (a prompt chunk — a hybrid
-prompt's chunks end on blocks — or a decode that fills a block), its state is snapshotted
-if the pool has room (each snapshot is charged ``fixed_blocks_per_seq`` under the cache
+prompt's chunks end on blocks, the last one stopping at the prompt's last block boundary
+first, so the same prompt again is a hit — or a decode that fills a block), its state is
+snapshotted if the pool has room (each snapshot is charged ``fixed_blocks_per_seq`` under the cache
 cap, reclaimable, LRU); it becomes a hit once that block's hash is registered, and a later
 prompt maps the blocks up to the last one with a snapshot and resumes from it.
 
 Running out is an event (``Refused``) for the HTTP edge to turn into a 503 with
 ``Retry-After`` — never a crash, never growth past the pool.
+
+Per-step cost (every millisecond of Python here is decode time lost on a GPU, where a
+batched step computes in ~10 ms, and it shares the GIL with the HTTP side): the memory
+probe and the status snapshot run on a cadence (:mod:`.lines`), not every step; a
+sequence's full blocks are hashed only when a block fills; a sequence's ``Sampling`` is
+built once; the pool hands back the same table tuple until the table grows.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from plimsoll.engine.pool import BlockPool, Grant, Refusal
@@ -77,15 +84,16 @@ class _Run:
     cached_tokens: int
     pending: int = 0       # sampled tokens not read yet (0 or 1)
     generated: int = 0
+    full_committed: int = -1  # full blocks whose hashes were last registered
+    sampling: Sampling = field(default_factory=Sampling)
+
+    def __post_init__(self) -> None:
+        r = self.req
+        self.sampling = Sampling(r.temperature, r.top_p, r.seed)
 
     @property
     def prefilling(self) -> bool:
         return self.written < self.prompt_len
-
-    @property
-    def sampling(self) -> Sampling:
-        r = self.req
-        return Sampling(r.temperature, r.top_p, r.seed)
 
 
 class Scheduler(TripMixin, StatsMixin):
@@ -120,6 +128,10 @@ class Scheduler(TripMixin, StatsMixin):
         self.step_log: collections.deque[tuple[int, tuple[int, ...], dict[int, int]]] = (
             collections.deque(maxlen=4096))
         self.stats: dict[str, Any] = {}
+        self._published_at = 0.0  # monotonic time of the last snapshot (lines.StatsMixin)
+        self._dirty = True        # something a reader sees changed besides the step count
+        self._probed_at = 0.0     # monotonic time of the last memory probe (lines.TripMixin)
+        self._spiked = True       # the last step ran a prefill: probe memory at once
         self.disk: Any = None  # the tier under the pool (worker/disk_restore.DiskTier) or None
 
     # --- called from any thread ---------------------------------------------------------
@@ -170,6 +182,11 @@ class Scheduler(TripMixin, StatsMixin):
                 log.exception("scheduler iteration failed; cancelling all requests")
                 self._fail_all("internal error in the worker's scheduler")
             with self._wake:
+                idle = (not self._inbox and not self._running and self._pending is None
+                        and not self._stop.is_set())
+            if idle:  # fresh figures for whoever reads them while nothing runs
+                self._publish()
+            with self._wake:
                 if (not self._inbox and not self._running and self._pending is None
                         and not self._stop.is_set()):
                     self._wake.wait(timeout=0.25 if self._waiting else None)
@@ -180,10 +197,12 @@ class Scheduler(TripMixin, StatsMixin):
     def iterate(self) -> None:
         """One step of the loop (public for pure tests that drive it with a fake engine)."""
         self._take_inbox()
-        self._check_trip()
+        if self._probe_due():
+            self._check_trip()
         self._end_cancelled()
         step = self._plan()
         submitted = None
+        self._spiked = bool(step.prefills)  # a prefill's transient: probe next iteration
         if step.decodes or step.prefills:
             self._steps += 1
             submitted = (self.engine.run_async(step), self._steps)
@@ -193,12 +212,14 @@ class Scheduler(TripMixin, StatsMixin):
         if previous is not None:
             self._read(*previous)
         self._free_stale_states()
-        self._publish()
+        self._maybe_publish()
 
     def _take_inbox(self) -> None:
         with self._wake:
             new = list(self._inbox)
             self._inbox.clear()
+        if new:
+            self._dirty = True
         for req in new:
             if self.tripped:
                 self._refuse(req, 503, f"memory trip: {self.tripped}; the worker refuses new "
@@ -210,6 +231,8 @@ class Scheduler(TripMixin, StatsMixin):
                 self._waiting.append(req)
 
     def _expire_waiting(self) -> None:
+        if not self._waiting:
+            return
         now = time.monotonic()
         kept: collections.deque[GenRequest] = collections.deque()
         for req in self._waiting:
@@ -246,6 +269,8 @@ class Scheduler(TripMixin, StatsMixin):
     def _end_cancelled(self) -> None:
         for run in [r for r in self._running.values() if r.req.cancelled.is_set()]:
             self._finish(run, "cancelled")
+        if self._waiting and any(r.cancelled.is_set() for r in self._waiting):
+            self._dirty = True
 
     # --- planning -----------------------------------------------------------------------
     def _plan(self) -> Step:
@@ -269,8 +294,6 @@ class Scheduler(TripMixin, StatsMixin):
             if run.prefilling:
                 budget -= self._chunk(run, budget, prefills, chunks)
         while budget > 0 and self._waiting and len(self._running) < self.limits.max_batch:
-            if self._running and self._over_trip():  # each prefill can be a spike
-                break
             req = self._waiting[0]
             if self._running and not self._decode_fits(req):
                 break
@@ -281,6 +304,8 @@ class Scheduler(TripMixin, StatsMixin):
                 self._waiting.popleft()
                 self._refuse(req, 503, grant.message, "pool_exhausted")
                 continue
+            if self._running and self._over_trip():  # each prefill can be a spike: a
+                break                                # fresh probe before every admission
             self._waiting.popleft()
             budget -= self._chunk(self._admit(req, grant), budget, prefills, chunks)
         self.step_log.append((self._steps + 1, tuple(w.seq_id for w in decodes), chunks))
@@ -310,6 +335,7 @@ class Scheduler(TripMixin, StatsMixin):
         if self.disk is not None:
             self._commit(run)  # restored blocks are prefix hits for the next prompt at once
         self.counters["admitted"] += 1
+        self._dirty = True
         req.sink(Started(len(req.prompt), hit))
         return run
 
@@ -320,8 +346,11 @@ class Scheduler(TripMixin, StatsMixin):
         if self.limits.chunk_for is not None:  # the transient bound at this prompt's length
             n = max(1, min(n, self.limits.chunk_for(run.prompt_len)))
         block = self.pool.block_tokens
-        if self.pool.hybrid and run.written + n < run.prompt_len and n >= block:
-            n -= (run.written + n) % block  # end on a block: a state snapshot can go there
+        if self.pool.hybrid and n >= block:  # end on a block: a state snapshot can go there
+            if run.written + n < run.prompt_len:
+                n -= (run.written + n) % block
+            elif (last := (run.prompt_len - 1) // block * block) > run.written:
+                n = last - run.written  # the prompt's last boundary, so all of it can be hit
         table = self.pool.grow(run.req.id, run.written + n)
         end = run.written + n
         prefills.append(Work(run.req.id, tuple(run.tokens[run.written:end]), run.written,
@@ -356,7 +385,13 @@ class Scheduler(TripMixin, StatsMixin):
         self._drop_snapshots()
 
     def _commit(self, run: _Run) -> None:
-        """Register the full blocks of ``run`` whose every token is known."""
+        """Register the full blocks of ``run`` whose every token is known (a call that
+        fills no new block changes nothing, so it is skipped: a block fills once per
+        ``block_tokens`` tokens)."""
+        full = min(run.written, len(run.tokens)) // self.pool.block_tokens
+        if full == run.full_committed and not self.pool.hybrid:
+            return
+        run.full_committed = full
         self.pool.commit(run.req.id, run.tokens, run.written)
         if self.pool.hybrid:
             self.pool.bind_snapshots(run.req.id)
@@ -390,6 +425,7 @@ class Scheduler(TripMixin, StatsMixin):
     def _end(self, run: _Run, reason: str | None) -> None:
         """Release a sequence: its full blocks stay cached (their tokens are all known
         now: every written position is a prompt token or a token already read)."""
+        self._dirty = True
         del self._running[run.req.id]
         if reason is not None:
             self._commit(run)
@@ -413,6 +449,7 @@ class Scheduler(TripMixin, StatsMixin):
             self.engine.drop_snapshot(key)
 
     def _refuse(self, req: GenRequest, status: int, message: str, code: str) -> None:
+        self._dirty = True
         self.counters[f"refused_{code}"] += 1
         retry = self.limits.retry_after_s if status == 503 else None
         req.sink(Refused(status, message, code, retry))

@@ -5,13 +5,21 @@ of a shutdown, and its events as assembler deltas.
 
 Its own module so that :mod:`.app` (the OpenAI routes and the app factory) and
 :mod:`.anthropic_routes` both import it, and neither imports the other's routes back.
+
+Events cross from the scheduler thread in bursts (a decode step emits one token for every
+running stream at once): a :class:`Mailbox` per event loop wakes the loop once per burst
+(one ``call_soon_threadsafe``, one self-pipe write), not once per token, and
+:func:`events` feeds every event already queued for a request before it yields, so a
+request that fell behind sends its tokens as one write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -39,6 +47,45 @@ KEEPALIVE_S = float(os.environ.get("PLIMSOLL_KEEPALIVE_S", "5"))
 
 class _Pending:
     """What :func:`next_event` returns when its ``wait_s`` passed with no event."""
+
+
+class Mailbox:
+    """Events for one event loop's request queues, posted from the scheduler thread: the
+    first post of a burst schedules one :meth:`_flush` on the loop, the rest only append."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+
+    def sink(self, queue: asyncio.Queue):
+        """A request's sink (``Sink``): its events land in ``queue`` on the loop."""
+        return lambda ev: self.post(queue, ev)
+
+    def post(self, queue: asyncio.Queue, ev: Any) -> None:
+        with self._lock:
+            self._items.append((queue, ev))
+            if len(self._items) > 1:  # a flush is scheduled already and will take it
+                return
+        self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, ev in items:
+            queue.put_nowait(ev)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox] = (
+    weakref.WeakKeyDictionary())
+
+
+def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
+    """The loop's mailbox (made on first use; only the loop's own thread calls this)."""
+    box = _MAILBOXES.get(loop)
+    if box is None:
+        box = _MAILBOXES[loop] = Mailbox(loop)
+    return box
 
 
 PENDING = _Pending()
@@ -116,8 +163,7 @@ async def submit(request: Request, prompt: list[int], max_tokens: int, *, temper
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    gen = GenRequest(prompt=prompt, max_tokens=max_tokens,
-                     sink=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+    gen = GenRequest(prompt=prompt, max_tokens=max_tokens, sink=mailbox(loop).sink(queue),
                      temperature=temperature, top_p=top_p, seed=seed, constraint=constraint,
                      ignore_eos=ignore_eos)
     request.app.state.scheduler.submit(gen)
@@ -151,10 +197,13 @@ async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest,
             return Refused(503, f"the worker is shutting down and its drain time "
                            f"({drain.drain_s:g} s) ran out before this request finished",
                            "worker_stopping", 1)
+        if not queue.empty():  # the common case mid-stream: no timer, no task
+            return queue.get_nowait()
         poll = DISCONNECT_POLL_S if until is None else min(DISCONNECT_POLL_S,
                                                             max(0.0, until - time.monotonic()))
         try:
-            return await asyncio.wait_for(queue.get(), poll)
+            async with asyncio.timeout(poll):  # wait_for would make a task
+                return await queue.get()
         except TimeoutError:
             if await request.is_disconnected():
                 gen.cancelled.set()
@@ -169,7 +218,8 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
     with ``idle_s``, :data:`PENDING` each time that passed before the first token (a long
     prefill: the stream's keep-alive).
 
-    The access record learns the first token's time and the completion count."""
+    Every event already queued is fed before the deltas are yielded (one list for all of
+    them). The access record learns the first token's time and the completion count."""
     rec = access(request)
     waited = idle_s  # None once the first token came
     try:
@@ -180,15 +230,23 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
             if ev is PENDING:
                 yield ev
                 continue
-            if isinstance(ev, Token):
-                waited = None
-                rec.first_token()
-                yield assembler.feed(ev.token_id)
-            elif isinstance(ev, Finished):
-                yield assembler.close("length" if ev.reason == "length" else "stop")
-            elif isinstance(ev, Refused):
-                yield ev
-                return
+            deltas: list[P.Delta] = []
+            while True:
+                if isinstance(ev, Token):
+                    waited = None
+                    rec.first_token()
+                    deltas += assembler.feed(ev.token_id)
+                elif isinstance(ev, Finished):
+                    deltas += assembler.close("length" if ev.reason == "length" else "stop")
+                elif isinstance(ev, Refused):
+                    if deltas:
+                        yield deltas
+                    yield ev
+                    return
+                if assembler.done or queue.empty():
+                    break
+                ev = queue.get_nowait()
+            yield deltas
     finally:
         rec.completion = assembler.completion_tokens
         if not gen.cancelled.is_set():  # stop string, tool call, or client gone
@@ -232,9 +290,8 @@ async def sse_stream(waiting: tuple, assembler: P.TextAssembler, *, opening: Ite
             for chunk in refusal(item):
                 yield chunk
             return
-        else:
-            for chunk in deltas(item):
-                yield chunk
+        elif item and (data := b"".join(deltas(item))):  # one write per wake-up
+            yield data
     if assembler.done:
         for chunk in closing(first):
             yield chunk

@@ -190,7 +190,10 @@ def message_end(blocks: BlockStream, stop_reason: StopReason, stop_sequence: str
             {"type": "message_stop"}]
 
 
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # made once, not per call
+
+
 def sse_event(obj: dict[str, Any]) -> bytes:
     """One Server-Sent Event named by the object's type: ``event: <type>\\ndata: <json>``."""
-    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    data = _COMPACT.encode(obj)
     return f"event: {obj['type']}\ndata: {data}\n\n".encode()
