@@ -163,8 +163,6 @@ def family_dir(tmp_path_factory):
 # closing notes and left for the next session: they still run, and pass or fail visibly
 # (xfail, not skip). Each reason says what changed.
 KNOWN_REGRESSIONS = {
-    "test_clients_worker.py::test_a_slow_start_opens_the_stream_early_with_keep_alives":
-        "the paged engine's prefill is faster than the test's slow start: fewer keep-alives",
 }
 
 

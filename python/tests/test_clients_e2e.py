@@ -4,13 +4,18 @@ Each client runs once (``claude -p``, ``opencode run``, ``codex exec``) against 
 demo, through a recording pass-through proxy on 127.0.0.1 (``clients/recorder.py``), with
 only what the README tells a user to set: the base URL, a key and the model name (plus a
 private HOME, and for Claude Code a longer request timeout: the demo's CPU prefill of its
-~17k-token first prompt is slow on a shared machine). It asserts that the client exited 0
-and that every API request it made got a 200.
+~17k-token first prompt takes minutes on a shared machine). It asserts that the client
+exited 0 and that every API request it made got a 200.
+
+What it needs from the server, found by running it: keep-alives until the first token,
+through the prefill too (the clients are Node programs: a connection silent for 300 s is
+dropped and retried), and answers that end by themselves — the embedded demo's end-of-turn
+lead (:mod:`plimsoll.demo.model`); Claude Code and Codex exit 1 on an answer cut at
+``max_tokens``.
 
 The clients are installed by ``.ci/install-clients`` (pinned versions, node 22 where the
 system's is older, cached under ~/.cache/plimsoll/clients); where they cannot be installed
-the test skips and says why. Codex speaks the Responses API: its part skips while
-``POST /v1/responses`` is a 404.
+the test skips and says why.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ SERVE = "from plimsoll.cli.serve import serve_command; serve_command()"
 MODEL = "demo-tiny"
 CLIENT_TIMEOUT_S = 1800
 
-# Opt-in: the demo's CPU prefill of Claude Code's ~17k-token first prompt takes minutes on a
-# 2-core box (tens of minutes under load), longer than CI's budget allows for one test.
+# Opt-in: the CPU prefill of the clients' first prompts (Claude Code ~17k tokens, OpenCode
+# ~10k, Codex ~9k with the demo tokenizer) is quadratic in the prompt — MLX's CPU softmax over
+# chunk x context x heads x layers — and takes minutes per client on 2 cores.
 pytestmark = pytest.mark.skipif(
     os.environ.get("PLIMSOLL_CLIENTS_E2E") != "1",
     reason="set PLIMSOLL_CLIENTS_E2E=1 to run Claude Code, OpenCode and Codex end to end "

@@ -211,18 +211,27 @@ def test_sigterm_mid_stream_ends_the_stream_properly(tiny_model, tmp_path, drain
 
 def test_a_slow_start_opens_the_stream_early_with_keep_alives(tiny_model, tmp_path):
     """A stream not started at once gets its headers and opening events, then keep-alives
-    until its first token: clients that give up on a silent connection keep waiting."""
+    until its first token — while it waits for admission and while its prompt is prefilled
+    — so clients that give up on a silent connection (Node's body timeout: 300 s) keep
+    waiting. The prefill is made genuinely slow: ~1,000 prompt tokens in chunks of 16 are
+    ~60 engine steps, each longer than the 20 ms keep-alive period on any machine."""
     w = Worker(tiny_model, log=tmp_path / "w.log", extra_env={
-        "PLIMSOLL_EARLY_HEADERS_S": "0", "PLIMSOLL_KEEPALIVE_S": "0.05"},
-        **{"max-tokens": 64, "context": 4096})
+        "PLIMSOLL_EARLY_HEADERS_S": "0", "PLIMSOLL_KEEPALIVE_S": "0.02"},
+        **{"max-tokens": 64, "context": 4096, "prefill-chunk": 16})
     long = [{"role": "user", "content": "def f(x): return x " * 150}]
     try:
+        t0 = time.monotonic()
         with httpx.stream("POST", w.url + "/v1/messages", timeout=120, json={
                 "model": "tiny", "max_tokens": 8, "stream": True, "messages": long}) as r:
             assert r.status_code == 200
-            events = [x for x in r.iter_lines() if x.startswith("event: ")]
+            seen = [(time.monotonic(), x) for x in r.iter_lines() if x.startswith("event: ")]
+        events = [x for _, x in seen]
         assert events[0] == "event: message_start" and events[1] == "event: ping"
-        assert events.count("event: ping") > 1 and events[-1] == "event: message_stop"
+        assert events[-1] == "event: message_stop"
+        first_block = events.index("event: content_block_start")
+        pings = events[:first_block].count("event: ping")
+        # Admission is immediate here: all but the first ping came during the prefill.
+        assert pings >= 3, (pings, seen[first_block][0] - t0)
         client = anthropic.Anthropic(base_url=w.url, api_key="x", max_retries=0)
         with client.messages.stream(model="tiny", max_tokens=8, messages=long) as s:
             final = s.get_final_message()
@@ -231,7 +240,14 @@ def test_a_slow_start_opens_the_stream_early_with_keep_alives(tiny_model, tmp_pa
         with httpx.stream("POST", w.url + "/v1/chat/completions", timeout=120, json={
                 "max_tokens": 8, "stream": True, "messages": other}) as r:
             lines = [x for x in r.iter_lines() if x]
-        assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
+        assert lines.count(": keep-alive") >= 3 and lines[-1] == "data: [DONE]"
+        third = "import os; " * 150  # the Responses API (Codex) opens early too
+        with httpx.stream("POST", w.url + "/v1/responses", timeout=120, json={
+                "max_output_tokens": 8, "stream": True, "input": third}) as r:
+            lines = [x for x in r.iter_lines() if x]
+        assert lines[0] == "event: response.created"
+        assert lines.count(": keep-alive") >= 3
+        assert lines[-2] in ("event: response.completed", "event: response.incomplete")
         oa = openai.OpenAI(base_url=w.url + "/v1", api_key="x", max_retries=0)
         chunks = list(oa.chat.completions.create(model="tiny", messages=long, max_tokens=8,
                                                  stream=True))

@@ -256,3 +256,37 @@ def test_qwen3_06b_shape(tmp_path):
     assert params == 596_049_920  # Qwen3-0.6B's published count, tied embeddings
     assert facts.weights_bytes == 2 * params
     assert greedy(d, max_tokens=4)
+
+
+# ------------------------------------------------------------------ answers that end
+
+def test_eos_bias_ends_sampled_answers_and_leaves_plain_builds_alone(models, tmp_path):
+    """The embedded default's demo (``eos_bias``) ends an answer sampled at temperature 1
+    after some tokens of noise; the plain build runs to its limit (no end-of-turn)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    def lengths(model_dir: Path, limit: int = 300) -> list[int]:
+        model, tok = mlx_lm.load(str(model_dir))
+        out = []
+        for text in ("say hi", "def f(x): return x", "hello there"):
+            prompt = mx.array(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True))
+            mx.random.seed(1)
+            n = 0
+            for token, _ in generate_step(prompt, model, sampler=make_sampler(1.0),
+                                          max_tokens=limit):
+                n += 1
+                if token in tok.eos_token_ids:
+                    break
+            out.append(n)
+        return out
+
+    ending = build_demo_model(tmp_path / "eos", "tiny", eos_bias=3.5)
+    assert json.loads((ending / MARKER).read_text())["eos_bias"] == 3.5
+    assert "eos_bias" not in json.loads((models["tiny"] / MARKER).read_text())
+    got = lengths(ending)
+    assert all(1 < n < 300 for n in got), got
+    assert max(lengths(models["tiny"])) == 300
+    with pytest.raises(FileExistsError):  # a plain build is not taken for a biased one
+        build_demo_model(models["tiny"], "tiny", eos_bias=3.5)

@@ -265,6 +265,20 @@ def test_plain_text_until_eos(tok):
     assert streamed_text(deltas) == text and len(deltas) > 3
 
 
+def test_ignore_eos_counts_the_eos_hides_it_and_goes_on_to_max_tokens(tok):
+    eos = next(iter(tok.eos_token_ids))
+    first, then = ids(tok, "a = 1\n"), ids(tok, "b = 2\n")
+    assert chat(ignore_eos=True).ignore_eos and not chat().ignore_eos
+    a = TextAssembler(tok, max_tokens=len(first) + 1 + len(then), ignore_eos=True)
+    deltas = run(a, [*first, eos, *then, *ids(tok, "never seen")])
+    out = a.result()
+    assert out.text == streamed_text(deltas) == "a = 1\nb = 2\n"
+    assert out.finish_reason == "length" and out.completion_tokens == len(first) + 1 + len(then)
+    stops = TextAssembler(tok, max_tokens=100)  # without it the EOS ends the answer
+    run(stops, [*first, eos, *then])
+    assert stops.result().text == "a = 1\n" and stops.result().finish_reason == "stop"
+
+
 def test_stop_string_split_across_tokens_is_held_back_and_trimmed(tok):
     tokens = ids(tok, "x = 1  # STOPHERE then more")
     pieces = [tok.decode([t]) for t in tokens]

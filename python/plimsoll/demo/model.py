@@ -17,6 +17,15 @@ Invariants:
   the same preset/dtype/seed is what makes a directory "already built";
 - the same preset, dtype and seed give bit-identical weights (for one mlx version).
 
+Answers that end: random weights almost never sample the end-of-turn token, so every
+answer runs to its ``max_tokens`` — and coding clients treat an answer cut at its limit as
+a failure (Claude Code and Codex exit 1). ``eos_bias`` (the embedded default's demo, what
+``plimsoll serve`` runs) builds the same shapes with one hidden dimension made constant
+(every token's embedding is 1 there and no layer writes it) and the end-of-turn token's
+embedding raised there by ``eos_bias``: its logit then leads the others' by a constant, so
+a sampled answer (temperature 1) ends after a few dozen tokens of noise and a greedy one at
+once. Builds without it are bit-identical to before.
+
 Known limits: mlx's CPU backend runs MoE (GatherMM) in float32 only, so the
 ``hybrid`` preset (MoE, like the real Qwen3-Next) built in bfloat16 loads but
 cannot generate on a CPU; build it in float32 there. ``qwen3-0.6b`` takes ~30 s
@@ -92,9 +101,26 @@ def _say(progress: Callable[[str], None] | None, line: str) -> None:
         progress(line)
 
 
-def _marker(preset: str, dtype: str, seed: int, files: list[str]) -> dict:
-    return {"format": _FORMAT, "preset": preset, "dtype": dtype, "seed": seed,
+def _marker(preset: str, dtype: str, seed: int, files: list[str], eos_bias: float = 0.0
+            ) -> dict:
+    extra = {"eos_bias": eos_bias} if eos_bias else {}
+    return {"format": _FORMAT, "preset": preset, "dtype": dtype, "seed": seed, **extra,
             "random_weights": True, "files": sorted(files)}
+
+
+def _bias_eos(model, eos_id: int, used_vocab: int, bias: float) -> None:
+    """Make the end-of-turn token lead every logit by a constant (see the module's doc)."""
+    inner = getattr(model, "model", model)
+    for layer in inner.layers:
+        if not (hasattr(layer, "self_attn") and hasattr(layer.self_attn, "o_proj")
+                and hasattr(getattr(layer, "mlp", None), "down_proj")):
+            raise ValueError("eos_bias needs dense attention and MLP layers (the tiny and "
+                             "qwen3-0.6b presets)")
+        layer.self_attn.o_proj.weight[0] = 0  # no layer writes hidden dimension 0 ...
+        layer.mlp.down_proj.weight[0] = 0
+    for table in [inner.embed_tokens] + ([model.lm_head] if hasattr(model, "lm_head") else []):
+        table.weight[:used_vocab, 0] = 1.0  # ... so it is 1 at every position
+        table.weight[eos_id, 0] = 1.0 + bias
 
 
 def existing_build(out_dir: Path) -> dict | None:
@@ -124,7 +150,7 @@ def model_config(preset: str, dtype: str, ids: dict[str, int]) -> dict:
 
 
 def _write_weights(out: Path, config: dict, dtype: str, seed: int, used_vocab: int,
-                   progress: Callable[[str], None] | None) -> None:
+                   progress: Callable[[str], None] | None, eos_bias: float = 0.0) -> None:
     """Instantiate mlx-lm's model class for ``config`` with seeded random weights and save it."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -141,6 +167,8 @@ def _write_weights(out: Path, config: dict, dtype: str, seed: int, used_vocab: i
     for layer in heads:
         if layer.weight.shape[0] > used_vocab:
             layer.weight[used_vocab:] = 0
+    if eos_bias:
+        _bias_eos(model, config["eos_token_id"], used_vocab, eos_bias)
     mx.eval(model.parameters())
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     _say(progress, f"saving {fmt_bytes(nbytes)} of weights")
@@ -149,14 +177,14 @@ def _write_weights(out: Path, config: dict, dtype: str, seed: int, used_vocab: i
 
 
 def _build_into(tmp: Path, preset: str, dtype: str, seed: int,
-                progress: Callable[[str], None] | None) -> None:
+                progress: Callable[[str], None] | None, eos_bias: float = 0.0) -> None:
     _say(progress, f"training tokenizer ({_TOKENIZER_VOCAB[preset]} tokens)")
     tok = tokenizer_build.train_tokenizer(_TOKENIZER_VOCAB[preset])
     ids = tokenizer_build.token_ids(tok)
     config = model_config(preset, dtype, ids)
     tokenizer_build.write_tokenizer_files(tmp, tok, config["max_position_embeddings"])
     _say(progress, f"initialising {config['model_type']} weights ({dtype}, seed {seed})")
-    _write_weights(tmp, config, dtype, seed, tok.get_vocab_size(), progress)
+    _write_weights(tmp, config, dtype, seed, tok.get_vocab_size(), progress, eos_bias)
     generation = {"bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"],
                   "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]]}
     (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
@@ -164,7 +192,8 @@ def _build_into(tmp: Path, preset: str, dtype: str, seed: int,
         preset=preset, dtype=dtype, seed=seed, model_type=config["model_type"],
         tok_vocab=tok.get_vocab_size()))
     files = [p.name for p in tmp.iterdir() if p.is_file()]
-    (tmp / MARKER).write_text(json.dumps(_marker(preset, dtype, seed, files), indent=2))
+    (tmp / MARKER).write_text(json.dumps(_marker(preset, dtype, seed, files, eos_bias),
+                                         indent=2))
 
 
 def _matches(out: Path, wanted: dict) -> bool:
@@ -185,7 +214,8 @@ def _check_target(out: Path, wanted: dict) -> bool:
 
 
 def build_demo_model(out_dir: str | Path, preset: Preset = "tiny", dtype: Dtype = "float32",
-                     seed: int = 0, progress: Callable[[str], None] | None = None) -> Path:
+                     seed: int = 0, progress: Callable[[str], None] | None = None,
+                     eos_bias: float = 0.0) -> Path:
     """Build a random-weight model that ``mlx_lm.load`` accepts; return its directory.
 
     An existing complete build with the same preset, dtype and seed is returned as
@@ -195,14 +225,15 @@ def build_demo_model(out_dir: str | Path, preset: Preset = "tiny", dtype: Dtype 
     """
     out = Path(out_dir).expanduser().resolve()
     _validate(preset, dtype)
-    wanted = {"preset": preset, "dtype": dtype, "seed": seed}
+    wanted = {"preset": preset, "dtype": dtype, "seed": seed,
+              **({"eos_bias": eos_bias} if eos_bias else {})}
     if _check_target(out, wanted):
         _say(progress, f"{out} already holds this demo model")
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        _build_into(tmp, preset, dtype, seed, progress)
+        _build_into(tmp, preset, dtype, seed, progress, eos_bias)
         tmp.chmod(0o755)
         try:
             tmp.rename(out)  # atomic; replaces an empty out_dir on POSIX

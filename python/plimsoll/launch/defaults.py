@@ -30,15 +30,22 @@ FALLBACK_CONTEXT = 8192  # a model that states no native maximum
 MAX_OUTPUT = 32768  # the output limit's own cap, whatever the context
 
 
+#: The embedded demo's end-of-turn lead (:mod:`plimsoll.demo.model`): sampled answers end
+#: after a few dozen tokens, so coding clients get complete answers, not ones cut at their
+#: limit (which Claude Code and Codex report as failures).
+DEMO_EOS_BIAS = 3.5
+
+
 def demo_model_dir(preset: str = DEFAULT_PRESET) -> Path:
-    return cache_dir() / "models" / f"demo-{preset}"
+    return cache_dir() / "models" / f"demo-{preset}-eos"
 
 
 def ensure_demo_model(preset: str = DEFAULT_PRESET, report=None) -> Path:
     """Build the demo model once; later calls return the cached directory."""
     from plimsoll.demo.model import build_demo_model  # engine edge: imports mlx lazily
 
-    return build_demo_model(demo_model_dir(preset), preset=preset, progress=report)
+    return build_demo_model(demo_model_dir(preset), preset=preset, progress=report,
+                            eos_bias=DEMO_EOS_BIAS)
 
 
 def os_floor_gib(total_ram_gib: float) -> float:

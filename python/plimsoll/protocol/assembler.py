@@ -137,11 +137,12 @@ class TextAssembler:
 
     def __init__(self, tokenizer: Any, *, stop: list[str] | tuple[str, ...] = (),
                  max_tokens: int | None = None, tools: list[dict[str, Any]] | None = None,
-                 reasoning: Markers | None = None):
+                 reasoning: Markers | None = None, ignore_eos: bool = False):
         self._split = ReasoningSplit(reasoning) if reasoning is not None else None
         self._reasoning: list[str] = []
         self._detok = fresh_detokenizer(tokenizer)
         self._eos = set(tokenizer.eos_token_ids or ())
+        self._ignore_eos = ignore_eos  # an EOS token is counted, not shown, and goes on
         self._stop = [s for s in stop if s]
         self.max_tokens = max_tokens
         self._tools = tools
@@ -169,7 +170,8 @@ class TextAssembler:
         chat = isinstance(req, ChatCompletionRequest)
         return cls(tokenizer, stop=req.stop, max_tokens=max_tokens,
                    tools=req.active_tools if chat else None,
-                   reasoning=reasoning if chat else None)
+                   reasoning=reasoning if chat else None,
+                   ignore_eos=getattr(req, "ignore_eos", False))
 
     @property
     def done(self) -> bool:
@@ -186,9 +188,12 @@ class TextAssembler:
             return []
         self._count += 1
         if token in self._eos:
-            return self.close("stop")
-        self._detok.add_token(token)
-        out = self._absorb(self._detok.last_segment)
+            if not self._ignore_eos:
+                return self.close("stop")
+            out = []
+        else:
+            self._detok.add_token(token)
+            out = self._absorb(self._detok.last_segment)
         if self._stopped:
             return out + self.close("stop")
         if self.max_tokens is not None and self._count >= self.max_tokens:

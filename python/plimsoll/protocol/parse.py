@@ -44,7 +44,8 @@ def _describe(error: dict[str, Any], model: type[BaseModel]) -> tuple[str, str |
     return f"Invalid '{param}': {msg}, got {got}.", param
 
 
-def _from_validation(exc: ValidationError, model: type[BaseModel]) -> ProtocolError:
+def from_validation(exc: ValidationError | Untagged, model: type[BaseModel]) -> ProtocolError:
+    """pydantic's errors as the 400 that names the first one's field and what to send."""
     errors = exc.errors(include_url=False)
     message, param = _describe(errors[0], model)
     if len(errors) > 1:
@@ -150,4 +151,4 @@ def validate_body(model: type[BaseModel], raw: bytes,
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        return _from_validation(errors(e) if errors else e, model)
+        return from_validation(errors(e) if errors else e, model)

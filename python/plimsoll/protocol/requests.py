@@ -30,7 +30,9 @@ from pydantic import (
     model_validator,
 )
 
+from . import tool_choice as TC
 from .tolerated import drop_tolerated
+from .tool_choice import ToolChoice
 
 MAX_TOKENS_LIMIT = 1 << 20
 """Sanity cap on ``max_tokens`` (the configured context is the real bound, checked later)."""
@@ -142,13 +144,6 @@ class Tool(_Strict):
     function: FunctionDef
 
 
-class ToolChoice(_Strict):
-    """``tool_choice`` normalised: a mode, and the function's name for a named choice."""
-
-    mode: Literal["auto", "none", "required", "function"]
-    name: str | None = None
-
-
 class StreamOptions(_Strict):
     tolerated_scope: ClassVar[str] = "openai.stream_options"
     include_usage: bool = False
@@ -195,6 +190,9 @@ class _Sampling(_Strict):
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ignore_eos: bool = Field(default=False, description=(
+        "vLLM's extension, as benchmarks send it: the end-of-sequence token does not end the "
+        "answer (it is counted, not shown); max_tokens and stop strings still do."))
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -244,15 +242,7 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice(cls, value: Any) -> Any:
-        if value in ("auto", "none", "required"):
-            return {"mode": value}
-        function = value.get("function") if isinstance(value, dict) else None
-        if (isinstance(value, dict) and value.get("type") == "function" and set(value) <=
-                {"type", "function"} and isinstance(function, dict) and set(function) == {"name"}
-                and isinstance(function["name"], str)):
-            return {"mode": "function", "name": function["name"]}
-        raise ValueError('tool_choice must be "auto", "none", "required" or '
-                         '{"type": "function", "function": {"name": ...}}')
+        return TC.from_openai(value)
 
     @field_validator("logprobs")
     @classmethod
@@ -276,13 +266,8 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("tool_choice")
     @classmethod
     def _choice_in_tools(cls, choice: ToolChoice, info: ValidationInfo) -> ToolChoice:
-        names = {t.function.name for t in info.data.get("tools") or []}
-        if choice.mode in ("required", "function") and not names:
-            raise ValueError(f'"{choice.name or choice.mode}" needs tools; send tools or drop '
-                             "tool_choice")
-        if choice.mode == "function" and choice.name not in names:
-            raise ValueError(f"function {choice.name!r} is not in tools; name one of "
-                             f"{sorted(names)}")
+        TC.check(choice, {t.function.name for t in info.data.get("tools") or []},
+                 f'"{choice.name or choice.mode}"')
         return choice
 
     @property
@@ -293,12 +278,8 @@ class ChatCompletionRequest(_Sampling):
     @property
     def active_tools(self) -> list[dict[str, Any]] | None:
         """Tools to render and parse, as plain dicts (None with ``tool_choice: "none"``)."""
-        if not self.tools or (self.tool_choice and self.tool_choice.mode == "none"):
-            return None
-        tools = self.tools
-        if self.tool_choice and self.tool_choice.mode == "function":
-            tools = [t for t in tools if t.function.name == self.tool_choice.name]
-        return [t.model_dump(exclude_none=True) for t in tools]
+        tools = TC.chosen(self.tools, self.tool_choice, lambda t: t.function.name)
+        return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
 
 
 class CompletionRequest(_Sampling):

@@ -10,72 +10,34 @@ chat template and the output assembled (tool calls parsed) exactly as for chat, 
 is one pipeline.
 
 Fields real clients send that change nothing here are accepted and ignored, each named
-with its reason in :data:`IGNORED` (Codex CLI sends ``include``, ``prompt_cache_key``,
-``store: false``, ``parallel_tool_calls``, ``reasoning``, ``text``); every other unknown
-field is refused by name, as on the chat routes.
+with its reason in the one table of :mod:`.tolerated` (scopes ``openai.responses*``; Codex
+CLI sends ``include``, ``prompt_cache_key``, ``reasoning``, ``text.verbosity``), and hosted
+tool types are left out of the prompt by the same table; every other unknown field is
+refused by name, as on the chat routes.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from . import tolerated as T
+from . import tool_choice as TC
 from .errors import ProtocolError
-from .parse import Untagged, validate_body
+from .parse import Untagged, from_validation, validate_body
 from .requests import _INT64, MAX_TOKENS_LIMIT, ChatCompletionRequest, _must_be, _Strict
 
-log = logging.getLogger("plimsoll.worker")
-
-IGNORED: dict[str, str] = {
-    "include": "asks for extra output parts (encrypted reasoning, logprobs, search sources); "
-               "this worker produces none of them, so there is nothing to add",
-    "prompt_cache_key": "a routing hint for a hosted prompt cache; the worker's prefix cache "
-                        "matches on the prompt's tokens by itself",
-    "prompt_cache_retention": "the hosted prompt cache's lifetime; the prefix cache here is "
-                              "bounded by the pool, not by time",
-    "reasoning": "effort and summary hints for reasoning models; the chat template decides "
-                 "whether the model thinks, and no reasoning summary is produced",
-    "service_tier": "a hosted service's priority class; this worker has one",
-    "user": "an end-user id for a hosted service's abuse monitoring",
-    "safety_identifier": "an end-user id for a hosted service's abuse monitoring",
-    "client_metadata": "a client's own tags for the request; nothing here reads them",
-    "max_tool_calls": "a cap on hosted tool calls; the model's calls are returned, none run here",
-    "truncation": "the context is never truncated here: an over-long prompt is a 400 with the "
-                  "figures (as 'disabled', the API default)",
-    "stream_options": "only include_obfuscation, padding this worker never adds",
-    "top_logprobs": "log probabilities are not returned (0 is what the SDK sends)",
-}
-"""Accepted-and-ignored top-level fields of ``/v1/responses``, each with why it is safe."""
-IGNORED_TOOLS: dict[str, str] = {
-    "web_search": "a hosted tool the API runs itself; nothing here runs it, so the model is "
-                  "not offered it",
-    "web_search_preview": "a hosted tool (as web_search)",
-    "file_search": "a hosted tool over the API's vector stores, which do not exist here",
-    "code_interpreter": "a hosted sandbox; nothing here runs it",
-    "image_generation": "a hosted image model; nothing here runs it",
-    "namespace": "a group of tools whose calls carry a namespace this worker's tool-call "
-                 "parser does not produce; the group is left out of the prompt (Codex sends "
-                 "its sub-agent tools so)",
-}
-"""Tool types left out of the prompt (not refused), each with why; any other non-function
-type is refused by name."""
-_logged: set[str] = set()
-
-
-def _log_ignored(names: list[str]) -> None:
-    for name in names:
-        if name not in _logged:
-            _logged.add(name)
-            log.info("responses: ignoring field %r (%s); logged once", name, IGNORED[name])
-
-
-def _log_ignored_tool(kind: str) -> None:
-    if f"tool:{kind}" not in _logged:
-        _logged.add(f"tool:{kind}")
-        log.info("responses: leaving tools of type %r out of the prompt (%s); logged once",
-                 kind, IGNORED_TOOLS[kind])
+TOOL_TYPES = "openai.responses.tool_type"
+"""The table's scope of tool types left out of the prompt (not refused)."""
 
 
 # --- input items --------------------------------------------------------------------------
@@ -83,10 +45,9 @@ def _log_ignored_tool(kind: str) -> None:
 class ContentPart(_Strict):
     """Text content: ``input_text`` (user, system), ``output_text`` (a replayed answer)."""
 
+    tolerated_scope: ClassVar[str] = "openai.responses.content"
     type: Literal["input_text", "output_text", "text", "summary_text"]
     text: str
-    annotations: list[Any] | None = None  # echoed back on replayed output_text; ignored
-    logprobs: list[Any] | None = None
 
 
 def _parts(value: Any) -> Any:
@@ -102,12 +63,12 @@ def _parts(value: Any) -> Any:
 
 
 class MessageItem(_Strict):
+    tolerated_scope: ClassVar[str] = "openai.responses.message"
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: list[ContentPart]
     id: str | None = None
     status: str | None = None
-    phase: str | None = None  # Codex tags replayed assistant text; ignored
 
     @field_validator("content", mode="before")
     @classmethod
@@ -190,18 +151,19 @@ class TextFormat(_Strict):
 
 
 class TextConfig(_Strict):
+    tolerated_scope: ClassVar[str] = "openai.responses.text"
     format: TextFormat | None = None
-    verbosity: str | None = None  # a length hint for hosted models; ignored
 
 
 class ResponsesRequest(_Strict):
     """``POST /v1/responses``."""
 
+    tolerated_scope: ClassVar[str] = "openai.responses"
     model: str | None = None
     input: list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Any = None
+    tool_choice: TC.ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # echoed; several calls are always parsed
     max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     previous_response_id: str | None = None
@@ -213,15 +175,6 @@ class ResponsesRequest(_Strict):
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None  # echoed back in the response
     background: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_ignored(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            found = [k for k in data if k in IGNORED]
-            _log_ignored(found)
-            data = {k: v for k, v in data.items() if k not in IGNORED}
-        return data
 
     @field_validator("input", mode="before")
     @classmethod
@@ -245,27 +198,26 @@ class ResponsesRequest(_Strict):
         kept = []
         for i, tool in enumerate(value):
             kind = tool.get("type") if isinstance(tool, dict) else None
-            kind = kind if isinstance(kind, str) else None
-            if kind in IGNORED_TOOLS:
-                _log_ignored_tool(kind)
-            elif kind != "function":
+            if T.left_out(TOOL_TYPES, kind):
+                continue
+            if kind != "function":
+                left = ", ".join(T.names(TOOL_TYPES))
                 raise ValueError(f"tool {i} has type {kind!r}; only function tools are offered "
-                                 f"to the model here (and {', '.join(sorted(IGNORED_TOOLS))} "
-                                 "are left out)")
-            else:
-                kept.append(tool)
+                                 f"to the model here (and {left} are left out)")
+            kept.append(tool)
         return kept
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice(cls, value: Any) -> Any:
+        return TC.from_responses(value)
 
     @field_validator("tool_choice")
     @classmethod
-    def _choice(cls, value: Any) -> Any:
-        if value in ("auto", "none", "required"):
-            return value
-        if isinstance(value, dict) and value.get("type") == "function" and isinstance(
-                value.get("name"), str) and set(value) <= {"type", "name"}:
-            return value
-        raise ValueError('tool_choice must be "auto", "none", "required" or '
-                         '{"type": "function", "name": ...}')
+    def _choice_in_tools(cls, choice: TC.ToolChoice, info: ValidationInfo) -> TC.ToolChoice:
+        TC.check(choice, {t.name for t in info.data.get("tools") or []},
+                 f'"{choice.name or choice.mode}"')
+        return choice
 
     @field_validator("background")
     @classmethod
@@ -314,7 +266,8 @@ def _one_system(instructions: str | None, messages: list[dict[str, Any]]
 
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request this Responses request means, after ``history`` (the stored
-    conversation of ``previous_response_id``); raises pydantic's ValidationError."""
+    conversation of ``previous_response_id``); raises the 400 (:class:`ProtocolError`) for
+    one the chat path refuses."""
     messages = _one_system(req.instructions, history + chat_messages(req.input))
     body: dict[str, Any] = {"messages": messages, "stream": req.stream,
                             "temperature": req.temperature, "top_p": req.top_p,
@@ -323,15 +276,16 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatComplet
         body["tools"] = [{"type": "function", "function": t.model_dump(
             exclude_none=True, exclude={"type"})} for t in req.tools]
     if req.tool_choice is not None:
-        choice = req.tool_choice
-        body["tool_choice"] = choice if isinstance(choice, str) else {
-            "type": "function", "function": {"name": choice["name"]}}
+        body["tool_choice"] = req.tool_choice
     fmt = req.text.format if req.text else None
     if fmt is not None and fmt.type != "text":
         body["response_format"] = {"type": fmt.type} if fmt.type == "json_object" else {
             "type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_,
                                                    "strict": fmt.strict}}
-    return ChatCompletionRequest.model_validate(body)
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        raise from_validation(e, ResponsesRequest) from e
 
 
 def conversation(req: ResponsesRequest, history: list[dict[str, Any]]

@@ -39,7 +39,7 @@ def json_format(kind: str, schema: dict[str, Any] | None, param: str) -> C.Spec 
 
 def chat_spec(req: Any) -> C.Spec | None:
     """The spec of a :class:`~.requests.ChatCompletionRequest`, or None (free text)."""
-    if req.tool_choice is not None and req.tool_choice.mode in ("required", "function"):
+    if req.tool_choice is not None and req.tool_choice.forced:
         return forced_tools(req.active_tools)
     fmt = req.response_format
     if fmt is None:
@@ -50,6 +50,6 @@ def chat_spec(req: Any) -> C.Spec | None:
 
 def anthropic_spec(req: Any) -> C.Spec | None:
     """The spec of an Anthropic messages request: ``tool_choice`` ``any`` / ``tool``."""
-    if req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+    if req.tool_choice is not None and req.tool_choice.normal.forced:
         return forced_tools(req.active_tools)
     return None

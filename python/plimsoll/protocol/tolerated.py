@@ -16,7 +16,11 @@ user tracking) or is free to skip (hints). A tolerated field is dropped before v
 the reason, so an operator can see what their clients send.
 
 Scopes name the object a field sits on: ``anthropic.request`` is the body of
-``/v1/messages`` (and ``count_tokens``), ``anthropic.tool`` one entry of ``tools``, and so on.
+``/v1/messages`` (and ``count_tokens``), ``anthropic.tool`` one entry of ``tools``,
+``openai.responses`` the body of ``/v1/responses``, and so on. One scope holds values, not
+field names: ``openai.responses.tool_type`` lists the *types* of Responses tools that are
+left out of the prompt (hosted tools nothing here runs) instead of refused
+(:func:`left_out`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ _CACHE = ("prompt caching is automatic here (the prefix cache reuses any shared 
           "a cache breakpoint changes nothing")
 _ECHO = "echoed back from an earlier response by clients; it carries nothing to render"
 _TRACKING = "user or session tracking for the provider's own monitoring; nothing is tracked here"
+_STRICT = ("with tool_choice auto the model's calls are parsed from its output, not constrained; "
+           "a forced tool_choice constrains every call to its tool's schema, strict or not")
 
 TOLERATED: dict[str, dict[str, str]] = {
     "anthropic.request": {
@@ -53,7 +59,7 @@ TOLERATED: dict[str, dict[str, str]] = {
         "cache_control": _CACHE,
         "defer_loading": "tool-search beta (load a tool's definition only when searched "
                          "for); here every tool's definition is in the prompt from the start",
-        "strict": "calls are parsed from the model's output, not constrained to the schema",
+        "strict": _STRICT,
         "eager_input_streaming": "each call's input is sent as one delta",
         "input_examples": "advanced-tool-use examples for Anthropic's own prompt; the chat "
                           "template renders the schema",
@@ -88,12 +94,55 @@ TOLERATED: dict[str, dict[str, str]] = {
                           "store": "completions are not stored here"},
     "openai.message": {"refusal": _ECHO, "annotations": _ECHO, "audio": _ECHO},
     "openai.stream_options": {"include_obfuscation": "no padding is added to stream chunks"},
-    "openai.function": {"strict": "calls are parsed from the model's output, not constrained "
-                                  "to the schema"},
+    "openai.function": {"strict": _STRICT},
+    "openai.responses": {
+        "include": "asks for extra output parts (encrypted reasoning, logprobs, search "
+                   "sources); this worker produces none of them, so there is nothing to add",
+        "prompt_cache_key": _CACHE,
+        "prompt_cache_retention": _CACHE,
+        "reasoning": "effort and summary hints for reasoning models; the chat template "
+                     "decides whether the model thinks, and no reasoning summary is produced",
+        "service_tier": "there is one service tier here",
+        "user": _TRACKING,
+        "safety_identifier": _TRACKING,
+        "client_metadata": "a client's own tags for the request; nothing here reads them",
+        "max_tool_calls": "a cap on hosted tool calls; the model's calls are returned, none "
+                          "run here",
+        "truncation": "the context is never truncated here: an over-long prompt is a 400 with "
+                      "the figures (as 'disabled', the API default)",
+        "stream_options": "only include_obfuscation, padding this worker never adds",
+        "top_logprobs": "log probabilities are not returned (0 is what the SDK sends)",
+    },
+    "openai.responses.text": {"verbosity": "a hint on answer length; max_output_tokens is "
+                                           "the bound"},
+    "openai.responses.message": {"phase": "Codex's tag on replayed assistant text; the text "
+                                          "is rendered either way"},
+    "openai.responses.content": {"annotations": _ECHO, "logprobs": _ECHO},
+    "openai.responses.tool_type": {
+        "web_search": "a hosted tool the API runs itself; nothing here runs it, so the model "
+                      "is not offered it",
+        "web_search_preview": "a hosted tool (as web_search)",
+        "file_search": "a hosted tool over the API's vector stores, which do not exist here",
+        "code_interpreter": "a hosted sandbox; nothing here runs it",
+        "image_generation": "a hosted image model; nothing here runs it",
+        "namespace": "a group of tools whose calls carry a namespace this worker's tool-call "
+                     "parser does not produce; the group is left out of the prompt (Codex "
+                     "sends its sub-agent tools so)",
+    },
 }
+"""scope → field (or, for ``openai.responses.tool_type``, tool type) → why it is safe."""
 
 _logged: set[tuple[str, str]] = set()
 _lock = threading.Lock()
+
+
+def _log_once(scope: str, key: str, what: str) -> None:
+    with _lock:
+        first = (scope, key) not in _logged
+        _logged.add((scope, key))
+    if first:
+        log.info("accepted and ignored %s %s %r (logged once): %s", scope, what, key,
+                 TOLERATED[scope][key])
 
 
 def drop_tolerated(scope: str | None, data: Any) -> Any:
@@ -104,10 +153,19 @@ def drop_tolerated(scope: str | None, data: Any) -> Any:
         return data
     for key in data:
         if key in table:
-            with _lock:
-                first = (scope, key) not in _logged
-                _logged.add((scope, key))
-            if first:
-                log.info("accepted and ignored %s field %r (logged once): %s", scope, key,
-                         table[key])
+            _log_once(scope, key, "field")
     return {k: v for k, v in data.items() if k not in table}
+
+
+def left_out(scope: str, kind: Any) -> bool:
+    """True when the value ``kind`` (a tool's type) is one :data:`TOLERATED` lists for
+    ``scope``: the caller leaves that object out (logged once, with the reason)."""
+    if not isinstance(kind, str) or kind not in TOLERATED.get(scope, {}):
+        return False
+    _log_once(scope, kind, "value")
+    return True
+
+
+def names(scope: str) -> list[str]:
+    """The names listed for ``scope``, sorted (for error messages)."""
+    return sorted(TOLERATED.get(scope, {}))

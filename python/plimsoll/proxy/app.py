@@ -168,6 +168,11 @@ def _stream_lost(message: str, code: str, anthropic: bool, status: int = 502,
     return [P.sse(body), P.SSE_DONE]
 
 
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = False,
                 responses: bool = False, drain: Drain | None = None) -> AsyncIterator[bytes]:
     """The worker's stream, chunk by chunk; a worker lost mid-way, or a shutdown whose
@@ -175,8 +180,12 @@ async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = Fal
     chunks = upstream.aiter_raw()
     try:
         while True:
+            # A client that leaves closes this generator while the read is pending; closing
+            # the upstream then fails that read: retrieve its error (no "never retrieved").
+            read = asyncio.ensure_future(anext(chunks))
+            read.add_done_callback(_retrieved)
             try:
-                chunk = await until_drained(asyncio.ensure_future(anext(chunks)), drain)
+                chunk = await until_drained(read, drain)
             except StopAsyncIteration:
                 return
             if chunk is None:

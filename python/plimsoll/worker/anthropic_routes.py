@@ -26,7 +26,6 @@ from starlette.routing import Route
 from plimsoll import protocol as P
 from plimsoll.protocol import anthropic as A
 from plimsoll.protocol import structured
-from plimsoll.web.access_log import Access
 from plimsoll.web.body import read_body
 from plimsoll.web.edge import access
 from plimsoll.worker import submit as W
@@ -108,14 +107,13 @@ async def messages(request: Request) -> Response:
                                                   P.markers_for(state.tokenizer, prompt))
     meta = A.MessageMeta.new(cfg.model_name)
     blocks = A.BlockStream()
-    stream = W.events(queue, request, gen, assembler)
     if req.stream:
-        return StreamingResponse(_sse(meta, (first, queue, request, gen), len(prompt), stream,
-                                      assembler, blocks, rec),
+        return StreamingResponse(_sse(meta, (first, queue, request, gen), len(prompt),
+                                      assembler, blocks),
                                  media_type="text/event-stream",
                                  headers=W.reserved_headers(res, {"Cache-Control": "no-cache"}))
     failure = None
-    async for item in stream:
+    async for item in W.events(queue, request, gen, assembler):
         if isinstance(item, Refused):
             failure = item
         else:
@@ -134,42 +132,25 @@ def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
     return A.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
 
 
-async def _sse(meta: A.MessageMeta, waiting: tuple, prompt_tokens: int, stream: AsyncIterator,
-               assembler: A.AnthropicAssembler, blocks: A.BlockStream, rec: Access
-               ) -> AsyncIterator[bytes]:
+def _sse(meta: A.MessageMeta, waiting: tuple, prompt_tokens: int,
+         assembler: A.AnthropicAssembler, blocks: A.BlockStream) -> AsyncIterator[bytes]:
     """The events; a stream not started yet opens at once (``message_start`` with the
     prompt's tokens, then a ``ping`` every few seconds until the first token), and the
     final ``message_delta`` carries the real usage, cache reads included."""
     first = waiting[0]
     cached = 0 if first is W.PENDING else first.cached_tokens
-    for event in A.message_start(meta, A.usage(prompt_tokens, 0, cached)):
-        yield A.sse_event(event)
-    first = None
-    async for item in W.started(*waiting, keepalive=A.sse_event({"type": "ping"})):
-        if isinstance(item, bytes):
-            yield item
-        else:
-            first = item
-    if first is None:  # the client left
-        return
-    if isinstance(first, Refused):
-        rec.code = first.code
-        yield A.sse_event(A.error_body(first.status, first.message))
-        return
-    rec.cached = first.cached_tokens
-    async for item in stream:
-        if isinstance(item, Refused):
-            rec.code = item.code
-            yield A.sse_event(A.error_body(item.status, item.message))
-            return
-        if events := blocks.feed(item):  # one write for the tokens of one wake-up
-            yield b"".join(A.sse_event(event) for event in events)
-    if not assembler.done:
-        return
-    result, stop = assembler.result(), assembler.stop_sequence
-    for event in A.message_end(blocks, A.stop_reason(result, stop), stop,
-                               _usage(first, assembler)):
-        yield A.sse_event(event)
+
+    def closing(first: Started) -> Any:
+        result, stop = assembler.result(), assembler.stop_sequence
+        return map(A.sse_event, A.message_end(blocks, A.stop_reason(result, stop), stop,
+                                              _usage(first, assembler)))
+
+    return W.sse_stream(
+        waiting, assembler,
+        opening=map(A.sse_event, A.message_start(meta, A.usage(prompt_tokens, 0, cached))),
+        keepalive=A.sse_event({"type": "ping"}),
+        refusal=lambda refused: [A.sse_event(A.error_body(refused.status, refused.message))],
+        deltas=lambda item: map(A.sse_event, blocks.feed(item)), closing=closing)
 
 
 ROUTES = [

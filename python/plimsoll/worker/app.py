@@ -39,7 +39,7 @@ from plimsoll.core import sizing as S
 from plimsoll.engine.pool import BlockPool
 from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
 from plimsoll.protocol import structured
-from plimsoll.web.access_log import Access, set_quiet
+from plimsoll.web.access_log import set_quiet
 from plimsoll.web.body import read_body
 from plimsoll.web.edge import Edge, access
 from plimsoll.web.errors import no_route_handler
@@ -61,7 +61,7 @@ from .submit import (
     protocol_error,
     reservation,
     reserved_headers,
-    started,
+    sse_stream,
     stopping,
     submit,
 )
@@ -104,7 +104,7 @@ async def generate(request: Request, kind: P.Kind) -> Response:
                      retry_after=refused.retry_after)
     first, queue, gen = await submit(request, prompt, res.max_tokens,
                                      temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                     constraint=constraint,
+                                     constraint=constraint, ignore_eos=req.ignore_eos,
                                      wait_s=EARLY_HEADERS_S if req.stream else None)
     if first is None:
         return Response(status_code=499)
@@ -113,14 +113,12 @@ async def generate(request: Request, kind: P.Kind) -> Response:
     assembler = P.TextAssembler.for_request(state.tokenizer, req, res.max_tokens,
                                             P.markers_for(state.tokenizer, prompt))
     meta = P.ResponseMeta.new(kind, cfg.model_name)
-    stream = events(queue, request, gen, assembler)
     if req.stream:
-        return StreamingResponse(_sse(meta, req, (first, queue, request, gen), stream,
-                                      assembler, rec),
+        return StreamingResponse(_sse(meta, req, (first, queue, request, gen), assembler),
                                  media_type="text/event-stream",
                                  headers=reserved_headers(res, {"Cache-Control": "no-cache"}))
     failure = None
-    async for item in stream:
+    async for item in events(queue, request, gen, assembler):
         if isinstance(item, Refused):
             failure = item
     if failure is not None:
@@ -167,39 +165,20 @@ def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
     return P.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
 
 
-async def _sse(meta: P.ResponseMeta, req: P.Request, waiting: tuple, stream: AsyncIterator,
-               assembler: P.TextAssembler, rec: Access) -> AsyncIterator[bytes]:
-    for chunk in P.first_chunks(meta):
-        yield P.sse(chunk)
-    first = None
-    async for item in started(*waiting, keepalive=b": keep-alive\n\n"):
-        if isinstance(item, bytes):
-            yield item
-        else:
-            first = item
-    if first is None:  # the client left
-        return
-    if isinstance(first, Refused):
-        rec.code = first.code
-        yield P.sse(P.error_body(first.status, first.message, code=first.code))
-        yield P.SSE_DONE
-        return
-    rec.cached = first.cached_tokens
+def _sse(meta: P.ResponseMeta, req: P.Request, waiting: tuple,
+         assembler: P.TextAssembler) -> AsyncIterator[bytes]:
+    def refusal(refused: Refused) -> list[bytes]:
+        return [P.sse(P.error_body(refused.status, refused.message, code=refused.code)),
+                P.SSE_DONE]
+
+    def closing(first: Started) -> list[bytes]:
+        usage = _usage(first, assembler) if req.include_usage else None
+        return [*map(P.sse, P.final_chunks(meta, assembler.result(), usage)), P.SSE_DONE]
+
     text_sse = TextSSE(meta)
-    async for item in stream:
-        if isinstance(item, Refused):
-            rec.code = item.code
-            yield P.sse(P.error_body(item.status, item.message, code=item.code))
-            yield P.SSE_DONE
-            return
-        if item and (data := text_sse.deltas(meta, item)):  # one write per wake-up
-            yield data
-    if not assembler.done:
-        return
-    usage = _usage(first, assembler) if req.include_usage else None
-    for chunk in P.final_chunks(meta, assembler.result(), usage):
-        yield P.sse(chunk)
-    yield P.SSE_DONE
+    return sse_stream(waiting, assembler, opening=map(P.sse, P.first_chunks(meta)),
+                      keepalive=b": keep-alive\n\n", refusal=refusal,
+                      deltas=lambda item: [text_sse.deltas(meta, item)], closing=closing)
 
 
 # --- the other routes -------------------------------------------------------------------

@@ -49,6 +49,7 @@ class GenRequest:
     top_p: float = 1.0
     seed: int | None = None
     constraint: TokenConstraint | None = None
+    ignore_eos: bool = False  # only max_tokens (or the edge's stop strings) end it
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
     deadline: float = 0.0

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -27,8 +26,8 @@ from plimsoll import protocol as P
 from plimsoll.protocol import responses_events as E
 from plimsoll.protocol import responses_request as R
 from plimsoll.protocol import structured
-from plimsoll.protocol.parse import _from_validation
 from plimsoll.web.body import read_body
+from plimsoll.web.edge import access
 
 from . import submit as W
 from .scheduler import Refused, Started
@@ -50,7 +49,7 @@ def _echo(req: R.ResponsesRequest, model: str, max_tokens: int) -> dict[str, Any
         if req.text and req.text.format else {"type": "text"}
     return {"model": model, "instructions": req.instructions,
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-            "tool_choice": req.tool_choice or "auto",
+            "tool_choice": req.tool_choice.responses_shape() if req.tool_choice else "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "max_output_tokens": max_tokens, "previous_response_id": req.previous_response_id,
             "store": req.store, "temperature": req.temperature, "top_p": req.top_p,
@@ -74,10 +73,7 @@ def _prepare(state: Any, req: R.ResponsesRequest
                                   code="previous_response_not_found",
                                   type="invalid_request_error")
         history = found
-    try:
-        chat = R.to_chat(req, history)
-    except ValidationError as e:
-        raise _from_validation(e, R.ResponsesRequest) from e
+    chat = R.to_chat(req, history)
     prompt = P.render_chat(state.tokenizer, chat)
     try:
         spec = structured.chat_spec(chat)
@@ -99,21 +95,25 @@ async def responses(request: Request) -> Response:
     req = R.parse_responses(raw)
     if isinstance(req, P.ProtocolError):
         return W.protocol_error(req)
+    rec = access(request)
+    rec.model = req.model or cfg.model_name
     if err := P.check_model(req.model, cfg.model_name):
         return W.protocol_error(err)
     try:
         chat, prompt, constraint, convo = await run_in_threadpool(_prepare, state, req)
     except P.ProtocolError as err:
         return W.protocol_error(err)
+    rec.prompt = len(prompt)
     res = W.reservation(state, len(prompt), req.max_output_tokens, "input")
     if isinstance(res, P.ProtocolError):
         return W.protocol_error(res)
-    max_tokens = res.max_tokens
+    max_tokens = rec.reservation = res.max_tokens
     if refused := W.stopping(request):
         return W.error(refused.status, refused.message, code=refused.code,
                        retry_after=refused.retry_after)
     first, queue, gen = await W.submit(request, prompt, max_tokens, temperature=req.temperature,
-                                       top_p=req.top_p, seed=req.seed, constraint=constraint)
+                                       top_p=req.top_p, seed=req.seed, constraint=constraint,
+                                       wait_s=W.EARLY_HEADERS_S if req.stream else None)
     if first is None:
         return Response(status_code=499)
     if isinstance(first, Refused):
@@ -121,12 +121,12 @@ async def responses(request: Request) -> Response:
                        retry_after=first.retry_after)
     assembler = P.TextAssembler.for_request(state.tokenizer, chat, max_tokens)
     builder = E.ResponseBuilder(_echo(req, cfg.model_name, max_tokens))
-    stream = W.events(queue, request, gen, assembler)
     if req.stream:
-        return StreamingResponse(_sse(state, req, convo, first, stream, assembler, builder),
+        return StreamingResponse(_sse(state, req, convo, (first, queue, request, gen),
+                                      assembler, builder),
                                  media_type="text/event-stream",
                                  headers=W.reserved_headers(res, {"Cache-Control": "no-cache"}))
-    async for item in stream:
+    async for item in W.events(queue, request, gen, assembler):
         if isinstance(item, Refused):
             return W.error(item.status, item.message, code=item.code)
         builder.feed(item)
@@ -148,24 +148,18 @@ def _remember(state: Any, req: R.ResponsesRequest, convo: list[dict[str, Any]],
         store(state).put(builder.id, [*convo, E.assistant_message(result)])
 
 
-async def _sse(state: Any, req: R.ResponsesRequest, convo: list[dict[str, Any]],
-               first: Started,
-               stream: AsyncIterator, assembler: P.TextAssembler, builder: E.ResponseBuilder
-               ) -> AsyncIterator[bytes]:
-    for event in builder.start():
-        yield E.sse_event(event)
-    async for item in stream:
-        if isinstance(item, Refused):
-            yield E.sse_event(builder.fail(item.code, item.message))
-            return
-        for event in builder.feed(item):
-            yield E.sse_event(event)
-    if not assembler.done:
-        return
-    result = assembler.result()
-    _remember(state, req, convo, builder, result)
-    for event in builder.finish(result, _usage(first, assembler)):
-        yield E.sse_event(event)
+def _sse(state: Any, req: R.ResponsesRequest, convo: list[dict[str, Any]], waiting: tuple,
+         assembler: P.TextAssembler, builder: E.ResponseBuilder) -> AsyncIterator[bytes]:
+    def closing(first: Started) -> Any:
+        result = assembler.result()
+        _remember(state, req, convo, builder, result)
+        return map(E.sse_event, builder.finish(result, _usage(first, assembler)))
+
+    return W.sse_stream(
+        waiting, assembler, opening=map(E.sse_event, builder.start()),
+        keepalive=b": keep-alive\n\n",
+        refusal=lambda refused: [E.sse_event(builder.fail(refused.code, refused.message))],
+        deltas=lambda item: map(E.sse_event, builder.feed(item)), closing=closing)
 
 
 ROUTES = [Route("/v1/responses", responses, methods=["POST"])]

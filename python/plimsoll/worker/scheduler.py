@@ -408,7 +408,7 @@ class Scheduler(TripMixin, StatsMixin):
             run.tokens.append(token)
             run.req.sink(Token(token))
             constraint = run.req.constraint
-            if token in self.eos_ids:
+            if token in self.eos_ids and not run.req.ignore_eos:
                 self._finish(run, "eos")
             elif constraint is not None and constraint.done():
                 self._finish(run, "stop")

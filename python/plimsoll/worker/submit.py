@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 from starlette.requests import Request
@@ -154,7 +154,7 @@ def make_constraint(state: Any, spec: Any) -> Any:
 async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
                  top_p: float, seed: int | None = None,
                  constraint: TokenConstraint | None = None,
-                 wait_s: float | None = None
+                 wait_s: float | None = None, ignore_eos: bool = False
                  ) -> tuple[Started | Refused | _Pending | None, asyncio.Queue, GenRequest]:
     """Hand a request to the scheduler; wait for admission (Started) or a Refused.
 
@@ -164,7 +164,8 @@ async def submit(request: Request, prompt: list[int], max_tokens: int, *, temper
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     gen = GenRequest(prompt=prompt, max_tokens=max_tokens, sink=mailbox(loop).sink(queue),
-                     temperature=temperature, top_p=top_p, seed=seed, constraint=constraint)
+                     temperature=temperature, top_p=top_p, seed=seed, constraint=constraint,
+                     ignore_eos=ignore_eos)
     request.app.state.scheduler.submit(gen)
     return await next_event(queue, request, gen, wait_s), queue, gen
 
@@ -198,8 +199,10 @@ async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest,
                            "worker_stopping", 1)
         if not queue.empty():  # the common case mid-stream: no timer, no task
             return queue.get_nowait()
+        poll = DISCONNECT_POLL_S if until is None else min(DISCONNECT_POLL_S,
+                                                            max(0.0, until - time.monotonic()))
         try:
-            async with asyncio.timeout(DISCONNECT_POLL_S):  # wait_for would make a task
+            async with asyncio.timeout(poll):  # wait_for would make a task
                 return await queue.get()
         except TimeoutError:
             if await request.is_disconnected():
@@ -209,20 +212,28 @@ async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest,
 
 
 async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
-                  assembler: P.TextAssembler) -> AsyncIterator[list[P.Delta] | Refused]:
-    """Deltas until the assembler is done (then the sequence is cancelled), or a Refused.
+                 assembler: P.TextAssembler, idle_s: float | None = None
+                 ) -> AsyncIterator[list[P.Delta] | Refused | _Pending]:
+    """Deltas until the assembler is done (then the sequence is cancelled), or a Refused;
+    with ``idle_s``, :data:`PENDING` each time that passed before the first token (a long
+    prefill: the stream's keep-alive).
 
     Every event already queued is fed before the deltas are yielded (one list for all of
     them). The access record learns the first token's time and the completion count."""
     rec = access(request)
+    waited = idle_s  # None once the first token came
     try:
         while not assembler.done:
-            ev = await next_event(queue, request, gen)
+            ev = await next_event(queue, request, gen, waited)
             if ev is None:
                 return
+            if ev is PENDING:
+                yield ev
+                continue
             deltas: list[P.Delta] = []
             while True:
                 if isinstance(ev, Token):
+                    waited = None
                     rec.first_token()
                     deltas += assembler.feed(ev.token_id)
                 elif isinstance(ev, Finished):
@@ -241,3 +252,46 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
         if not gen.cancelled.is_set():  # stop string, tool call, or client gone
             gen.cancelled.set()
             request.app.state.scheduler.wake()
+
+
+async def sse_stream(waiting: tuple, assembler: P.TextAssembler, *, opening: Iterable[bytes],
+                     keepalive: bytes, refusal: Callable[[Refused], Iterable[bytes]],
+                     deltas: Callable[[list[P.Delta]], Iterable[bytes]],
+                     closing: Callable[[Started], Iterable[bytes]]) -> AsyncIterator[bytes]:
+    """A streamed answer in any protocol: ``opening`` at once, then ``keepalive`` every
+    :data:`KEEPALIVE_S` until the first token — while the request waits for admission
+    (``waiting`` is :func:`submit`'s result, its first item maybe :data:`PENDING`) and while
+    its prompt is prefilled (clients drop a connection silent for minutes: Node's default
+    body timeout is 300 s) — then each token's ``deltas``, and ``closing`` once the answer
+    is complete. A refusal at any point is the protocol's ``refusal`` events (the headers
+    are sent: no HTTP 503 now); a client that left ends the stream silently."""
+    first, queue, request, gen = waiting
+    rec = access(request)
+    for chunk in opening:
+        yield chunk
+    async for item in started(first, queue, request, gen, keepalive=keepalive):
+        if isinstance(item, bytes):
+            yield item
+        else:
+            first = item
+    if first is None:  # the client left
+        return
+    if isinstance(first, Refused):
+        rec.code = first.code
+        for chunk in refusal(first):
+            yield chunk
+        return
+    rec.cached = first.cached_tokens
+    async for item in events(queue, request, gen, assembler, idle_s=KEEPALIVE_S):
+        if item is PENDING:
+            yield keepalive
+        elif isinstance(item, Refused):
+            rec.code = item.code
+            for chunk in refusal(item):
+                yield chunk
+            return
+        elif item and (data := b"".join(deltas(item))):  # one write per wake-up
+            yield data
+    if assembler.done:
+        for chunk in closing(first):
+            yield chunk

@@ -26,14 +26,14 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     Field,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from .. import tool_choice as TC
 from ..errors import ProtocolError
-from ..parse import validate_body
+from ..parse import Untagged, validate_body
 from ..requests import MAX_TOKENS_LIMIT, _Strict, text_parts
 
 MAX_STOP_SEQUENCES = 16
@@ -204,6 +204,11 @@ class ToolChoice(_Strict):
             raise ValueError('send name with {"type": "tool"} only')
         return self
 
+    @property
+    def normal(self) -> TC.ToolChoice:
+        """This choice in the one normal form (:mod:`plimsoll.protocol.tool_choice`)."""
+        return TC.from_anthropic(self.type, self.name)
+
 
 class Thinking(_Strict):
     """``enabled`` (with a ``budget_tokens``), ``adaptive`` or ``disabled``: all accepted.
@@ -256,13 +261,8 @@ class _Conversation(_Strict):
     @field_validator("tool_choice")
     @classmethod
     def _choice_in_tools(cls, choice: ToolChoice, info: ValidationInfo) -> ToolChoice:
-        names = {t.name for t in info.data.get("tools") or []}
-        if choice.type in ("any", "tool") and not names:
-            raise ValueError(f'tool_choice {{"type": "{choice.type}"}} needs tools; send tools '
-                             "or drop tool_choice")
-        if choice.type == "tool" and choice.name not in names:
-            raise ValueError(f"tool {choice.name!r} is not in tools; name one of "
-                             f"{sorted(names)}")
+        TC.check(choice.normal, {t.name for t in info.data.get("tools") or []},
+                 f'tool_choice {{"type": "{choice.type}"}}', "tool")
         return choice
 
     @property
@@ -277,12 +277,9 @@ class _Conversation(_Strict):
         ``any`` and a named ``tool`` are passed to the template (a named choice renders only
         that tool) and enforced by constrained decoding (plimsoll.protocol.structured).
         """
-        if not self.tools or (self.tool_choice and self.tool_choice.type == "none"):
-            return None
-        tools = self.tools
-        if self.tool_choice and self.tool_choice.type == "tool":
-            tools = [t for t in tools if t.name == self.tool_choice.name]
-        return [t.as_function() for t in tools]
+        choice = self.tool_choice.normal if self.tool_choice else None
+        tools = TC.chosen(self.tools, choice, lambda t: t.name)
+        return None if tools is None else [t.as_function() for t in tools]
 
 
 class MessagesRequest(_Conversation):
@@ -308,25 +305,8 @@ class CountTokensRequest(_Conversation):
     """``POST /v1/messages/count_tokens``: the prompt only (no ``max_tokens``)."""
 
 
-class _UntaggedErrors:
-    """A ValidationError whose locations skip the block-type tag pydantic inserts after a
-    content index (``messages[0].content[1].input``, not ``...content[1].tool_use.input``)."""
-
-    def __init__(self, exc: ValidationError) -> None:
-        self._exc = exc
-
-    def errors(self, **kwargs: Any) -> list[dict[str, Any]]:
-        out = []
-        for err in self._exc.errors(**kwargs):
-            loc = err["loc"]
-            out.append({**err, "loc": tuple(
-                part for i, part in enumerate(loc)
-                if not (part in _BLOCKS and i and isinstance(loc[i - 1], int)))})
-        return out
-
-
 def _parse(model: type[_Conversation], raw: bytes) -> Any:
-    return validate_body(model, raw, _UntaggedErrors)
+    return validate_body(model, raw, lambda e: Untagged(e, frozenset(_BLOCKS)))
 
 
 def parse_messages(raw: bytes) -> MessagesRequest | ProtocolError:
