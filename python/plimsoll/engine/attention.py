@@ -55,7 +55,27 @@ class Batch:
         self.attended = 0
 
 
-class PagedView:
+class PoolCache:
+    """What mlx-lm's cache protocol asks of a view over a pool (``self.pool``)."""
+
+    pool: FullAttention
+
+    @property
+    def state(self):
+        return self.pool.keys, self.pool.values
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    def empty(self) -> bool:
+        return False
+
+    def is_trimmable(self) -> bool:
+        return False
+
+
+class PagedView(PoolCache):
     """One full-attention layer's cache for one forward (mlx-lm's cache protocol)."""
 
     def __init__(self, pool: FullAttention, batch: Batch):
@@ -97,20 +117,6 @@ class PagedView:
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         return None  # the mask is the batch's own, applied in attend()
-
-    @property
-    def state(self):
-        return self.pool.keys, self.pool.values
-
-    @property
-    def nbytes(self) -> int:
-        return self.pool.nbytes
-
-    def empty(self) -> bool:
-        return False
-
-    def is_trimmable(self) -> bool:
-        return False
 
 
 def fused_prefill(dtype: mx.Dtype, head_dims: set[int]) -> bool:

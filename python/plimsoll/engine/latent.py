@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from plimsoll.engine.attention import PoolCache
 from plimsoll.engine.paged import FullAttention
 
 
@@ -43,7 +44,7 @@ class Latent(FullAttention):
     kind = "latent"
 
 
-class LatentView:
+class LatentView(PoolCache):
     """One MLA layer's cache for one forward (mlx-lm's cache protocol); see the module."""
 
     attends_inputs = True  # attention.sdpa hands attend() the model's keys, values and mask
@@ -97,16 +98,3 @@ class LatentView:
     def values(self, value) -> None:
         """deepseek_v32's indexer sets its values to zeros (mlx-lm's graph trim); dropped."""
 
-    @property
-    def state(self):
-        return self.pool.keys, self.pool.values
-
-    @property
-    def nbytes(self) -> int:
-        return self.pool.nbytes
-
-    def empty(self) -> bool:
-        return False
-
-    def is_trimmable(self) -> bool:
-        return False

@@ -68,15 +68,21 @@ class FullAttention:
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
-    def ensure(self, highest_block: int) -> None:
-        """Grow (in slabs, never past ``max_blocks``) so ``highest_block`` exists."""
+    def _slab_target(self, highest_block: int) -> int | None:
+        """The block count that holds ``highest_block``, grown in slabs and never past
+        ``max_blocks`` (an id outside the pool is an error); None when it exists already."""
         if highest_block < self.blocks:
-            return
+            return None
         if highest_block >= self.max_blocks:
             raise ValueError(f"block id {highest_block} is outside the pool of "
                              f"{self.max_blocks} blocks")
-        want = min(self.max_blocks,
+        return min(self.max_blocks,
                    math.ceil((highest_block + 1) / self.slab_blocks) * self.slab_blocks)
+
+    def ensure(self, highest_block: int) -> None:
+        """Grow (in slabs, never past ``max_blocks``) so ``highest_block`` exists."""
+        if (want := self._slab_target(highest_block)) is None:
+            return
         extra = (want - self.blocks) * self.block_tokens
         for name, dim in (("keys", self.k_dim), ("values", self.v_dim)):
             zeros = mx.zeros((self.kv_heads, extra, dim), self.dtype)

@@ -37,8 +37,6 @@ the arrays' ``nbytes``).
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
@@ -106,13 +104,8 @@ class QuantizedAttention(FullAttention):
     def ensure(self, highest_block: int) -> None:
         """Grow (in slabs, never past ``max_blocks``) so ``highest_block`` exists; one array
         is grown and evaluated at a time, so the growth transient is one array's old size."""
-        if highest_block < self.blocks:
+        if (want := self._slab_target(highest_block)) is None:
             return
-        if highest_block >= self.max_blocks:
-            raise ValueError(f"block id {highest_block} is outside the pool of "
-                             f"{self.max_blocks} blocks")
-        want = min(self.max_blocks,
-                   math.ceil((highest_block + 1) / self.slab_blocks) * self.slab_blocks)
         extra = (want - self.blocks) * self.block_tokens
         for name, dim in (("keys", self.k_dim), ("values", self.v_dim)):
             old = getattr(self, name)
