@@ -37,7 +37,8 @@ FACTS = facts_from_config({**PRESETS["tiny"], "torch_dtype": "float32"}, 10 * MI
 
 def engine_for(decision, fixed_bytes: int) -> SimpleNamespace:
     """What make_pool reads of a loaded engine: its real block bytes and facts."""
-    facts = SimpleNamespace(per_sequence_fixed_bytes=fixed_bytes, kv_dtype="float32")
+    facts = SimpleNamespace(per_sequence_fixed_bytes=fixed_bytes, kv_dtype="float32",
+                            kv_format="float32", fixed_bytes=lambda context: fixed_bytes)
     return SimpleNamespace(facts=facts, block_bytes=decision.block_bytes,
                            state_bytes_per_seq=fixed_bytes)
 
