@@ -127,3 +127,24 @@ def drive(engine, seqs: list[Seq], chunk: int, pipelined: bool = False) -> list[
     for s in seqs:
         engine.free_state(s.seq_id)
     return [s.out for s in seqs]
+
+
+def family_prompts(*lengths: int) -> list[list[int]]:
+    """Deterministic prompts of the given lengths (token ids below 501)."""
+    return [[(7 * i + 3 * n) % 500 + 1 for i in range(n)] for n in lengths]
+
+
+def engine_cache(family_dir, block_tokens: int, max_blocks: int):
+    """``get(name, **load_kwargs)``: an Engine of family ``name``, loaded once per kwargs."""
+    from plimsoll.engine import Engine
+
+    built: dict[str, Engine] = {}
+
+    def get(name: str, **kw) -> Engine:
+        key = f"{name}{sorted(kw.items())}"
+        if key not in built:
+            built[key] = Engine.load(family_dir(name), block_tokens=block_tokens,
+                                     max_blocks=max_blocks, **kw)
+        return built[key]
+    get.family_dir = family_dir
+    return get

@@ -17,7 +17,14 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from engine_drive import Blocks, drive, reference, seqs_for  # noqa: E402
+from engine_drive import (  # noqa: E402
+    Blocks,
+    drive,
+    engine_cache,
+    family_prompts,
+    reference,
+    seqs_for,
+)
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from plimsoll.engine import Engine  # noqa: E402
@@ -30,21 +37,9 @@ MEMBERS = {"falcon_h1": ("state", "full"), "longcat_flash": ("latent", "latent")
            "deepseek_v32": ("latent", "indexer"), "glm_moe_dsa": ("latent", "indexer")}
 
 
-def _prompts(*lengths: int) -> list[list[int]]:
-    return [[(7 * i + 3 * n) % 500 + 1 for i in range(n)] for n in lengths]
-
-
 @pytest.fixture(scope="module")
 def engines(family_dir):
-    built: dict[str, Engine] = {}
-
-    def get(name: str, **kw) -> Engine:
-        key = f"{name}{sorted(kw.items())}"
-        if key not in built:
-            built[key] = Engine.load(family_dir(name), block_tokens=BLOCK,
-                                     max_blocks=POOL, **kw)
-        return built[key]
-    return get
+    return engine_cache(family_dir, BLOCK, POOL)
 
 
 @pytest.mark.parametrize("name", sorted(MEMBERS))
@@ -60,7 +55,7 @@ def test_each_member_in_its_own_kind(engines, name):
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_batched_chunked_greedy_equals_mlx_lm(engines, name, pipelined):
     eng = engines(name)
-    prompts = _prompts(30, 90, 150)
+    prompts = family_prompts(30, 90, 150)
     want = [reference(eng.model, p, 8) for p in prompts]
     assert len({tuple(w) for w in want}) == 3
     seqs = seqs_for(prompts, 8, BLOCK, Blocks(POOL, shuffle=True))
@@ -72,7 +67,7 @@ def test_state_member_prefix_reuse_through_a_snapshot(engines):
     """falcon_h1: a prefix is reusable where a state snapshot exists for it, the KV member's
     blocks shared, the state member restored from the snapshot."""
     eng = engines("falcon_h1")
-    base = _prompts(2 * BLOCK)[0]
+    base = family_prompts(2 * BLOCK)[0]
     prompts = [base + [(11 * i) % 500 + 2 for i in range(n)] for n in (9, 14)]
     want = [reference(eng.model, p, 6) for p in prompts]
     blocks = Blocks(POOL)
@@ -96,7 +91,7 @@ def test_bytes_held_equal_facts_and_mlx_lm_cache(engines, name):
     eng = engines(name, slab_blocks=1)
     tokens = 300
     blocks = math.ceil(tokens / BLOCK)
-    prompt = _prompts(tokens)[0]
+    prompt = family_prompts(tokens)[0]
     eng.run(Step(prefills=(Work(0, tuple(prompt), 0, tuple(range(blocks)), True),)))
     mx.synchronize()
     held = eng.kv_bytes_allocated() + eng.state_bytes_held()
@@ -131,7 +126,7 @@ def test_cache_entries_map_onto_the_layers_that_hold_a_cache(engines):
     attention layers only, and each gets the kind facts give its layer."""
     eng = engines("nemotron_h")
     assert [k.kind for k in eng.layers] == ["state", "state", "full", "state"]  # "M-M*-M"
-    prompts = _prompts(20, 50)
+    prompts = family_prompts(20, 50)
     want = [reference(eng.model, p, 6) for p in prompts]
     seqs = seqs_for(prompts, 6, BLOCK, Blocks(POOL, shuffle=True))
     assert drive(eng, seqs, chunk=32, pipelined=True) == want
@@ -163,7 +158,7 @@ def test_block_payloads_cover_every_member_pool(engines, name):
         assert "hybrid" in block_io.supports(eng)
         return
     assert block_io.supports(eng) == ""
-    prompt = _prompts(40)[0]
+    prompt = family_prompts(40)[0]
     eng.run(Step(prefills=(Work(0, tuple(prompt), 0, (5, 9, 2), True),)))
     eng.free_state(0)
     payload = block_io.export_block(eng, 9)

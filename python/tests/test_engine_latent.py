@@ -17,7 +17,14 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from engine_drive import Blocks, drive, reference, seqs_for  # noqa: E402
+from engine_drive import (  # noqa: E402
+    Blocks,
+    drive,
+    engine_cache,
+    family_prompts,
+    reference,
+    seqs_for,
+)
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from plimsoll.engine import Engine  # noqa: E402
@@ -28,22 +35,9 @@ POOL = 64
 MLA = ["deepseek_v3", "glm4_moe_lite", "kimi_k25", "mistral4"]
 
 
-def _prompts(*lengths: int) -> list[list[int]]:
-    return [[(7 * i + 3 * n) % 500 + 1 for i in range(n)] for n in lengths]
-
-
 @pytest.fixture(scope="module")
 def engines(family_dir):
-    built: dict[str, Engine] = {}
-
-    def get(name: str, **kw) -> Engine:
-        key = f"{name}{sorted(kw.items())}"
-        if key not in built:
-            built[key] = Engine.load(family_dir(name), block_tokens=BLOCK,
-                                     max_blocks=POOL, **kw)
-        return built[key]
-    get.family_dir = family_dir
-    return get
+    return engine_cache(family_dir, BLOCK, POOL)
 
 
 @pytest.mark.parametrize("name", MLA)
@@ -61,7 +55,7 @@ def test_latent_layers_hold_the_latent_and_rope_key_once(engines, name):
 @pytest.mark.parametrize("name", MLA)
 def test_one_sequence_over_several_blocks_equals_mlx_lm(engines, name):
     eng = engines(name)
-    prompt = _prompts(70)[0]
+    prompt = family_prompts(70)[0]
     want = reference(eng.model, prompt, 10)
     assert len(set(want)) > 3  # scaled weights: equality means something
     seqs = seqs_for([prompt], 10, BLOCK, Blocks(POOL, shuffle=True, seed=3))
@@ -74,7 +68,7 @@ def test_batched_rows_of_different_lengths_and_chunked_prefill(engines, name, pi
     """Three rows (9, 40 and 75 tokens) decoded together while the others still prefill in
     chunks of 16 (every chunk after the first at start > 0), on scattered blocks."""
     eng = engines(name)
-    prompts = _prompts(9, 40, 75)
+    prompts = family_prompts(9, 40, 75)
     want = [reference(eng.model, p, 8) for p in prompts]
     assert len({tuple(w) for w in want}) == 3
     seqs = seqs_for(prompts, 8, BLOCK, Blocks(POOL, shuffle=True))
@@ -84,7 +78,7 @@ def test_batched_rows_of_different_lengths_and_chunked_prefill(engines, name, pi
 def test_two_rows_of_equal_length_batched(engines):
     """Rows of one length: no padding mask at all (mask None reaches the model)."""
     eng = engines("deepseek_v3")
-    prompts = _prompts(33, 33)
+    prompts = family_prompts(33, 33)
     prompts[1] = [(t * 5) % 500 + 1 for t in prompts[1]]
     want = [reference(eng.model, p, 8) for p in prompts]
     assert want[0] != want[1]
@@ -95,7 +89,7 @@ def test_two_rows_of_equal_length_batched(engines):
 def test_a_shared_prefix_of_latent_blocks(engines):
     """Two sequences map the same two prompt blocks: the second prefills only its tail."""
     eng = engines("deepseek_v3")
-    base = _prompts(2 * BLOCK)[0]
+    base = family_prompts(2 * BLOCK)[0]
     prompts = [base + [(11 * i) % 500 + 2 for i in range(n)] for n in (9, 20)]
     want = [reference(eng.model, p, 6) for p in prompts]
     blocks = Blocks(POOL, shuffle=True, seed=7)
@@ -110,7 +104,7 @@ def test_mla_beside_recurrent_state(engines):
     """kimi_linear: KDA state layers and an MLA layer, batched, chunked, pipelined."""
     eng = engines("kimi_linear")
     assert [k.kind for k in eng.layers] == ["state", "state", "state", "latent"]
-    prompts = _prompts(9, 30, 45)
+    prompts = family_prompts(9, 30, 45)
     want = [reference(eng.model, p, 6) for p in prompts]
     seqs = seqs_for(prompts, 6, BLOCK, Blocks(POOL, shuffle=True))
     assert drive(eng, seqs, chunk=16, pipelined=True) == want
@@ -123,7 +117,7 @@ def test_bytes_held_equal_facts_and_mlx_lm_cache(engines, family_dir, name):
     eng = engines(name, slab_blocks=1)
     tokens = 300
     blocks = math.ceil(tokens / BLOCK)
-    prompt = _prompts(tokens)[0]
+    prompt = family_prompts(tokens)[0]
     eng.run(Step(prefills=(Work(0, tuple(prompt), 0, tuple(range(blocks)), True),)))
     eng.free_state(0)
     held = eng.kv_bytes_allocated()
@@ -144,7 +138,7 @@ def test_latent_projections_with_an_expanded_cache_are_full_attention(engines, n
     assert all(k.k_dim != k.v_dim for k in eng.layers)
     assert eng.facts.cache_kinds == ("kv",)
     assert eng.block_bytes == BLOCK * eng.facts.kv_bytes_per_token
-    prompts = _prompts(9, 40, 75)
+    prompts = family_prompts(9, 40, 75)
     want = [reference(eng.model, p, 8) for p in prompts]
     seqs = seqs_for(prompts, 8, BLOCK, Blocks(POOL, shuffle=True))
     assert drive(eng, seqs, chunk=16, pipelined=True) == want
@@ -165,7 +159,7 @@ def test_mla_transients_stay_under_the_published_bounds(engines):
     plain = eng.facts.model_copy(update={"prefill_expand_per_token": 0})
     ids = list(range(256))
     random.Random(0).shuffle(ids)
-    prompt = _prompts(1024)[0]
+    prompt = family_prompts(1024)[0]
     for chunk in (16, 256):
         eng.run(Step(prefills=(Work(0, tuple(prompt[:-chunk]), 0, tuple(ids), False),)))
         mx.synchronize()
