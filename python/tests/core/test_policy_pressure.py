@@ -9,7 +9,7 @@ import pytest
 
 from plimsoll.core.policy import Policy, PolicyError, Pressure, parse_policy
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "policy.json"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "policy.json"
 
 
 @pytest.fixture

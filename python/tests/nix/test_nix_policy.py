@@ -27,7 +27,7 @@ import pytest
 from plimsoll.core.policy import SCHEMA_PATH, Policy, PolicyError, parse_policy
 from plimsoll.core.units import GIB, MIB
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NIX_INSTANTIATE = shutil.which("nix-instantiate")
 HOSTS = ("studio", "studio-b", "macbook")
 MODES = ("standalone", "clustered")

@@ -23,7 +23,7 @@ from plimsoll.watcher.sysctl import (
     verify,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "watcher"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "watcher"
 
 
 # --- file: ------------------------------------------------------------------------------

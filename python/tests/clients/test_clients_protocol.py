@@ -22,7 +22,7 @@ from plimsoll.protocol import tolerated as T
 from plimsoll.protocol.reasoning import Markers, ReasoningSplit
 from plimsoll.protocol.reservation import Reservation, reserve
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 HI = [{"role": "user", "content": "hi"}]
 
 

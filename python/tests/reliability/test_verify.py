@@ -17,7 +17,7 @@ from plimsoll.reliability.verify import Sample, Sampler, run_verify, summary, wr
 from plimsoll.reliability.verify.probe import DarwinProbe, LinuxProbe, probe_for
 from plimsoll.reliability.verify.target import Prompts, filesystem_of
 
-DARWIN = Path(__file__).parent / "fixtures" / "darwin" / "m2_max_96g_limited_warn"
+DARWIN = Path(__file__).parents[1] / "fixtures" / "darwin" / "m2_max_96g_limited_warn"
 
 
 def _root_with_cgroups() -> None:

@@ -22,8 +22,8 @@ import pytest
 from plimsoll.core.units import GIB, KIB, MIB
 from plimsoll.probes import MemorySnapshot, linux, read_snapshot
 
-FIXTURES = Path(__file__).parent / "fixtures" / "linux"
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "linux"
+PACKAGE_DIR = Path(__file__).resolve().parents[2]
 V1_MEMORY = Path("/sys/fs/cgroup/memory")
 SENTINEL_4K = 9223372036854771712  # PAGE_COUNTER_MAX * 4096
 SENTINEL_64K = 9223372036854710272  # PAGE_COUNTER_MAX * 65536 (arm64 64 KiB pages)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from test_proxy import MSG, Proxy, chat, wait_for
 
-FX = Path(__file__).parent / "fixtures" / "pressure"
+FX = Path(__file__).parents[1] / "fixtures" / "pressure"
 CLEAR_AFTER_S = 2
 
 

@@ -20,7 +20,7 @@ from plimsoll.core.model_facts import (
 )
 from plimsoll.core.safetensors_header import safetensors_tensor_bytes
 
-CONFIGS = Path(__file__).parent / "fixtures" / "configs"
+CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
 KIB = 1024
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DARWIN = os.environ.get("NIX_DARWIN_SRC", "")
 NIXLIB = os.environ.get("NIXPKGS_LIB", "")
 WRAP = "/bin/wait4path /nix/store && exec "

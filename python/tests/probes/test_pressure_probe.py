@@ -12,8 +12,8 @@ import pytest
 from plimsoll.probes import darwin
 from plimsoll.probes import pressure as P
 
-FX = Path(__file__).parent / "fixtures" / "pressure"
-DARWIN_HOST = Path(__file__).parent / "fixtures" / "darwin" / "m2_max_96g_limited_warn"
+FX = Path(__file__).parents[1] / "fixtures" / "pressure"
+DARWIN_HOST = Path(__file__).parents[1] / "fixtures" / "darwin" / "m2_max_96g_limited_warn"
 
 
 class Clock:

@@ -19,7 +19,7 @@ from plimsoll.watcher.link import (
     parse_ifconfig_run,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "watcher"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "watcher"
 
 
 def fx(name: str) -> str:

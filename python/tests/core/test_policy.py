@@ -20,7 +20,7 @@ from plimsoll.core.policy import (
 )
 from plimsoll.core.units import GIB
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "policy.json"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "policy.json"
 
 
 @pytest.fixture

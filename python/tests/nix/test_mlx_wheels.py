@@ -19,7 +19,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PINS = json.loads((REPO / "pkgs/mlx-wheels.json").read_text())
 WHEELS = [(name, key, w) for name, pin in PINS.items() if not name.startswith("_")
           for key, w in pin["wheels"].items()]

@@ -18,7 +18,7 @@ from plimsoll import probes
 from plimsoll.core.units import GIB, MIB
 from plimsoll.probes import MemorySnapshot, darwin
 
-FIXTURES = Path(__file__).parent / "fixtures" / "darwin"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "darwin"
 HOSTS = ("m2_ultra_128g_default", "m2_max_96g_limited_warn", "intel_16g_no_iogpu_critical")
 
 

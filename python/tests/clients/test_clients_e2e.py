@@ -32,9 +32,9 @@ import httpx
 import pytest
 from conftest import free_port, worker_env
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 INSTALL = REPO / ".ci" / "install-clients"
-RECORDER = Path(__file__).with_name("clients") / "recorder.py"
+RECORDER = Path(__file__).with_name("recorder.py")
 SERVE = "from plimsoll.cli.serve import serve_command; serve_command()"
 MODEL = "demo-tiny"
 CLIENT_TIMEOUT_S = 1800
