@@ -15,6 +15,8 @@ import pytest
 
 from plimsoll.web.serve import free_port
 
+pytest_plugins = ["pure_tier"]  # the pure tier's marker and its enforcement
+
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 
 # Test modules are imported under their bare names (pytest's default "prepend" import mode, no

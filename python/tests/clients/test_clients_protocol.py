@@ -22,6 +22,8 @@ from plimsoll.protocol import tolerated as T
 from plimsoll.protocol.reasoning import Markers, ReasoningSplit
 from plimsoll.protocol.reservation import Reservation, reserve
 
+pytestmark = pytest.mark.pure
+
 README = Path(__file__).resolve().parents[3] / "README.md"
 HI = [{"role": "user", "content": "hi"}]
 

@@ -29,6 +29,7 @@ def policy(model: Path, **entry) -> Policy:
         "sharded": True, **entry}}})
 
 
+@pytest.mark.pure
 def test_rank_figures_parse_and_refuse_with_what_to_write():
     assert parse_rank_figures("4") == (4 * GIB, 4 * GIB, 4 * GIB)
     assert parse_rank_figures("8:16:6") == (8 * GIB, 16 * GIB, 6 * GIB)
@@ -37,6 +38,7 @@ def test_rank_figures_parse_and_refuse_with_what_to_write():
             parse_rank_figures(bad)
 
 
+@pytest.mark.pure
 def test_bad_cluster_rank_flags_are_usage_errors():
     from plimsoll.cli.main import main
 
@@ -96,6 +98,7 @@ def test_the_status_check_names_what_differs(tiny_model):
     assert cluster_mismatches(cfg, {})  # no cluster section: not a clustered worker
 
 
+@pytest.mark.pure
 def test_the_header_carries_sampling_exactly():
     head = header(OP_NEW, slot=1, n=7, max_tokens=9, temperature=0.7, top_p=0.95, seed=42)
     assert head == [OP_NEW, 1, 7, 9, 700_000, 950_000, 43]

@@ -21,6 +21,8 @@ from plimsoll.cluster.plan import (
 from plimsoll.core.model_facts import facts_from_config
 from plimsoll.demo.model import PRESETS
 
+pytestmark = pytest.mark.pure
+
 GIB = 1 << 30
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plimsoll.core.admission import AdmissionRequest, admit, blocks_for
 from plimsoll.core.units import GIB, KIB, MIB
+
+pytestmark = pytest.mark.pure
 
 QWEN3_30B_KV = 96 * KIB  # bytes per token, bf16 (48 layers × 4 heads × 128)
 

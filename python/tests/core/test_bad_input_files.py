@@ -143,6 +143,7 @@ def test_a_broken_model_directory_is_a_model_inspection_error_naming_it(broken, 
     assert words in str(err.value), str(err.value)
 
 
+@pytest.mark.pure
 def test_not_a_directory_and_an_empty_directory(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ModelInspectionError, match="is not a directory"):
@@ -172,6 +173,7 @@ CONFIG_KEYS = [*GOOD_CONFIG, "layer_types", "sliding_window", "sliding_window_pa
                "use_sliding_window"]
 
 
+@pytest.mark.pure
 @FUZZ
 @given(changes=st.dictionaries(st.sampled_from(CONFIG_KEYS), JSON_VALUES, max_size=4),
        drop=st.sets(st.sampled_from(list(GOOD_CONFIG)), max_size=2))
@@ -186,6 +188,7 @@ def test_any_mutated_config_gives_facts_or_a_model_inspection_error(changes, dro
     assert isinstance(facts, ModelFacts) and facts.kv_bytes_per_token >= 0
 
 
+@pytest.mark.pure
 @FUZZ
 @given(header=st.one_of(
     st.binary(max_size=64),
@@ -345,10 +348,12 @@ def _write_policy(path: Path, content) -> Path:
     return path
 
 
+@pytest.mark.pure
 def test_the_valid_policy_used_below_is_valid(tmp_path):
     assert isinstance(load_policy(_write_policy(tmp_path / "p.json", VALID_POLICY)), Policy)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("case", sorted(BAD_POLICIES))
 def test_a_broken_policy_is_a_policy_error_and_policy_check_names_the_field(tmp_path, case):
     content, words = BAD_POLICIES[case]
@@ -362,6 +367,7 @@ def test_a_broken_policy_is_a_policy_error_and_policy_check_names_the_field(tmp_
     assert isinstance(r.exception, SystemExit), r.exception
 
 
+@pytest.mark.pure
 def test_policy_check_on_a_missing_file_and_a_directory(tmp_path):
     for target in (tmp_path / "absent.json", tmp_path):
         r = CliRunner().invoke(main, ["policy", "check", str(target)])
@@ -398,6 +404,7 @@ def _drop(obj, path):
     return {**obj, path[0]: _drop(obj[path[0]], path[1:])}
 
 
+@pytest.mark.pure
 @FUZZ
 @given(edits=st.lists(st.tuples(st.sampled_from(POLICY_PATHS),
                                 JSON_VALUES | st.floats() | st.just("__drop__")),
@@ -427,6 +434,7 @@ def test_any_mutated_policy_is_a_policy_or_a_policy_error_naming_a_field(edits, 
         pol, "fuzzed.json")
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("command", [["admit", "--budget-gib", "4"], ["launch", "x"],
                                      ["doctor"], ["watch-link", "--once"]])
 def test_every_command_that_reads_a_policy_refuses_a_broken_one_by_name(tmp_path, command):

@@ -33,6 +33,7 @@ SERVED = {"llama", "qwen3", "qwen3_4bit", "qwen3_moe", "qwen3_next", "qwen3_5", 
 REFUSED = {"llama4": "chunked", "mamba2": "state-only"}
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_is_served_or_refused_with_its_kind(name):
     facts = facts_from_config(FAMILIES[name].config, 0)
@@ -45,6 +46,7 @@ def test_every_family_is_served_or_refused_with_its_kind(name):
     assert "num_attention_heads" not in refusal.message  # never the old wrong advice
 
 
+@pytest.mark.pure
 def test_a_pure_state_space_model_is_refused_for_what_it_is():
     facts = facts_from_config(FAMILIES["mamba2"].config, 0)
     assert facts.cache_kinds == ("state",) and facts.kv_bytes_per_token == 0
@@ -52,6 +54,7 @@ def test_a_pure_state_space_model_is_refused_for_what_it_is():
     assert "pure state-space" in message and "mlx_lm" in message
 
 
+@pytest.mark.pure
 def test_quantized_kv_is_served_for_attention_and_state_layers(monkeypatch):
     def at64(name):  # head dims in groups of 64 (the tiny families use 16)
         return {**FAMILIES[name].config, "head_dim": 64}
@@ -89,6 +92,7 @@ def test_admit_reports_an_unsupported_kind_in_text_and_json(family_dir):
     assert doc["decision"] != "refuse"  # memory would admit it: the engine is the reason
 
 
+@pytest.mark.pure
 def test_a_window_that_keeps_its_first_tokens_is_refused():
     facts = facts_from_config(FAMILIES["gemma3_text"].config, 0)
     caches = tuple(c.model_copy(update={"keep": 4}) if c.kind == "window" else c

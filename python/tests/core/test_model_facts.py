@@ -20,6 +20,8 @@ from plimsoll.core.model_facts import (
 )
 from plimsoll.core.safetensors_header import safetensors_tensor_bytes
 
+pytestmark = pytest.mark.pure
+
 CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
 KIB = 1024
 

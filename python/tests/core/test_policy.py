@@ -20,6 +20,8 @@ from plimsoll.core.policy import (
 )
 from plimsoll.core.units import GIB
 
+pytestmark = pytest.mark.pure
+
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "policy.json"
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from plimsoll.core.policy import Policy, PolicyError, Pressure, parse_policy
 
+pytestmark = pytest.mark.pure
+
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "policy.json"
 
 

@@ -7,7 +7,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from plimsoll.core.progress import progress
+
+pytestmark = pytest.mark.pure
 
 PLAIN = re.compile(r"^\[\s*\d+\.\ds\] [^\x1b\r]+$")
 
@@ -48,6 +52,7 @@ def test_a_tty_gets_the_live_status():
     assert "starting the worker" in text and "done in" in text
 
 
+@pytest.mark.impure
 def test_the_demo_model_command_reports_plain_lines_off_a_terminal(tiny_model):
     r = subprocess.run([sys.executable, "-m", "plimsoll.cli", "demo-model", str(tiny_model)],
                        capture_output=True, text=True, timeout=120)

@@ -32,6 +32,8 @@ from plimsoll.launch.spawn import mismatches, worker_config
 from plimsoll.probes.snapshot import MemorySnapshot
 from plimsoll.worker.app import make_pool
 
+pytestmark = pytest.mark.pure
+
 FACTS = facts_from_config({**PRESETS["tiny"], "torch_dtype": "float32"}, 10 * MIB)
 
 
@@ -153,6 +155,7 @@ def _stop(proc: subprocess.Popen) -> str:
     return out
 
 
+@pytest.mark.impure
 def test_a_pool_of_exactly_one_sequence_starts_and_honours_the_kv_dtype(tiny_model):
     proc = _worker(tiny_model, "--max-cache-blocks", "16", "--context", "1024",
                    "--block-tokens", "64", "--max-num-seqs", "1", "--max-tokens", "64")
@@ -228,6 +231,7 @@ def sparse_model(root: Path, preset: str = "qwen3-0.6b") -> Path:
     return root
 
 
+@pytest.mark.impure
 def test_a_4gib_cgroup_admits_the_qwen3_demo(tmp_path):
     from plimsoll.guard.process import WorkerGuard
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,9 +20,12 @@ from plimsoll.engine.work import (
     prefill_transient_bytes,
 )
 
+pytestmark = pytest.mark.pure
+
 FACTS = facts_from_config({**PRESETS["qwen3-0.6b"], "torch_dtype": "float32"}, 0)
 
 
+@pytest.mark.impure
 def test_importing_the_contract_imports_no_mlx():
     code = ("import sys, plimsoll.engine, plimsoll.engine.work; "
             "from plimsoll.engine import Step, Work; "

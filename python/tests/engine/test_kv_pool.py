@@ -5,11 +5,14 @@ test_worker_paged.py."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from plimsoll.engine.pool import BlockPool, Grant, Refusal, block_hash, chain_hashes
+
+pytestmark = pytest.mark.pure
 
 
 def pool(total=100, block=4, cap=100, **kw) -> BlockPool:

@@ -26,6 +26,7 @@ from plimsoll.launch.spawn import start_worker, stop_worker
 from plimsoll.worker.config import WorkerConfig
 
 
+@pytest.mark.pure
 def test_guard_limit_puts_the_soft_line_a_margin_above_the_admitted() -> None:
     admitted = 1024 * MIB + 512 * MIB  # footprint + runtime reserve
     limit = G.guard_limit(1024 * MIB, runtime_bytes=512 * MIB, margin_fraction=0.05,
@@ -36,6 +37,7 @@ def test_guard_limit_puts_the_soft_line_a_margin_above_the_admitted() -> None:
     assert G.guard_limit(0, runtime_bytes=0) >= G.MIN_MARGIN_BYTES
 
 
+@pytest.mark.pure
 def test_soft_line_is_a_fraction_of_the_hard_line() -> None:
     assert G.soft_line(1000, 0.9) == 900
     with pytest.raises(ValueError):
@@ -199,6 +201,7 @@ def _footprint(limit: int, readings: list[int]) -> G.FootprintGuard:
     return G.FootprintGuard(limit, 0.9, lambda: next(it), "test")
 
 
+@pytest.mark.pure
 def test_footprint_guard_lines_are_those_of_the_cgroup_guard() -> None:
     g = _footprint(1000, [500, 950, 1001, 10])
     assert g.probe() == {"guard_usage": 500, "guard_soft": 900}

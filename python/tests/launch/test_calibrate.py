@@ -15,6 +15,8 @@ from plimsoll.launch import live_admission as LA
 from plimsoll.probes import read_snapshot
 from plimsoll.reliability.calibrate import calibrate
 
+pytestmark = pytest.mark.pure
+
 # A small budget keeps the pool (and the test) small; the reserve fraction then matters.
 OVERRIDES = LA.MemoryOverrides(budget_gib=1.0, ceiling_mib=8192, total_ram_gib=8.0)
 
@@ -51,6 +53,7 @@ def test_reserve_fraction_only_raises() -> None:
     assert C.reserve_fraction(0.05, cal, GIB // 8) == 1.0
 
 
+@pytest.mark.impure
 def test_calibrate_the_tiny_model_then_admission_uses_it(tiny_model, tmp_path,
                                                          monkeypatch) -> None:
     monkeypatch.setenv("PLIMSOLL_CACHE", str(tmp_path))

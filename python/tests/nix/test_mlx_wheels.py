@@ -38,6 +38,7 @@ def client():
     c.close()
 
 
+@pytest.mark.pure
 def test_the_pins_cover_what_the_package_needs():
     assert {"mlx", "mlx-metal", "mlx-lm"} <= set(PINS)
     assert {"cp311", "cp312", "cp313", "cp314"} <= set(PINS["mlx"]["wheels"])  # python3 of nixpkgs

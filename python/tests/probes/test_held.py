@@ -51,6 +51,7 @@ def test_held_bytes_counts_the_children_and_other_tenants_leave_them_out() -> No
     assert held_bytes(parent.pid) == 0
 
 
+@pytest.mark.pure
 def test_content_bytes_sums_the_fields_of_pages_held_with_content() -> None:
     from plimsoll.probes.held import content_bytes
 

@@ -12,6 +12,8 @@ import pytest
 from plimsoll.probes import darwin
 from plimsoll.probes import pressure as P
 
+pytestmark = pytest.mark.pure
+
 FX = Path(__file__).parents[1] / "fixtures" / "pressure"
 DARWIN_HOST = Path(__file__).parents[1] / "fixtures" / "darwin" / "m2_max_96g_limited_warn"
 

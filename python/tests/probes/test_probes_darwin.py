@@ -18,6 +18,8 @@ from plimsoll import probes
 from plimsoll.core.units import GIB, MIB
 from plimsoll.probes import MemorySnapshot, darwin
 
+pytestmark = pytest.mark.pure
+
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "darwin"
 HOSTS = ("m2_ultra_128g_default", "m2_max_96g_limited_warn", "intel_16g_no_iogpu_critical")
 
@@ -272,18 +274,21 @@ def test_snapshot_without_vm_stat_fails_loud() -> None:
 # --- runners, for real where this OS allows -------------------------------------------
 
 
+@pytest.mark.impure
 def test_run_command_for_real() -> None:
     assert darwin.run_command(["/bin/echo", "16384"]) == "16384\n"
     assert darwin.run_command(["/bin/false"]) is None
     assert darwin.run_command(["/nonexistent/sysctl", "-n", "hw.memsize"]) is None
 
 
+@pytest.mark.impure
 @pytest.mark.skipif(sys.platform == "darwin", reason="Metal may be present on a Mac")
 def test_mlx_without_metal_gives_no_recommendation() -> None:
     pytest.importorskip("mlx.core")
     assert darwin.read_mlx_recommended_working_set() is None
 
 
+@pytest.mark.impure
 @pytest.mark.skipif(sys.platform == "darwin", reason="tests the non-macOS failure")
 def test_phys_footprint_runner_fails_loud_off_macos() -> None:
     with pytest.raises(OSError):

@@ -22,6 +22,8 @@ import pytest
 from plimsoll.core.units import GIB, KIB, MIB
 from plimsoll.probes import MemorySnapshot, linux, read_snapshot
 
+pytestmark = pytest.mark.pure
+
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "linux"
 PACKAGE_DIR = Path(__file__).resolve().parents[2]
 V1_MEMORY = Path("/sys/fs/cgroup/memory")
@@ -322,6 +324,7 @@ def snapshot_from_child_in(cgroup: Path) -> tuple[MemorySnapshot, MemorySnapshot
         child.wait(timeout=30)
 
 
+@pytest.mark.impure
 def test_real_v1_cgroup_limit_is_the_ceiling() -> None:
     _require_v1_memory_root()
     name = f"plimsoll-test-{uuid.uuid4().hex[:12]}"
@@ -337,6 +340,7 @@ def test_real_v1_cgroup_limit_is_the_ceiling() -> None:
     assert by_pid.process_footprint_bytes < 512 * MIB  # the child's RSS, not ours
 
 
+@pytest.mark.impure
 def test_real_v1_parent_limit_binds_an_unlimited_child() -> None:
     _require_v1_memory_root()
     name = f"plimsoll-test-{uuid.uuid4().hex[:12]}"
@@ -350,6 +354,7 @@ def test_real_v1_parent_limit_binds_an_unlimited_child() -> None:
         )
 
 
+@pytest.mark.impure
 def test_real_v1_child_limit_below_the_parent_binds() -> None:
     _require_v1_memory_root()
     name = f"plimsoll-test-{uuid.uuid4().hex[:12]}"

@@ -23,6 +23,8 @@ from plimsoll.proxy.pressure import (
 )
 from plimsoll.proxy.tripwire import Tripwire
 
+pytestmark = pytest.mark.pure
+
 TH = Pressure()
 
 

@@ -21,6 +21,8 @@ from plimsoll.probes.held import parse_rss_anon
 from plimsoll.proxy.evict import Resident, choose_evictions, eviction_order
 from plimsoll.proxy.state import TRANSITIONS, State
 
+pytestmark = pytest.mark.pure
+
 
 def r(name, admitted, observed=0, last_used=0.0, busy=False):
     return Resident(name, admitted, observed, last_used, busy)

@@ -30,6 +30,8 @@ from plimsoll.reliability.doctor import (
     render,
 )
 
+pytestmark = pytest.mark.pure
+
 DEFAULT_SOURCE = "MLX max_recommended_working_set_size (wired limit 0: macOS default)"
 
 
@@ -259,6 +261,7 @@ def write_policy(tmp_path: Path, models: dict) -> Path:
     return path
 
 
+@pytest.mark.impure
 def test_cli_on_this_host_with_a_demo_model(demo, tmp_path):
     pol = write_policy(tmp_path, {"tiny": {"path": str(demo), "context": 4096,
                                            "concurrency": 2, "maxTokens": 512}})
@@ -276,6 +279,7 @@ def test_cli_on_this_host_with_a_demo_model(demo, tmp_path):
     assert {ln["level"] for ln in got["lines"]} == {"ok"}
 
 
+@pytest.mark.impure
 def test_cli_warns_and_exits_1_for_a_missing_model_and_a_native_overreach(demo, tmp_path):
     pol = write_policy(tmp_path, {
         "tiny": {"path": str(demo), "context": 1_000_000, "maxTokens": 512},
@@ -294,6 +298,7 @@ def test_cli_bad_policy_is_exit_2(tmp_path):
     assert res.exit_code == 2 and "not valid JSON" in res.output
 
 
+@pytest.mark.impure
 def test_cli_without_a_policy_uses_the_default():
     res = CliRunner().invoke(doctor_command, [])
     assert res.exit_code == 0, res.output

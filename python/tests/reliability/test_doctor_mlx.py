@@ -10,6 +10,8 @@ import pytest
 
 from plimsoll.reliability.doctor import Line, MlxView, mlx_lines
 
+pytestmark = pytest.mark.pure
+
 
 def test_macos_with_metal_is_ok():
     assert mlx_lines(MlxView("0.32.4", True, "gpu"), "darwin") == [
@@ -32,6 +34,7 @@ def test_linux_cpu_is_ok():
     assert mlx_lines(MlxView("0.32.4", False, "cpu"), "linux")[0].level == "ok"
 
 
+@pytest.mark.impure
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="this host's MLX: Linux CPU")
 def test_the_doctor_reads_this_hosts_mlx():
     done = subprocess.run([sys.executable, "-m", "plimsoll.cli", "doctor", "--json"],

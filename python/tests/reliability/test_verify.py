@@ -37,6 +37,7 @@ def _env() -> dict[str, str]:
 
 
 # --- pure parts ---------------------------------------------------------------------------
+@pytest.mark.pure
 def test_sampler_window_reports_deltas_and_peaks() -> None:
     s = Sampler(LinuxProbe(os.getpid()))
     s.samples = [Sample(0.5, 5, 50, 40, 0, 0, 4, 0.0),
@@ -53,6 +54,7 @@ def test_sampler_window_reports_deltas_and_peaks() -> None:
     assert w["mlx_active_peak_bytes"] == 900
 
 
+@pytest.mark.pure
 def test_the_probe_is_chosen_per_os_and_darwin_reads_recorded_outputs() -> None:
     assert isinstance(probe_for(1, None, "linux"), LinuxProbe)
     assert isinstance(probe_for(1, None, "darwin"), DarwinProbe)
@@ -83,6 +85,7 @@ def test_prompts_stay_within_their_token_count(tiny_model) -> None:
     assert p.text(256, 7) == p.text(256, 7) != p.text(256, 8)
 
 
+@pytest.mark.pure
 def test_filesystem_of_picks_the_longest_mount() -> None:
     info = ("22 1 8:1 / / rw - ext4 /dev/vda rw\n"
             "30 22 0:5 / /tmp rw - tmpfs tmpfs rw\n"

@@ -35,6 +35,8 @@ from plimsoll.watcher.link import LinkState
 from plimsoll.watcher.run import EventLog, Timing, Watcher
 from plimsoll.watcher.sysctl import Applied, CeilingMismatch
 
+pytestmark = pytest.mark.pure
+
 T = Targets(standalone_mib=48 * 1024, clustered_mib=80 * 1024)
 SMALL = 10 * GIB  # memory in use that fits both envelopes
 

@@ -19,6 +19,8 @@ from plimsoll.watcher.link import (
     parse_ifconfig_run,
 )
 
+pytestmark = pytest.mark.pure
+
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "watcher"
 
 
@@ -80,6 +82,7 @@ def test_missing_interface_is_down_and_other_failures_raise():
         parse_ifconfig("garbage\n")
 
 
+@pytest.mark.impure
 def test_ifconfig_reader_runs_the_command(tmp_path):
     """The reader's runner half, with a stand-in ifconfig that prints a fixture."""
     script = tmp_path / "ifconfig"

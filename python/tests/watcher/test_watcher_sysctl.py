@@ -23,6 +23,8 @@ from plimsoll.watcher.sysctl import (
     verify,
 )
 
+pytestmark = pytest.mark.pure
+
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "watcher"
 
 
@@ -127,6 +129,7 @@ def test_mlx_check_runs_in_a_fresh_interpreter_and_is_skipped_without_metal():
     assert mlx_recommended_bytes(lambda argv: Completed(1, "", "boom")) is None
 
 
+@pytest.mark.impure
 def test_mlx_check_script_runs_here(tmp_path):
     """The real script in a real interpreter: on Linux MLX has no Metal, so no value."""
     from plimsoll.watcher.sysctl import run_command

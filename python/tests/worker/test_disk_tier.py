@@ -13,6 +13,8 @@ import pytest
 
 from plimsoll.worker.disk_tier import MAGIC, DiskStore, decode, encode, tier_key
 
+pytestmark = pytest.mark.pure
+
 KEY = tier_key("w" * 64, "float32", 16, 4096)
 
 
@@ -158,6 +160,7 @@ def small_fs(tmp_path):
     subprocess.run(["umount", str(mnt)], check=False)
 
 
+@pytest.mark.impure
 def test_a_full_disk_turns_the_tier_off_with_one_reason(small_fs):
     s = store(small_fs, cap=64 << 20)  # the cap is larger than the disk
     for i in range(400):
@@ -171,6 +174,7 @@ def test_a_full_disk_turns_the_tier_off_with_one_reason(small_fs):
     s.close()
 
 
+@pytest.mark.impure
 def test_a_read_only_filesystem_turns_the_tier_off(small_fs):
     s = store(small_fs)
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)

@@ -182,6 +182,7 @@ def test_bad_bodies_are_400s_that_name_the_field(worker, body, param):
         err["message"], err
 
 
+@pytest.mark.pure
 def test_store_is_bounded_lru():
     store = ResponseStore(cap=2)
     store.put("a", [{"role": "user", "content": "1"}])
@@ -193,6 +194,7 @@ def test_store_is_bounded_lru():
         ResponseStore(cap=0)
 
 
+@pytest.mark.pure
 def test_store_is_bounded_in_bytes():
     store = ResponseStore(cap=100, max_bytes=400)
     big = [{"role": "user", "content": "x" * 120}]
@@ -204,6 +206,7 @@ def test_store_is_bounded_in_bytes():
     assert store.get("huge") is None and store.get("c")
 
 
+@pytest.mark.pure
 def test_instructions_and_opening_developer_messages_become_one_system_message():
     from plimsoll.protocol import responses_request as R
 

@@ -24,6 +24,8 @@ from plimsoll.worker.scheduler import (
     Token,
 )
 
+pytestmark = pytest.mark.pure
+
 EOS = 3
 
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plimsoll import protocol as P
 from plimsoll.worker.app import TextSSE
 from plimsoll.worker.submit import Mailbox
+
+pytestmark = pytest.mark.pure
 
 
 @settings(max_examples=200, deadline=None)
@@ -67,6 +70,7 @@ def test_mailbox_delivers_a_burst_in_order_with_one_wake_up():
     assert wakes == 1  # posted while the loop was blocked: one flush took all of them
 
 
+@pytest.mark.impure
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), rows=st.integers(1, 5), consecutive=st.booleans())
 def test_kept_decode_index_reads_what_a_fresh_build_reads(data, rows, consecutive):
