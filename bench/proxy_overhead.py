@@ -2,7 +2,7 @@
 
 Issue 5, "Benchmark". Builds (or reuses) two tiny demo models "a" and "b" (seeds 0 and 1)
 and a policy in which they cannot be co-resident (context 32768, concurrency 4: ~305 MiB
-admitted each, standalone envelope 0.5 GiB — as in python/tests/test_proxy.py), then runs
+admitted each, standalone envelope 0.5 GiB — as in python/tests/proxy/test_proxy.py), then runs
 ``R`` rounds (default 5). Each round starts a fresh ``python -m plimsoll.cli serve`` on a free
 127.0.0.1 port (own process group, OpenBLAS preloaded, ``--swap-hold 0 --idle-ttl 0``) and:
 

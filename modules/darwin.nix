@@ -14,7 +14,7 @@
 #     shared token). nix-darwin has no sysctl option and re-runs no activation script at
 #     boot, so a RunAtLoad daemon is what keeps the ceiling set.
 # Every command line generated here passes `plimsoll <command> --check` in CI
-# (python/tests/test_darwin_commands.py runs them through the real CLI).
+# (python/tests/nix/test_darwin_commands.py runs them through the real CLI).
 #
 # The policy logic is pure builtins Nix (./policy.nix), shared with the flake's `lib`
 # and the offline tests; this module only maps options onto it. A declaration that

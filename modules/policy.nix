@@ -11,7 +11,7 @@
 #   - the pressure tripwire's lines in range, its warn line not above its critical one;
 #   - every model entry well-formed (defaultMaxTokens ≤ maxTokens < context, …);
 #   - no unknown keys anywhere (a typo is an error, never a silent default).
-# python/tests/test_nix_policy.py proves the two halves agree on every field.
+# python/tests/nix/test_nix_policy.py proves the two halves agree on every field.
 #
 # A host declaration (hosts/*.nix, or services.plimsoll.* in the nix-darwin module):
 #   {

@@ -106,7 +106,7 @@ py.buildPythonApplication {
   preCheck = ''
     export HOME=$(mktemp -d)
   '';
-  enabledTestPaths = [ "tests/test_policy.py" "tests/test_admission.py" ];
+  enabledTestPaths = [ "tests/core/test_policy.py" "tests/core/test_admission.py" ];
 
   passthru = {
     inherit withMlx metalWheels;

@@ -240,7 +240,7 @@ let
   report = lib.concatStringsSep "\n"
     (map (r: if r.ok then "ok   ${r.name}" else "FAIL ${r.name}: ${r.detail}") results
       ++ [ "${toString passed} passed, ${toString failed} failed" ]) + "\n";
-  # For python/tests/test_darwin_commands.py: every launchd job this module generates, per
+  # For python/tests/nix/test_darwin_commands.py: every launchd job this module generates, per
   # host, with the files its arguments name (the policy text, the token path).
   commands = lib.mapAttrs (name: decl:
     let config = evalHost decl; in {

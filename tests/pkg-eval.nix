@@ -87,7 +87,7 @@ let
   srcUrl = d: d.src.url;
 
   # The check phase's imports (conftest and the enabled files), against what it is given.
-  testFiles = [ "tests/conftest.py" ] ++ darwin.enabledTestPaths;
+  testFiles = [ "tests/conftest.py" "tests/pure_tier.py" ] ++ darwin.enabledTestPaths;
   importsOf = f: lib.unique (lib.concatMap (l:
     let
       a = builtins.match "import ([A-Za-z0-9_]+).*" l;
@@ -98,12 +98,12 @@ let
   # and outside the inputs fails this test: give the check phase that package, or drop it).
   stdlib = [ "__future__" "abc" "argparse" "asyncio" "base64" "collections" "contextlib" "copy"
     "dataclasses" "datetime" "enum" "errno" "fractions" "functools" "glob" "hashlib" "importlib"
-    "inspect" "io" "itertools" "json" "logging" "math" "operator" "os" "pathlib" "platform"
+    "inspect" "io" "itertools" "json" "logging" "math" "multiprocessing" "operator" "os" "pathlib" "platform"
     "queue" "random" "re" "select" "shlex" "shutil" "signal" "socket" "stat" "string" "struct"
     "subprocess" "sys" "tempfile" "textwrap" "threading" "time" "types" "typing" "unittest"
     "urllib" "uuid" "warnings" "zipfile" ];
   # import name → distribution (PEP 503) for what the test files may use
-  distOf = { pytest = "pytestcheckhook"; hypothesis = "hypothesis"; httpx = "httpx"; jsonschema = "jsonschema"; click = "click"; pydantic = "pydantic"; };
+  distOf = { pytest = "pytestcheckhook"; _pytest = "pytestcheckhook"; hypothesis = "hypothesis"; httpx = "httpx"; jsonschema = "jsonschema"; click = "click"; pydantic = "pydantic"; };
   given = map (d: deps.normalise d.pname) (darwin.dependencies ++ darwin.nativeCheckInputs);
   unmet = lib.concatMap (f: map (m: "${f}: ${m}") (builtins.filter (m:
     !(builtins.elem m stdlib) && m != "plimsoll"

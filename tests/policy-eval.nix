@@ -227,7 +227,7 @@ let
   report = concatStringsSep "\n"
     (map (r: if r.ok then "ok   ${r.name}" else "FAIL ${r.name}: ${r.detail}") results
       ++ [ "${toString passed} passed, ${toString failed} failed" ]) + "\n";
-  # For python/tests/test_nix_policy.py: every declaration case as the (unchecked)
+  # For python/tests/nix/test_nix_policy.py: every declaration case as the (unchecked)
   # policy it would write, and whether Python must accept or refuse that JSON too.
   mirror = map
     (c: { inherit (c) name expectValid; policy = policy.policyOf c.decl; })

@@ -15,7 +15,19 @@ import pytest
 
 from plimsoll.web.serve import free_port
 
+pytest_plugins = ["pure_tier"]  # the pure tier's marker and its enforcement
+
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+
+# Test modules are imported under their bare names (pytest's default "prepend" import mode, no
+# __init__.py files), and some import helpers from others by that name (``from test_proxy import
+# Proxy``), as do the shared helpers here (``from families import …``). This folder and every
+# test folder go on sys.path, so those imports resolve whichever file runs alone. Basenames stay
+# unique across folders: pytest refuses two test modules of one basename in this mode.
+TESTS = Path(__file__).resolve().parent
+for _folder in [TESTS, *sorted({p.parent for p in TESTS.glob("*/test_*.py")})]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 
 def worker_env() -> dict[str, str]:

@@ -8,7 +8,7 @@
 #                     copy; then the broken host is added to the hosts and the check must
 #                     fail naming it. The top-level flake's offline outputs (lib, the
 #                     policy checks) are evaluated and built too: its inputs stay unfetched.
-#   3. Python agrees  python/tests/test_nix_policy.py, when a Python with plimsoll and
+#   3. Python agrees  python/tests/nix/test_nix_policy.py, when a Python with plimsoll and
 #                     pytest is found ($PYTHON, else python3); otherwise SKIP (say so).
 #   0. inputs         (online) the nix-darwin and nixpkgs trees flake.lock pins, fetched when
 #                     NIX_DARWIN_SRC / NIXPKGS_LIB are not given and the network allows.
@@ -16,7 +16,7 @@
 #                     lib and a stub pkgs, and tests/pkg-eval.nix, when NIX_DARWIN_SRC and
 #                     NIXPKGS_LIB name local snapshots; then every launchd job the module
 #                     generates is run through the real CLI with --check
-#                     (python/tests/test_darwin_commands.py); otherwise SKIP.
+#                     (python/tests/nix/test_darwin_commands.py); otherwise SKIP.
 #
 #   5. pinned nixpkgs (online) the real package and the example darwinConfigurations
 #                     instantiated with the pinned nixpkgs (nothing is built).
@@ -166,13 +166,13 @@ fi
 echo "(not here: packages, apps, darwinConfigurations and \`nix flake check\` on the top-level flake need nixpkgs)"
 
 # ---- 3. Python agrees -----------------------------------------------------------------------
-section "3. Python agrees (python/tests/test_nix_policy.py)"
+section "3. Python agrees (python/tests/nix/test_nix_policy.py)"
 py=${PYTHON:-python3}
 if "$py" -c 'import plimsoll, pytest, jsonschema' >/dev/null 2>&1; then
-  if "$py" -m pytest python/tests/test_nix_policy.py -q -p no:cacheprovider; then
-    pass "python/tests/test_nix_policy.py"
+  if "$py" -m pytest python/tests/nix/test_nix_policy.py -q -p no:cacheprovider; then
+    pass "python/tests/nix/test_nix_policy.py"
   else
-    fail "python/tests/test_nix_policy.py"
+    fail "python/tests/nix/test_nix_policy.py"
   fi
 else
   echo "SKIP: no Python with plimsoll + pytest at '$py' (set PYTHON=/path/to/venv/bin/python)"
@@ -206,13 +206,13 @@ if [ -n "${NIX_DARWIN_SRC:-}" ] && [ -n "${NIXPKGS_LIB:-}" ] &&
   expect_pkg_throw oldTransformers.passthru.mlx-lm "the mlx-lm 0.32.2 wheel needs transformers>=5.7.0; nixpkgs' python3Packages.transformers is 4.57.1"
   expect_pkg_throw darwin310.passthru.mlx.src.url "pkgs/mlx-wheels.json pins no mlx 0.32.4 wheel for cp310"
   expect_pkg_throw linuxOldMlx.dependencies "the pinned mlx-lm 0.32.2 wheel needs mlx>=0.32.2; this mlx is 0.31.1"
-  section "4c. every generated launchd job through the real CLI with --check (python/tests/test_darwin_commands.py)"
+  section "4c. every generated launchd job through the real CLI with --check (python/tests/nix/test_darwin_commands.py)"
   if "$py" -c 'import plimsoll, pytest' >/dev/null 2>&1; then
     if NIX_DARWIN_SRC="$NIX_DARWIN_SRC" NIXPKGS_LIB="$NIXPKGS_LIB" \
-         "$py" -m pytest python/tests/test_darwin_commands.py -q -p no:cacheprovider; then
-      pass "python/tests/test_darwin_commands.py"
+         "$py" -m pytest python/tests/nix/test_darwin_commands.py -q -p no:cacheprovider; then
+      pass "python/tests/nix/test_darwin_commands.py"
     else
-      fail "python/tests/test_darwin_commands.py"
+      fail "python/tests/nix/test_darwin_commands.py"
     fi
   else
     echo "SKIP: no Python with plimsoll + pytest at '$py'"

@@ -2,7 +2,7 @@
 
 Pure arithmetic over a config dict (no mlx): the model file's ``make_cache`` in mlx-lm
 0.32 is the reference for every rule here, and the conformance test
-(``tests/test_cache_conformance.py``) compares the result with the bytes mlx-lm's own cache
+(``tests/core/test_cache_conformance.py``) compares the result with the bytes mlx-lm's own cache
 holds after a prefill, family by family.
 
 Cache kinds (:data:`CacheKind`), per layer:
