@@ -24,8 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "python" / "tests"))
-from engine_drive import Blocks, _plan, seqs_for, text
+from plimsoll.engine.drive import Blocks, plan_step, seqs_for, text
 from plimsoll.core.model_facts import inspect_model
 from plimsoll.engine import Engine
 
@@ -33,11 +32,11 @@ BLOCK = 16
 
 
 def drive_timed(eng, seqs, chunk):
-    """engine_drive.drive, timing the prefill steps and the decode-only steps apart."""
+    """plimsoll.engine.drive.drive, timing the prefill steps and the decode-only steps apart."""
     by_id = {s.seq_id: s for s in seqs}
     pre = dec = 0.0
     steps = 0
-    while (step := _plan(seqs, chunk, concrete=True)) is not None:
+    while (step := plan_step(seqs, chunk, concrete=True)) is not None:
         t = time.perf_counter()
         for sid, tok in eng.run(step).items():
             by_id[sid].out.append(tok)

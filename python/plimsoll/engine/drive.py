@@ -1,7 +1,18 @@
-"""A trivial scheduler for the engine tests: plans Steps, owns block ids, drives the engine.
+"""An in-process driver of the :class:`~plimsoll.engine.core.Engine`, without the HTTP worker
+or its scheduler: for the engine's tests and the in-process benchmarks (``bench/engine.py``).
 
-Not a fake of the real scheduler: just enough to put the engine through chunked
-prefills interleaved with batched decodes, with block ids the test chooses.
+It is a deliberately plain planner, not a model of the worker's scheduler: :func:`plan_step`
+builds the next :class:`Step` from a list of :class:`Seq` (every running sequence decodes one
+token, and the first sequence still waiting prefills one chunk) and :func:`drive` runs such
+steps until every sequence has its tokens, synchronously or pipelined (step n+1 submitted
+before step n's result is read, its decodes naming ``tokens=None``). Block ids come from
+:class:`Blocks`, in order or shuffled, so a caller chooses whether tables are contiguous;
+nothing here sizes a pool or admits.
+
+Beside it, the references a test compares against: :func:`reference` (mlx-lm's own greedy
+generation with its own KV cache), :func:`text` and :func:`family_prompts` (deterministic
+prompts), :func:`sharpen` (random weights scaled so greedy output varies token to token) and
+:func:`engine_cache` (one loaded Engine per model family and load options).
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 
+from plimsoll.engine.core import Engine
 from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
 
 WORDS = "import os\nclass Foo:\n    def bar(self, x):\n        return x + %d\n"
@@ -77,7 +89,9 @@ def seqs_for(prompts: list[list[int]], new: int, block_tokens: int, blocks: Bloc
     return out
 
 
-def _plan(seqs: list[Seq], chunk: int, concrete: bool) -> Step | None:
+def plan_step(seqs: list[Seq], chunk: int, concrete: bool) -> Step | None:
+    """The next Step, updating each Seq's bookkeeping as planned; None when all are done.
+    ``concrete``: decodes name the last sampled token (else None, for a pipelined step)."""
     decodes = []
     for s in seqs:
         if s.written == len(s.prompt) and 0 < s.planned < s.new:
@@ -110,7 +124,7 @@ def drive(engine, seqs: list[Seq], chunk: int, pipelined: bool = False) -> list[
     assert list(by_id) == list(range(len(seqs)))
     pending = None
     for _ in range(10_000):
-        step = _plan(seqs, chunk, concrete=not pipelined)
+        step = plan_step(seqs, chunk, concrete=not pipelined)
         if pipelined:
             nxt = engine.run_async(step) if step is not None else None
             if pending is not None:
@@ -136,8 +150,6 @@ def family_prompts(*lengths: int) -> list[list[int]]:
 
 def engine_cache(family_dir, block_tokens: int, max_blocks: int):
     """``get(name, **load_kwargs)``: an Engine of family ``name``, loaded once per kwargs."""
-    from plimsoll.engine import Engine
-
     built: dict[str, Engine] = {}
 
     def get(name: str, **kw) -> Engine:
