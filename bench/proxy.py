@@ -1,6 +1,6 @@
 """What the swapping proxy costs: ``plimsoll serve`` against its own worker, same run.
 
-Issue 5, "Benchmark". Builds (or reuses) two tiny demo models "a" and "b" (seeds 0 and 1)
+Builds (or reuses) two tiny demo models "a" and "b" (seeds 0 and 1)
 and a policy in which they cannot be co-resident (context 32768, concurrency 4: ~305 MiB
 admitted each, standalone envelope 0.5 GiB — as in python/tests/test_proxy.py), then runs
 ``R`` rounds (default 5). Each round starts a fresh ``python -m plimsoll.cli serve`` on a free
@@ -23,18 +23,17 @@ the added p50/p99 (proxy − direct; for chunk gaps the difference of the quanti
 unpaired distributions), the median swap and cold times over the rounds and their ratio.
 Targets: added p50 per request ≤ 1 ms; swap/cold ≤ 1.2.
 
-Writes bench/results/proxy_overhead.{json,md}. Run (from the repo root):
-    /work/venv/bin/python bench/proxy_overhead.py
+Writes ``--out-dir``/``--name``.{json,md}. Run (from the repo root): ``python bench/proxy.py``.
 Every request has a timeout, every wait a deadline; traffic goes only to 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -44,61 +43,13 @@ import time
 from pathlib import Path
 
 import httpx
-from plimsoll.web.serve import free_port
 
-HERE = Path(__file__).resolve().parent
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+from lib import report
+from lib.report import spread
+from lib.servers import HOST, OPENBLAS, free_port
+from lib.workloads import timed_stream
+
 MSG = [{"role": "user", "content": "hello there"}]
-HOST = "127.0.0.1"
-
-
-def quantile(xs: list[float], q: float) -> float:
-    """Nearest-rank quantile (q in [0, 1]) of a non-empty list."""
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * len(s) + 0.5) - 1))]
-
-
-def summary(xs: list[float]) -> dict:
-    if not xs:
-        return {"n": 0}
-    return {"n": len(xs), "p50": quantile(xs, 0.5), "p99": quantile(xs, 0.99),
-            "mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def host_facts() -> dict:
-    cpu = ""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    mem = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        k, v = line.split(":", 1)
-        if k in ("MemTotal", "MemAvailable"):
-            mem[k] = round(int(v.split()[0]) / 1024**2, 2)
-    try:
-        git = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"],
-                             check=False, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "-C", str(HERE.parent), "status", "--porcelain"],
-                                    check=False, capture_output=True, text=True,
-                                    timeout=10).stdout.strip())
-    except (OSError, subprocess.TimeoutExpired):
-        git, dirty = "?", None
-    try:
-        from importlib.metadata import version
-        mlx = version("mlx")
-    except Exception:  # noqa: BLE001 - a fact, not a requirement
-        mlx = "?"
-    return {"platform": platform.platform(), "python": platform.python_version(),
-            "cpu": cpu, "cpus": os.cpu_count(), "mem_total_gib": mem.get("MemTotal"),
-            "mem_available_gib_at_start": mem.get("MemAvailable"), "mlx": mlx,
-            "git_head": git, "worktree_dirty": dirty,
-            "openblas_preloaded": os.path.exists(OPENBLAS)}
 
 
 class Proxy:
@@ -144,10 +95,8 @@ class Proxy:
 
     def stop(self) -> list[int]:
         """SIGTERM to the proxy's pid, wait; returns worker pids still alive afterwards."""
-        try:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
             self.running()
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -188,32 +137,14 @@ def timed_request(client: httpx.Client, url: str, model: str) -> float:
 
 def streamed(client: httpx.Client, url: str, model: str, max_tokens: int,
              deadline_s: float) -> tuple[float, list[float]]:
-    """A streamed chat completion; (seconds to the first content chunk, chunk arrival times
-    relative to the send). Content chunks are SSE ``data:`` lines with a delta."""
-    t0 = time.perf_counter()
-    arrivals: list[float] = []
-    with client.stream("POST", url + "/v1/chat/completions",
-                       json=chat_body(model, max_tokens, True)) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"{url} answered {r.status_code}: {r.text[:500]}")
-        for line in r.iter_lines():
-            now = time.perf_counter() - t0
-            if now > deadline_s:
-                raise TimeoutError(f"stream from {url} exceeded {deadline_s} s")
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"stream error from {url}: {chunk['error']}")
-            choices = chunk.get("choices") or []
-            if choices and (choices[0].get("delta") or {}).get("content"):
-                arrivals.append(now)
-    if not arrivals:
+    """A streamed chat completion; (seconds to the first token chunk, chunk arrival times
+    relative to the send)."""
+    r = timed_stream(url, chat_body(model, max_tokens, True), deadline_s, client=client)
+    if r["error"]:
+        raise RuntimeError(f"{url}: {r['error']}")
+    if not r["times"]:
         raise RuntimeError(f"no content chunks from {url}")
+    arrivals = [t - r["t_start"] for t in r["times"]]
     return arrivals[0], arrivals
 
 
@@ -267,10 +198,10 @@ def overhead_phase(proxy: Proxy, model: str, n: int, s: int, stream_tokens: int,
     finally:
         for c in clients.values():
             c.close()
-    req = {k: summary(v) for k, v in lat.items()}
-    gap = {k: summary(v) for k, v in gaps.items()}
-    first = {k: summary(v) for k, v in ttft.items()}
-    per = {k: summary(v) for k, v in span.items()}
+    req = {k: spread(v) for k, v in lat.items()}
+    gap = {k: spread(v) for k, v in gaps.items()}
+    first = {k: spread(v) for k, v in ttft.items()}
+    per = {k: spread(v) for k, v in span.items()}
     return {
         "worker_url": wurl, "worker_pid": worker.get("pid"), "n_requests": n,
         "n_streams": s, "stream_max_tokens": stream_tokens,
@@ -284,7 +215,7 @@ def overhead_phase(proxy: Proxy, model: str, n: int, s: int, stream_tokens: int,
                                      for q in ("p50", "p99")},
         "stream_ttft_added_ms": {q: first["proxy"][q] - first["direct"][q]
                                  for q in ("p50", "p99")},
-        "chunks_per_stream": {k: summary([float(x) for x in v]) for k, v in chunks.items()},
+        "chunks_per_stream": {k: spread([float(x) for x in v]) for k, v in chunks.items()},
         "chunk_gaps_under_1ms": {k: sum(g < 1.0 for g in v) for k, v in gaps.items()},
         "raw_request_ms": lat, "raw_chunk_gap_ms": gaps,
     }
@@ -307,49 +238,42 @@ def fmt(x: float | None, unit: str = "ms", nd: int = 3) -> str:
     return "—" if x is None else f"{x:.{nd}f} {unit}".strip()
 
 
-def write_md(res: dict, path: Path) -> None:
+def markdown(res: dict) -> str:
     o, sw = res.get("overhead") or {}, res["swap"]
-    lines = ["# Proxy overhead and swap time (issue 5, \"Benchmark\")", "",
-             (f"Run {res['started_utc']} → {res['ended_utc']}. **The machine is shared** "
-             f"(other jobs run beside this one): load average at start "
-             f"{res['loadavg_start']}, at end {res['loadavg_end']} (1/5/15 min, "
-             f"{res['host']['cpus']} CPUs). Treat small differences as noise."), "",
+    lines = ["# Proxy overhead and swap time", "",
+             (f"Run {res['started_utc']} → {res['ended_utc']}. On a shared machine small "
+              f"differences are noise: load average at start {res['loadavg_start']}, at end "
+              f"{res['loadavg_end']} (1/5/15 min, {res['host']['cpus']} CPUs)."), "",
              "Command:", "", "```sh", res["command"], "```", ""]
     if o:
-        r, g, f = o["request_ms"], o["chunk_gap_ms"], o["stream_ttft_ms"]
-        m = o["stream_mean_gap_ms"]
+        def row(name: str, q: dict, added: dict, bold: bool = True) -> list[str]:
+            mark = "**" if bold else ""
+            return [name, fmt(q["direct"]["p50"]), fmt(q["proxy"]["p50"]),
+                    f"{mark}{fmt(added['p50'])}{mark}", fmt(q["direct"]["p99"]),
+                    fmt(q["proxy"]["p99"]), fmt(added["p99"])]
+
+        g = o["chunk_gap_ms"]
         lines += [
             (f"## Overhead: same worker, same run, interleaved (tiny demo model \"b\", "
-            f"{o['n_requests']} requests and {o['n_streams']} streams each way)"), "",
-            ("| measure | direct p50 | proxy p50 | added p50 | direct p99 | proxy p99 "
-            "| added p99 |"), "|---|---|---|---|---|---|---|",
-            (f"| chat completion, max_tokens 1 (per request) | {fmt(r['direct']['p50'])} | "
-            f"{fmt(r['proxy']['p50'])} | **{fmt(o['request_added_ms']['p50'])}** | "
-            f"{fmt(r['direct']['p99'])} | {fmt(r['proxy']['p99'])} | "
-            f"{fmt(o['request_added_ms']['p99'])} |"),
-            (f"| streamed, max_tokens {o['stream_max_tokens']}: gap between chunks "
-            f"(n = {g['direct']['n']} / {g['proxy']['n']}) | {fmt(g['direct']['p50'])} | "
-            f"{fmt(g['proxy']['p50'])} | **{fmt(o['chunk_gap_added_ms']['p50'])}** | "
-            f"{fmt(g['direct']['p99'])} | {fmt(g['proxy']['p99'])} | "
-            f"{fmt(o['chunk_gap_added_ms']['p99'])} |"),
-            (f"| streamed: per-stream mean gap, (last − first chunk) ÷ (chunks − 1) | "
-             f"{fmt(m['direct']['p50'])} | {fmt(m['proxy']['p50'])} | "
-             f"**{fmt(o['stream_mean_gap_added_ms']['p50'])}** | {fmt(m['direct']['p99'])} | "
-             f"{fmt(m['proxy']['p99'])} | {fmt(o['stream_mean_gap_added_ms']['p99'])} |"),
-            (f"| streamed: time to first chunk | {fmt(f['direct']['p50'])} | "
-            f"{fmt(f['proxy']['p50'])} | {fmt(o['stream_ttft_added_ms']['p50'])} | "
-            f"{fmt(f['direct']['p99'])} | {fmt(f['proxy']['p99'])} | "
-            f"{fmt(o['stream_ttft_added_ms']['p99'])} |"), "",
+             f"{o['n_requests']} requests and {o['n_streams']} streams each way)"), "",
+            *report.table(
+                ["measure", "direct p50", "proxy p50", "added p50", "direct p99", "proxy p99",
+                 "added p99"],
+                [row("chat completion, max_tokens 1 (per request)", o["request_ms"],
+                     o["request_added_ms"]),
+                 row(f"streamed, max_tokens {o['stream_max_tokens']}: gap between chunks "
+                     f"(n = {g['direct']['n']} / {g['proxy']['n']})", g,
+                     o["chunk_gap_added_ms"]),
+                 row("streamed: per-stream mean gap, (last − first chunk) ÷ (chunks − 1)",
+                     o["stream_mean_gap_ms"], o["stream_mean_gap_added_ms"]),
+                 row("streamed: time to first chunk", o["stream_ttft_ms"],
+                     o["stream_ttft_added_ms"], bold=False)]), "",
             ("Added = proxy − direct of each quantile (for chunk gaps: of two unpaired "
              "distributions). Client: httpx, one keep-alive connection per target. "
              f"Chunks per stream: {o['chunks_per_stream']['direct']['p50']:.0f} direct, "
              f"{o['chunks_per_stream']['proxy']['p50']:.0f} proxy (median); gaps under 1 ms "
              f"(chunks arriving together): {o['chunk_gaps_under_1ms']['direct']} direct, "
              f"{o['chunk_gaps_under_1ms']['proxy']} proxy."), ""]
-    lines += ["## Swap vs cold load (model \"b\", time from the request to its first token)", "",
-              ("| round | cold load of b (fresh proxy, nothing loaded) | of which spawn → "
-               "ready | swap a → b (unload + verified release + load) | of which exit of a "
-               "→ release verified | of which spawn → ready |"), "|---|---|---|---|---|---|"]
 
     def col(key: str, i: int) -> float | None:
         xs = sw.get(key) or []
@@ -361,35 +285,33 @@ def write_md(res: dict, path: Path) -> None:
 
     cols = ("cold_s", "cold_spawn_to_ready_s", "swap_s", "swap_release_wait_s",
             "swap_spawn_to_ready_s")
-    for i in range(max(len(sw["cold_s"]), len(sw["swap_s"]))):
-        lines.append("| " + " | ".join([str(i), *(fmt(col(k, i), "s") for k in cols)]) + " |")
-    lines += ["| **median** | " + " | ".join(f"**{fmt(med(k), 's')}**" for k in cols) + " |",
+    rounds = [[i, *(fmt(col(k, i), "s") for k in cols)]
+              for i in range(max(len(sw["cold_s"]), len(sw["swap_s"])))]
+    lines += ["## Swap vs cold load (model \"b\", time from the request to its first token)", "",
+              *report.table(["round", "cold load of b (fresh proxy, nothing loaded)",
+                             "of which spawn → ready",
+                             "swap a → b (unload + verified release + load)",
+                             "of which exit of a → release verified", "of which spawn → ready"],
+                            [*rounds, ["**median**", *(f"**{fmt(med(k), 's')}**" for k in cols)]]),
               ""]
     if sw.get("breakdown"):
         lines += ["Swap stages from the proxy's events (seconds after the eviction decision, "
                   "median over rounds): " + ", ".join(
                       f"{k} {v:.3f}" for k, v in sw["breakdown_median"].items()), ""]
     t = res["targets"]
-    lines += ["## Against the targets", "", "| target | figure | met |", "|---|---|---|",
-              (f"| proxy added p50 per request ≤ 1 ms | {fmt(t['added_p50_ms'])} | "
-              f"{t['added_p50_ok']} |"),
-              (f"| swap / cold ≤ 1.2 | {fmt(t['swap_over_cold'], '×')} | "
-              f"{t['swap_over_cold_ok']} |"), ""]
+    lines += ["## Against the targets", "", *report.table(["target", "figure", "met"], [
+        ["proxy added p50 per request ≤ 1 ms", fmt(t["added_p50_ms"]), t["added_p50_ok"]],
+        ["swap / cold ≤ 1.2", fmt(t["swap_over_cold"], "×"), t["swap_over_cold_ok"]]]), ""]
     if res.get("errors"):
         lines += ["## Errors", ""] + [f"- {e}" for e in res["errors"]] + [""]
-    h = res["host"]
-    lines += ["## Host", "", (f"- {h['cpu']}, {h['cpus']} CPUs, {h['mem_total_gib']} GiB RAM "
-              f"({h['mem_available_gib_at_start']} GiB available at start)"),
-              (f"- {h['platform']}, Python {h['python']}, mlx {h['mlx']}, OpenBLAS preloaded: "
-              f"{h['openblas_preloaded']}"),
-              f"- plimsoll at {h['git_head']} (uncommitted changes: {h['worktree_dirty']})",
-              ("- proxy flags: `--swap-hold 0 --idle-ttl 0` (no anti-thrash hold, no idle unload "
-              "during the run); policy: a, b context 32768, concurrency 4, standalone "
-              "envelope 0.5 GiB (they cannot be co-resident)"), ""]
-    path.write_text("\n".join(lines))
+    lines += ["## Host", "", report.host_line(res["host"]),
+              ("Proxy flags: `--swap-hold 0 --idle-ttl 0` (no anti-thrash hold, no idle unload "
+               "during the run); policy: a, b context 32768, concurrency 4, standalone "
+               "envelope 0.5 GiB (they cannot be co-resident)."), ""]
+    return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models-dir", type=Path,
                     default=Path(tempfile.gettempdir()) / "plimsoll-bench-proxy-models")
@@ -399,14 +321,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="cold loads and swaps")
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--ready-timeout", type=float, default=120.0)
-    ap.add_argument("--out", type=Path, default=HERE / "results")
-    args = ap.parse_args()
+    report.output_args(ap, "proxy")
+    args = ap.parse_args(argv)
 
     from plimsoll.demo.model import build_demo_model
 
     res: dict = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "loadavg_start": loadavg(), "host": host_facts(),
-                 "command": " ".join([sys.executable, *sys.argv]), "errors": [],
+                 "loadavg_start": report.loadavg(), "host": report.host_facts(),
+                 "command": report.command(), "errors": [],
                  "overhead": None}
     a = build_demo_model(args.models_dir / "tiny-a", preset="tiny", seed=0)
     b = build_demo_model(args.models_dir / "tiny-b", preset="tiny", seed=1)
@@ -448,7 +370,7 @@ def main() -> int:
                     breakdowns.append(swap_breakdown(ev, "a", "b"))
                 finally:
                     client.close()
-            except Exception as e:  # noqa: BLE001 - recorded, and the proxy still stopped
+            except Exception as e:
                 res["errors"].append(f"round {rnd}: {type(e).__name__}: {e}"[:2000])
             finally:
                 if proxy is not None:
@@ -457,7 +379,7 @@ def main() -> int:
                         res["errors"].append(f"round {rnd}: workers outlived the proxy: {left}")
             print(f"round {rnd}: cold {cold[-1:]} swap {swap[-1:]} errors "
                   f"{len(res['errors'])}", flush=True)
-    res["loadavg_end"] = loadavg()
+    res["loadavg_end"] = res["host"]["loadavg_end"] = report.loadavg()
     res["ended_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     cm = statistics.median(cold) if cold else None
     sm = statistics.median(swap) if swap else None
@@ -478,9 +400,7 @@ def main() -> int:
                       "added_p50_ok": added is not None and added <= 1.0,
                       "swap_over_cold": ratio,
                       "swap_over_cold_ok": ratio is not None and ratio <= 1.2}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "proxy_overhead.json").write_text(json.dumps(res, indent=2) + "\n")
-    write_md(res, args.out / "proxy_overhead.md")
+    report.write(res, args.out_dir, args.name or report.default_name("proxy"), markdown)
     print(json.dumps({"targets": res["targets"], "errors": res["errors"]}, indent=2))
     return 1 if res["errors"] else 0
 

@@ -1,6 +1,6 @@
 """Clustered mode: tokens/s of a demo model served on one rank vs split over two, same run.
 
-Issue 8, "closing note". For each preset (``tiny``: 4 layers, tied head; ``hybrid``:
+For each preset (``tiny``: 4 layers, tied head; ``hybrid``:
 qwen3_next, 8 layers, every 4th full attention, MoE) it builds (or reuses) the demo model,
 then:
 
@@ -24,8 +24,8 @@ on a shared 2-core box those wake-ups dominate. The split buys memory (each rank
 only its share), not speed, at this size. The host's load average is recorded with the
 figures (other work on the box moves them).
 
-Writes bench/results/cluster_tps.{json,md}. Run (from the repo root):
-    /work/venv/bin/python bench/cluster_tps.py [--presets tiny hybrid] [--repeats 3]
+Writes ``--out-dir``/``--name``.{json,md}. Run (from the repo root):
+    python bench/cluster.py [--presets tiny hybrid] [--repeats 3]
 Every request has a timeout and every wait a deadline; traffic goes only to 127.0.0.1; the
 clusters are closed (every rank by pid) before it exits.
 """
@@ -39,25 +39,17 @@ import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
+from lib import report
+from lib.servers import OPENBLAS, server_env
+from lib.workloads import concurrent_streams, decode_tps, timed_stream
 
-HERE = Path(__file__).resolve().parent
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 GIB = 1 << 30
 #: two-rank figures per preset (GiB ceilings): even for tiny (2 + 2 layers), 6 + 2 for hybrid
 SPLITS = {"tiny": (4, 4), "hybrid": (6, 2)}
 PROMPT = "def main():\n    print('hello')\n"
-
-
-def env() -> dict[str, str]:
-    out = dict(os.environ)
-    if os.path.exists(OPENBLAS) and "LD_PRELOAD" not in out:
-        out["LD_PRELOAD"] = OPENBLAS
-    return out
 
 
 def plan_figures(model: Path, ceilings: tuple[float, ...]) -> dict:
@@ -80,46 +72,22 @@ def plan_figures(model: Path, ceilings: tuple[float, ...]) -> dict:
 
 
 def stream(url: str, tokens: int) -> dict:
-    """One streamed completion: completion tokens, first/last chunk times, end time."""
-    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    start, first, last, usage = time.perf_counter(), None, None, None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"])
-            if event.get("usage"):
-                usage = event["usage"]
-            if any(c.get("text") for c in event.get("choices", [])):
-                now = time.perf_counter()
-                first = first or now
-                last = now
-    n = usage["completion_tokens"]
-    return {"tokens": n, "start": start, "first": first, "last": last,
-            "end": time.perf_counter(),
-            "decode_tps": (n - 1) / (last - first) if n > 1 and last > first else None}
+    """One streamed completion at temperature 0: tokens, decode tok/s after the first."""
+    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+    r = timed_stream(url, body, 300, path="/v1/completions")
+    if r["error"]:
+        raise RuntimeError(r["error"])
+    return {"tokens": r["completion_tokens"], "ttft_s": r["ttft_s"], "decode_tps": decode_tps(r)}
 
 
 def together(url: str, tokens: int, k: int = 2) -> dict:
-    results: list[dict] = [{}] * k
-    go = threading.Barrier(k)
-
-    def run(i: int) -> None:
-        go.wait(30)
-        results[i] = stream(url, tokens)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(k)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    total = sum(r["tokens"] for r in results)
-    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
-    return {"tokens": total, "wall_s": wall, "aggregate_tps": total / wall}
+    """``k`` such streams released together: aggregate tok/s, prefill included."""
+    body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
+    r = concurrent_streams(url, [body] * k, 300, path="/v1/completions")
+    if r["completed"] < k:
+        raise RuntimeError(f"{k - r['completed']} of {k} streams failed: {r['errors']}")
+    return {"tokens": r["completion_tokens"], "wall_s": r["wall_s"],
+            "aggregate_tps": r["aggregate_tps"]}
 
 
 def measure(preset: str, model: Path, repeats: int, tokens: int) -> dict:
@@ -134,7 +102,7 @@ def measure(preset: str, model: Path, repeats: int, tokens: int) -> dict:
         for name, ceilings in splits.items():
             specs = [RankSpec(ceiling_bytes=int(c * GIB), total_ram_bytes=int(c * GIB),
                               budget_bytes=int(c * GIB)) for c in ceilings]
-            c = Cluster(model, specs, request, env=env(),
+            c = Cluster(model, specs, request, env=server_env(OPENBLAS),
                         serve=ServeSpec(port=free_port(), model_name=preset))
             clusters[name] = c
             c.start(timeout=180)
@@ -172,62 +140,60 @@ def measure(preset: str, model: Path, repeats: int, tokens: int) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Clustered mode: one rank vs two ranks ({result['host']})", "",
-             (f"{result['when']}; {result['repeats']} repeats, {result['tokens']} tokens per "
-             "stream, temperature 0, concurrency 2, context 2048; ring backend on 127.0.0.1, "
-             "every rank a process with its own figures."), "",
-             "| model | ranks | single-stream decode tok/s | two streams aggregate tok/s |",
-             "|---|---|---|---|"]
+    rows = []
     for preset, r in result["presets"].items():
         for name in ("one_rank", "two_ranks"):
             x = r["tps"][name]
-            single = x["single_stream_decode_tps"]
-            lines.append(f"| {preset} | {x['ranks']} | "
-                         f"{single:.1f} | {x['two_streams_aggregate_tps']:.1f} |"
-                         if single else f"| {preset} | {x['ranks']} | – | "
-                         f"{x['two_streams_aggregate_tps']:.1f} |")
+            rows.append([preset, x["ranks"], report.num(x["single_stream_decode_tps"], ".1f"),
+                         report.num(x["two_streams_aggregate_tps"], ".1f")])
         ratio = r["tps"]["ratio_two_over_one"]
-        lines.append(f"| {preset} | **2 ÷ 1** | **{ratio['single_stream_decode']:.2f}** | "
-                     f"**{ratio['two_streams_aggregate']:.2f}** |")
-    lines += ["", "## Per-rank admission (two ranks; `plimsoll cluster plan --json`)", "",
-              ("| model | rank | layers | weights B | comm B | KV B/token | fixed B/seq | "
-              "pool blocks | footprint B | u |"), "|---|---|---|---|---|---|---|---|---|---|"]
-    for preset, r in result["presets"].items():
-        for x in r["plan"]["ranks"]:
-            lines.append(f"| {preset} | {x['rank']} | {x['layers'][0]}..{x['layers'][1] - 1} | "
-                         f"{x['weights_bytes']} | {x['comm_bytes']} | {x['kv_bytes_per_token']}"
-                         f" | {x['per_sequence_fixed_bytes']} | {x['pool_blocks']} | "
-                         f"{x['footprint_bytes']} | {x['u']:.3f} |")
+        rows.append([preset, "**2 ÷ 1**", f"**{report.num(ratio['single_stream_decode'], '.2f')}**",
+                     f"**{report.num(ratio['two_streams_aggregate'], '.2f')}**"])
+    plan = [[preset, x["rank"], f"{x['layers'][0]}..{x['layers'][1] - 1}", x["weights_bytes"],
+             x["comm_bytes"], x["kv_bytes_per_token"], x["per_sequence_fixed_bytes"],
+             x["pool_blocks"], x["footprint_bytes"], f"{x['u']:.3f}"]
+            for preset, r in result["presets"].items() for x in r["plan"]["ranks"]]
     load = result.get("loadavg")
-    lines += ["", ("Each rank loads exactly its planned weights share (`loaded_bytes` in the "
-              "JSON); with a tied head the last rank holds the embedding matrix again."),
-              ("A tiny model is latency-bound: per token the split adds a header and an "
-               "activation message per rank boundary and the token's message back to rank 0, "
-               "each a wake-up of another process, and the ranks share two CPU cores with "
-               "whatever else runs, so the ratio is below 1; the split buys memory per host, "
-               "not speed.")
-              + (f" Load average (1 min) at start/end: {load['start']:.1f}/{load['end']:.1f}."
-                 if load else "")]
-    return "\n".join(lines) + "\n"
+    return "\n".join([
+        f"# Clustered mode: one rank vs two ranks ({result['host']})", "",
+        *([f"Command: `{result['command']}`", ""] if result.get("command") else []),
+        (f"{result['when']}; {result['repeats']} repeats, {result['tokens']} tokens per "
+         "stream, temperature 0, concurrency 2, context 2048; ring backend on 127.0.0.1, "
+         "every rank a process with its own figures."), "",
+        *report.table(["model", "ranks", "single-stream decode tok/s",
+                       "two streams aggregate tok/s"], rows),
+        "", "## Per-rank admission (two ranks; `plimsoll cluster plan --json`)", "",
+        *report.table(["model", "rank", "layers", "weights B", "comm B", "KV B/token",
+                       "fixed B/seq", "pool blocks", "footprint B", "u"], plan),
+        "", ("Each rank loads exactly its planned weights share (`loaded_bytes` in the "
+             "JSON); with a tied head the last rank holds the embedding matrix again."),
+        ("A tiny model is latency-bound: per token the split adds a header and an "
+         "activation message per rank boundary and the token's message back to rank 0, "
+         "each a wake-up of another process, and the ranks share the CPU cores with "
+         "whatever else runs, so the ratio is below 1; the split buys memory per host, "
+         "not speed.")
+        + (f" Load average (1 min) at start/end: {load['start']:.1f}/{load['end']:.1f}."
+           if load else "")]) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["tiny", "hybrid"], choices=sorted(SPLITS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--models", type=Path, default=HERE / "out" / "cluster-models")
-    ap.add_argument("--out", type=Path, default=HERE / "results")
-    ap.add_argument("--render-only", action="store_true",
-                    help="Rewrite the .md from the existing .json (no measurement).")
-    args = ap.parse_args()
-    if args.render_only:
-        result = json.loads((args.out / "cluster_tps.json").read_text())
-        (args.out / "cluster_tps.md").write_text(markdown(result))
-        return
+    ap.add_argument("--models", type=Path, default=report.OUT / "cluster-models")
+    report.output_args(ap, "cluster")
+    ap.add_argument("--render", type=Path, metavar="JSON",
+                    help="only rewrite the markdown of an earlier run's JSON (beside it)")
+    args = ap.parse_args(argv)
+    if args.render:
+        result = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(markdown(result))
+        return 0
     from plimsoll.demo.model import build_demo_model
 
-    result = {"host": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
+    result = {"command": report.command(),
+              "host": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "repeats": args.repeats, "tokens": args.tokens, "presets": {},
               "loadavg": {"start": os.getloadavg()[0]}}
@@ -240,11 +206,10 @@ def main() -> None:
             "plan": plan_figures(model, SPLITS[preset]),
             "tps": measure(preset, model, args.repeats, args.tokens)}
     result["loadavg"]["end"] = os.getloadavg()[0]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cluster_tps.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "cluster_tps.md").write_text(markdown(result))
+    report.write(result, args.out_dir, args.name or report.default_name("cluster"), markdown)
     print(markdown(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
