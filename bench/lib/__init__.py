@@ -15,6 +15,8 @@ Owns:
 - :mod:`.serving_figures`: the serving comparison's figures, ratios and targets;
 - :mod:`.engine`: the in-process engine driver of the benchmarks (decode loops, mlx-lm's own
   generators as anchors), on :mod:`plimsoll.engine.drive`;
+- :mod:`.kv_layouts`: bench/engine.py's two layout figures (sliding-window bytes held,
+  quantized read paths);
 - :mod:`.report`: host facts, output names (``<measurement>-<machine>-<date>``), JSON and the
   one markdown table writer.
 
