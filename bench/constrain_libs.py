@@ -7,7 +7,7 @@ full vocabulary mask is computed and turned into a numpy bool array (what plimso
 ``TokenConstraint.allowed()`` returns). Reported: grammar compile time, tokenizer setup
 time, and the per-token mask time (median, p95, mean) over the document.
 
-    python bench/constrain_libs.py --model DIR [--xgrammar-path DIR] [--out bench/results]
+    python bench/constrain_libs.py --model DIR [--xgrammar-path DIR] [--out-dir bench/results]
 
 ``--xgrammar-path`` adds a directory to ``sys.path`` for xgrammar (it hard-depends on
 torch, which is not installed here; a numpy stand-in is enough for its mask calls).
@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from lib import report
 
 SCHEMA = {
     "type": "object",
@@ -158,12 +160,26 @@ def bench_xgrammar(model: Path, ids: list[int], vocab: int) -> dict:
                 hf.convert_tokens_to_ids("<|im_end|>")), **_stats(times)}
 
 
-def main() -> None:
+def markdown(r: dict) -> str:
+    rows = [[name, *(x.get(k) for k in ("tokenizer_s", "compile_s", "median_ms", "p95_ms",
+                                        "mean_ms", "accepts_doc")), x.get("error")]
+            for name, x in r["results"].items()]
+    return "\n".join([
+        "# Constrained-decoding libraries: mask time per token", "",
+        f"Command: `{r['command']}`", "",
+        f"Vocabulary {r['vocab']} ids; a {r['doc_tokens']}-token JSON document of the schema "
+        "in the JSON, fed token by token, the full mask computed at each.", "",
+        *report.table(["library", "tokenizer setup s", "grammar compile s", "mask median ms",
+                       "mask p95 ms", "mask mean ms", "accepts the document", "error"], rows)]
+                     ) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--xgrammar-path", type=Path)
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    report.output_args(ap, "constrain-libs")
+    args = ap.parse_args(argv)
     import tokenizers
 
     tok_json = (args.model / "tokenizer.json").read_text()
@@ -177,21 +193,22 @@ def main() -> None:
                      ("outlines-core", lambda: bench_outlines(tok, eos, ids, vocab))):
         try:
             results[name] = fn()
-        except Exception as e:  # noqa: BLE001 (report it, measure the others)
+        except Exception as e:
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         print(name, results[name], flush=True)
     if args.xgrammar_path:
         sys.path[:0] = [str(p) for p in sorted(args.xgrammar_path.iterdir()) if p.is_dir()]
         try:
             results["xgrammar"] = bench_xgrammar(args.model, ids, vocab)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             results["xgrammar"] = {"error": f"{type(e).__name__}: {e}"}
         print("xgrammar", results["xgrammar"], flush=True)
-    report = {"vocab": vocab, "doc_tokens": len(ids), "schema": SCHEMA, "results": results}
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "constrain_libs.json").write_text(json.dumps(report, indent=2) + "\n")
+    result = {"command": report.command(), "host": report.host_facts(), "vocab": vocab,
+              "doc_tokens": len(ids), "schema": SCHEMA, "results": results}
+    report.write(result, args.out_dir, args.name or report.default_name("constrain-libs"),
+                 markdown)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

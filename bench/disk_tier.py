@@ -11,10 +11,11 @@ Phases (one ``plimsoll worker`` at a time, 127.0.0.1, OpenBLAS preloaded, float3
    from disk.
 3. **cold**: a worker without the tier; the same request: the TTFT of a cold prefill.
 
-Figures: TTFT restored ÷ cold (the issue's target: ≤ 0.2 on the CPU box), bytes on disk per
+Figures: TTFT restored ÷ cold (the target: ≤ 0.2 on the CPU box), bytes on disk per
 token, write throughput (bytes written ÷ shutdown time: a lower bound) and the store's own
 write and read throughput on block-sized payloads (fsync per file, as the worker writes).
-Writes bench/results/disk_tier-<preset>.{json,md}. Example::
+Writes ``--out-dir``/``--name``.{json,md} (default name ``disk-tier-<machine>-<date>-<preset>``).
+Example::
 
     python bench/disk_tier.py --preset tiny
 """
@@ -23,52 +24,36 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from plimsoll.web.serve import free_port
 
-HERE = Path(__file__).resolve().parent
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+from lib import report
+from lib.servers import OPENBLAS, ServerProcess, free_port, server_env
 
 
 class Worker:
+    """``plimsoll worker`` on a free 127.0.0.1 port, with or without the disk tier."""
+
     def __init__(self, model: Path, log: Path, *, context: int, disk: Path | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "plimsoll.cli", "worker", "--model", str(model),
-                "--model-name", "m", "--port", str(self.port), "--max-cache-blocks",
+                "--model-name", "m", "--port", str(port), "--max-cache-blocks",
                 str(2 * context // 16 + 64), "--gpu-memory-utilization", "0.9",
                 "--cache-memory-mb", "4096", "--max-num-seqs", "1", "--context", str(context),
                 "--max-tokens", "64", "--ceiling-bytes", str(16 << 30),
                 "--total-ram-bytes", str(24 << 30)]
         if disk is not None:
             argv += ["--disk-cache-dir", str(disk), "--disk-cache-gb", "8"]
-        env = dict(os.environ)
-        if os.path.exists(OPENBLAS):
-            env.setdefault("LD_PRELOAD", OPENBLAS)
-        with log.open("w") as out:
-            self.proc = subprocess.Popen(argv, env=env, start_new_session=True, stdout=out,
-                                         stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited {self.proc.returncode}; see {log}")
-            try:
-                if httpx.get(self.url + "/v1/plimsoll/status", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("worker not ready")
+        self.server = ServerProcess("worker", argv, server_env(OPENBLAS), port, log).start()
+        self.server.wait_ready(300, paths=("/v1/plimsoll/status",))
 
     def status(self) -> dict:
         return httpx.get(self.url + "/v1/plimsoll/status", timeout=30).json()
@@ -83,10 +68,8 @@ class Worker:
                 "cached": u["prompt_tokens_details"]["cached_tokens"]}
 
     def stop(self) -> float:
-        t0 = time.perf_counter()
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(300)
-        return round(time.perf_counter() - t0, 3)
+        """SIGTERM to exit (the spill to disk included), seconds."""
+        return self.server.stop(grace_s=300)["stop_s"]
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -121,7 +104,7 @@ def store_throughput(block_bytes: int, count: int, root: Path) -> dict:
             "write_mb_per_s": round(mb / write_s, 1), "read_mb_per_s": round(mb / read_s, 1)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny", choices=["tiny", "qwen3-0.6b"])
     ap.add_argument("--model", type=Path, help="model dir (default: built under a temp dir)")
@@ -129,7 +112,8 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=1000)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--work", type=Path, help="scratch directory (default: a temp dir)")
-    args = ap.parse_args()
+    report.output_args(ap, "disk-tier")
+    args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="disk-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     model = args.model
@@ -174,37 +158,43 @@ def main() -> None:
                                            / restored["seconds"], 1),
         "store": store_throughput(block_bytes, 256, work / "store"),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": " ".join(["python", "bench/disk_tier.py", *sys.argv[1:]]),
+        "command": report.command(), "host": report.host_facts(),
     }
-    out = HERE / "results"
-    (out / f"disk_tier-{args.preset}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"disk_tier-{args.preset}.md").write_text(markdown(result))
-    print(json.dumps(result, indent=2))
+    result["host"]["loadavg_end"] = report.loadavg()
+    report.write(result, args.out_dir,
+                 args.name or report.default_name("disk-tier", args.preset), markdown)
+    print(markdown(result))
+    return 0
 
 
 def markdown(r: dict) -> str:
-    st = r["store"]
-    return f"""# Disk tier: the next turn after a worker restart ({r['preset']}, CPU, float32)
-
-`{r['command']}` — {r['date']}. Session: {len(r['turns'])} turns to {r['session_tokens']} tokens;
-the worker stopped with SIGTERM (cached blocks spilled to disk), a new worker on the same
-directory, then the next turn ({r['next_turn_tokens']} tokens, max_tokens 1); a cold worker
-(no tier) serves the same request.
-
-| figure | value |
-|---|---|
-| TTFT restored from disk | {r['restored']['seconds']} s ({r['restored']['cached']} cached tokens) |
-| TTFT cold prefill | {r['cold']['seconds']} s |
-| **restored ÷ cold** | **{r['ttft_restored_over_cold']}** (target ≤ 0.2 on the CPU box) |
-| bytes on disk per token | {r['bytes_on_disk_per_token']} (KV {r['kv_bytes_per_token']} B/token + header) |
-| files / bytes on disk | {r['files']} / {r['bytes_on_disk']} |
-| shutdown (SIGTERM → exit, spill included) | {r['shutdown_s']} s → ≥ {r['shutdown_write_mb_per_s_lower_bound']} MB/s written |
-| read during the restored turn | ≥ {r['read_mb_per_s_lower_bound']} MB/s (bytes read ÷ TTFT) |
-| store alone, {st['blocks']} blocks of {st['block_bytes']} B | write {st['write_mb_per_s']} MB/s (fsync per file), read {st['read_mb_per_s']} MB/s |
-
-Session turns (seconds, prompt, cached): {', '.join(f"{t['seconds']} s/{t['prompt']}/{t['cached']}" for t in r['turns'])}
-"""
+    st, restored, cold = r["store"], r["restored"], r["cold"]
+    turns = ", ".join(f"{t['seconds']} s/{t['prompt']}/{t['cached']}" for t in r["turns"])
+    return "\n".join([
+        f"# Disk tier: the next turn after a worker restart ({r['preset']}, CPU, float32)", "",
+        f"`{r['command']}` — {r['date']}. Session: {len(r['turns'])} turns to "
+        f"{r['session_tokens']} tokens; the worker stopped with SIGTERM (cached blocks spilled "
+        f"to disk), a new worker on the same directory, then the next turn "
+        f"({r['next_turn_tokens']} tokens, max_tokens 1); a cold worker (no tier) serves the "
+        "same request.", "",
+        *report.table(["figure", "value"], [
+            ["TTFT restored from disk",
+             f"{restored['seconds']} s ({restored['cached']} cached tokens)"],
+            ["TTFT cold prefill", f"{cold['seconds']} s"],
+            ["**restored ÷ cold**",
+             f"**{r['ttft_restored_over_cold']}** (target ≤ 0.2 on the CPU box)"],
+            ["bytes on disk per token",
+             f"{r['bytes_on_disk_per_token']} (KV {r['kv_bytes_per_token']} B/token + header)"],
+            ["files / bytes on disk", f"{r['files']} / {r['bytes_on_disk']}"],
+            ["shutdown (SIGTERM → exit, spill included)",
+             f"{r['shutdown_s']} s → ≥ {r['shutdown_write_mb_per_s_lower_bound']} MB/s written"],
+            ["read during the restored turn",
+             f"≥ {r['read_mb_per_s_lower_bound']} MB/s (bytes read ÷ TTFT)"],
+            [f"store alone, {st['blocks']} blocks of {st['block_bytes']} B",
+             f"write {st['write_mb_per_s']} MB/s (fsync per file), read "
+             f"{st['read_mb_per_s']} MB/s"]]),
+        "", f"Session turns (seconds, prompt, cached): {turns}"]) + "\n"
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,10 +1,10 @@
 """Build a random-weight Qwen3-4B-shaped model in the real mlx-lm layout, in seconds on a GPU.
 
-The benchmark model of issue 14 (bench/scale.py on the H200): 36 layers, hidden 2560, 32 query
-/ 8 KV heads, head_dim 128, intermediate 9728, vocab 151936, tied embeddings,
-max_position_embeddings 40960, bf16 — weights 7.49 GiB, KV 144 KiB per token. An 8 GB model
-is too big to carry to a machine with no network, and random weights are generated there
-faster than they could be copied.
+The model of the GPU runs (bench/serving.py, bench/overhead.py, bench/cuda_probes.py): 36
+layers, hidden 2560, 32 query / 8 KV heads, head_dim 128, intermediate 9728, vocab 151936,
+tied embeddings, max_position_embeddings 40960, bf16 — weights 7.49 GiB, KV 144 KiB per
+token. An 8 GB model is too big to carry to a machine with no network, and random weights are
+generated there faster than they could be copied.
 
 The tokenizer is plimsoll's locally trained byte-level BPE (:mod:`plimsoll.demo.tokenizer`,
 ``--tokenizer-vocab`` tokens, the chat template with tools), its vocabulary then padded with
@@ -75,14 +75,6 @@ def pad_tokenizer(path: Path, vocab_size: int) -> int:
     return vocab_size - n
 
 
-def _tokenizer_module():
-    try:  # the layout of issue 13 moved it
-        from plimsoll.demo import tokenizer as tokenizer_build
-    except ImportError:
-        from plimsoll import tokenizer_build  # type: ignore[no-redef]
-    return tokenizer_build
-
-
 def build(out: Path, shape: str, dtype: str, seed: int, tok_vocab: int) -> Path:
     t0 = time.perf_counter()
     wanted = {"preset": f"{shape}-shaped", "dtype": dtype, "seed": seed}
@@ -97,8 +89,8 @@ def build(out: Path, shape: str, dtype: str, seed: int, tok_vocab: int) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3
     from mlx_lm.utils import save_config, save_model
+    from plimsoll.demo import tokenizer as tb
 
-    tb = _tokenizer_module()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:

@@ -1,54 +1,55 @@
 #!/usr/bin/env bash
-# Issue 14's scale benchmark on the NVIDIA H200 (MLX's CUDA backend), in one command, from the
-# project root, after the kit is set up:
+# The serving benchmark on an NVIDIA GPU (MLX's CUDA backend), in one command, from the project
+# root, after the kit is set up:
 #
 #   source .gpu/kit/setup-on-gpu.sh PART_AA KITDIR && bash bench/gpu_run.sh
 #
 # Builds the random-weight Qwen3-4B-shaped bf16 model under /tmp (bench/gpu_model.py, ~1 min),
-# then runs bench/scale.py: mlx_lm.server (defaults) against `plimsoll launch … --concurrency 8
+# then runs bench/serving.py: mlx_lm.server (defaults) against `plimsoll launch … --concurrency 8
 # --context 40960 --max-tokens 2048` (and `--concurrency 32 --context 4096` for 32 streams);
 # agentic session 12 turns to ~29k tokens, 1-stream decode, 8 and 32 streams × 256 tokens,
 # 4 streams stalled by a ~31.6k-token prompt, 8 sub-agents sharing a 16k system prompt.
 # Everything (JSON, markdown, server logs, progress log) goes under $OUT (bench/results here
-# if unset). The whole script keeps to $BUDGET seconds (default 530): scale.py starts no
+# if unset). The whole script keeps to $BUDGET seconds (default 530): serving.py starts no
 # server group with less than 45 s left, and is stopped (servers and all) at the budget; what
 # it measured by then is written.
 #
 # Environment:
 #   PHASES  comma list, run in this order (default decode,streams8,stall,streams32,subagents,
-#           agentic: the figures issue 14 marks as misses first, so a deadline skips the
-#           agentic session, whose memory figures are already known). If the whole run does
-#           not fit, two calls:
-#             PHASES=decode,streams8,stall,streams32 NAME=scale-h200-a bash bench/gpu_run.sh
-#             PHASES=subagents,agentic NAME=scale-h200-b bash bench/gpu_run.sh
+#           agentic: the throughput figures first, so a deadline skips the agentic session,
+#           whose memory figures are the slowest to gather). If the whole run does not fit,
+#           two calls:
+#             PHASES=decode,streams8,stall,streams32 NAME=serving-h200-DATE-a bash bench/gpu_run.sh
+#             PHASES=subagents,agentic NAME=serving-h200-DATE-b bash bench/gpu_run.sh
 #   ORDER   anchor-first (default) | candidate-first
-#   NAME    output base name (default scale-h200; add the order/phases if you split runs)
-#   MODEL_DIR (default /tmp/qwen3-4b-shaped), BUDGET (530), EXTRA (more scale.py flags: they
+#   NAME    output base name (default: the script's, <measurement>-<machine>-<date>)
+#   MODEL_DIR (default /tmp/qwen3-4b-shaped), BUDGET (530), EXTRA (more serving.py flags: they
 #   come last, so they win), MODEL_ARGS (gpu_model.py flags, e.g. --shape small for a dry run)
-#   KV_QUANT=1  run issue 15's quantized-KV benchmark instead (bench/kv_quant.py): the agentic
+#   KV_QUANT=1  the quantized-KV comparison instead (bench/serving.py --kv): the agentic
 #           session, 1-stream decode and 8 streams on mlx_lm.server (defaults), then plimsoll at
-#           the model's dtype (bf16), q8 and q4 (`launch --kv-dtype`); results
-#           $OUT/$KV_NAME.{json,md} (KV_NAME starts kv-quant-; default kv-quant-h200); KV
-#           (default auto,q8,q4) picks the plimsoll runs, TURNS (12) and TOOL_TOKENS (2400:
-#           ~29k tokens at turn 12) size the session; EXTRA adds kv_quant.py / agentic.py
-#           flags (EXTRA='--only candidate' skips mlx_lm.server: a second call when one run
-#           does not fit the budget).
+#           the model's dtype (bf16), q8 and q4 (`launch --kv-dtype`), all phases on one server
+#           each; KV (default auto,q8,q4) picks the plimsoll runs, TURNS (12) and TOOL_TOKENS
+#           (2400: ~29k tokens at turn 12) size the session; EXTRA adds serving.py flags
+#           (EXTRA='--only candidate' skips mlx_lm.server: a second call when one run does not
+#           fit the budget).
 #
-# PHASES=overhead runs bench/overhead.py instead of scale.py (the serving stack's overhead
-# per decode step: the engine and the scheduler in process, mlx-lm's generators in process,
-# plimsoll's worker and mlx_lm.server over HTTP; 1, 8, 32 streams; NAME default
-# overhead-h200; OVERHEAD_ARGS adds overhead.py flags, e.g. --tokens 128 --rounds 1):
+# PHASES=overhead runs bench/overhead.py instead (the serving stack's overhead per decode
+# step: the engine and the scheduler in process, mlx-lm's generators in process, plimsoll's
+# worker and mlx_lm.server over HTTP; 1, 8, 32 streams; OVERHEAD_ARGS adds overhead.py flags,
+# e.g. --tokens 128 --rounds 1):
 #   PHASES=overhead bash bench/gpu_run.sh
 set -uo pipefail
 start=$(date +%s)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/bench/results}
-NAME=${NAME:-scale-h200}
 MODEL=${MODEL_DIR:-/tmp/qwen3-4b-shaped}
 PHASES=${PHASES:-decode,streams8,stall,streams32,subagents,agentic}
 ORDER=${ORDER:-anchor-first}
 BUDGET=${BUDGET:-530}
+NAME_ARGS=()
+if [ -n "${NAME:-}" ]; then NAME_ARGS=(--name "$NAME"); fi
+LOG=${NAME:-gpu_run-$(date -u +%Y%m%dT%H%M%S)}
 mkdir -p "$OUT/logs"
 say() { echo "[gpu_run $(date -u +%T) +$(( $(date +%s) - start ))s] $*"; }
 
@@ -60,34 +61,33 @@ if [ "${PIPESTATUS[0]}" != 0 ]; then say "model build failed"; exit 1; fi
 
 left=$(( BUDGET - ($(date +%s) - start) ))
 if [ "${KV_QUANT:-0}" = 1 ]; then
-  KNAME=${KV_NAME:-kv-quant-h200}
-  say "model ready; kv_quant.py gets ${left}s (KV=${KV:-auto,q8,q4})"
+  say "model ready; serving.py --kv gets ${left}s (KV=${KV:-auto,q8,q4})"
   # shellcheck disable=SC2086
-  timeout -k 30 "$left" "$PY" bench/kv_quant.py --model "$MODEL" --tag "${KNAME#kv-quant-}" \
+  timeout -k 30 "$left" "$PY" bench/serving.py --model "$MODEL" ${NAME_ARGS[@]+"${NAME_ARGS[@]}"} \
     --kv "${KV:-auto,q8,q4}" --out-dir "$OUT" --log-dir "$OUT/logs" --preload '' \
-    --launch-args '--concurrency 8 --context 40960 --max-tokens 2048' \
+    --phases agentic,decode,streams8 --fresh-phases '' --targets none --copy-gib 4 \
+    --candidate-cmd '{python} -m plimsoll.cli launch {model} --host {host} --port {port} --concurrency 8 --context 40960 --max-tokens 2048' \
     --turns "${TURNS:-12}" --tool-tokens "${TOOL_TOKENS:-2400}" --decode-tokens 256 \
-    --streams 8 --stream-tokens 256 --ready-timeout 150 --request-timeout 120 ${EXTRA:-} \
-    2>&1 | tee "$OUT/logs/$KNAME.log"
+    --streams 8 --stream-tokens 256 --ready-timeout 150 --request-timeout 120 \
+    --deadline-s $(( left - 15 )) --min-group-s 45 ${EXTRA:-} 2>&1 | tee "$OUT/logs/$LOG.log"
   rc=${PIPESTATUS[0]}
-  say "kv_quant.py exit $rc; results: $OUT/$KNAME.json $OUT/$KNAME.md"
+  say "serving.py exit $rc; results in $OUT"
   exit "$rc"
 fi
 if [ "$PHASES" = overhead ]; then
-  [ "$NAME" = scale-h200 ] && NAME=overhead-h200
   say "model ready; overhead.py gets ${left}s"
   # shellcheck disable=SC2086
-  timeout -k 30 "$left" "$PY" bench/overhead.py --model "$MODEL" --name "$NAME" \
+  timeout -k 30 "$left" "$PY" bench/overhead.py --model "$MODEL" ${NAME_ARGS[@]+"${NAME_ARGS[@]}"} \
     --out-dir "$OUT" --log-dir "$OUT/logs" --preload '' --tokens 256 --rounds 2 --ready-timeout 150 \
     --request-timeout 120 --py-spy "$OUT/logs/py-spy" ${OVERHEAD_ARGS:-} \
-    2>&1 | tee "$OUT/logs/$NAME.log"
+    2>&1 | tee "$OUT/logs/$LOG.log"
   rc=${PIPESTATUS[0]}
-  say "overhead.py exit $rc; results: $OUT/$NAME.json $OUT/$NAME.md"
+  say "overhead.py exit $rc; results in $OUT"
   exit "$rc"
 fi
-say "model ready; scale.py gets ${left}s"
+say "model ready; serving.py gets ${left}s"
 # shellcheck disable=SC2086
-timeout -k 30 "$left" "$PY" bench/scale.py --model "$MODEL" --name "$NAME" \
+timeout -k 30 "$left" "$PY" bench/serving.py --model "$MODEL" ${NAME_ARGS[@]+"${NAME_ARGS[@]}"} \
   --out-dir "$OUT" --log-dir "$OUT/logs" --phases "$PHASES" --order "$ORDER" --preload '' \
   --candidate-cmd '{python} -m plimsoll.cli launch {model} --host {host} --port {port} --concurrency 8 --context 40960 --max-tokens 2048' \
   --candidate-wide-cmd '{python} -m plimsoll.cli launch {model} --host {host} --port {port} --concurrency 32 --context 4096 --max-tokens 512' \
@@ -96,7 +96,7 @@ timeout -k 30 "$left" "$PY" bench/scale.py --model "$MODEL" --name "$NAME" \
   --sub-agents 8 --sub-prefix-tokens 16000 --sub-task-tokens 500 --sub-max-tokens 32 \
   --warmup-tokens 1024 --copy-gib 4 --mem-source auto --sample-interval 0.1 --ready-timeout 150 \
   --request-timeout 120 --deadline-s $(( left - 15 )) --min-group-s 45 ${EXTRA:-} \
-  2>&1 | tee "$OUT/logs/$NAME.log"
+  2>&1 | tee "$OUT/logs/$LOG.log"
 rc=${PIPESTATUS[0]}
-say "scale.py exit $rc; results: $OUT/$NAME.json $OUT/$NAME.md"
+say "serving.py exit $rc; results in $OUT"
 exit "$rc"

@@ -7,7 +7,7 @@ the vocabulary, ``advance(token)``, ``done()``). No mlx: the engine applies the 
 
 Library: **llguidance**, chosen by measurement on this CPU (bench/constrain_libs.py, the
 demo tokenizer's 4,096 ids, a 7-property schema with a nested object, an array, an enum, a
-pattern and numbers; a 101-token document; bench/results/constrain_libs.md):
+pattern and numbers; a 101-token document; bench/results/constrain-libs-cpu-2026-12-01.md):
 
 ======================  ===========  ==========  =========================================
 library                 mask/token   compile     install / tokenizer.json support

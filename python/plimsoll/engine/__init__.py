@@ -8,11 +8,11 @@ models see and the routed attention), :mod:`.latent` (MLA's latent + rope-key bl
 and view), :mod:`.composite` (mlx-lm ``CacheList`` layers, one kind per member),
 :mod:`.window` (sliding-window layers: a ring of the window per sequence), :mod:`.sampling`,
 :mod:`.state` (recurrent state of hybrid models), :mod:`.limits` (process-wide MLX limits),
-:mod:`.warmup` (a GPU backend's first-use compilation paid at load) and :mod:`.pool` (the
-pure block pool).
+:mod:`.warmup` (a GPU backend's first-use compilation paid at load), :mod:`.pool` (the
+pure block pool) and :mod:`.drive` (an in-process driver for tests and benchmarks).
 
 May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, latent,
-composite, window, sampling, state, limits and warmup only).
+composite, window, sampling, state, limits, warmup and drive only).
 
 The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``
 and ``.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads

@@ -2,8 +2,8 @@
 
 A step that starts several prompts (a burst of requests) ran each first chunk as its own
 (1, L) forward: on MLX's CUDA backend every forward is a fixed cost and every new (L, L)
-shape a ~40-55 ms cuDNN plan build (bench/results/cuda-attention-h200.md), so 32 short
-prompts arriving together waited ~4 s for their first tokens where mlx_lm.server's batched
+shape a ~40-55 ms cuDNN plan build (bench/results/cuda-attention-h200-2026-12-01.md), so
+32 short prompts arriving together waited ~4 s for their first tokens where mlx_lm.server's batched
 prefill took ~1 s. Here the chunks that start at position 0 are run as padded rows:
 
 - the *body* (every token but the one that samples) as (rows, L) with the causal mask: a

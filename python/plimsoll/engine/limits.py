@@ -15,7 +15,7 @@ import mlx.core as mx
 #: further miss throws, leaving the stream's encoder unusable — the worker's requests then
 #: fail with a 500. Chunked prefill makes a new (chunk, context) shape every chunk, so a long-
 #: running worker crosses 512 SDPA misses in a few hundred chunks. Measured on an H200
-#: (bench/results/scale-h200.md's notes): a cuDNN plan build costs 40-55 ms, a cached plan
+#: (notes of bench/results/serving-h200-2026-12-01.md): a cuDNN plan build: 40-55 ms, a cached plan
 #: 0.15-2 ms. So: no fuse (a miss only costs its plan build) and room for the shapes a
 #: worker repeats. Set before MLX reads them (the engine's own stream and first cuDNN call
 #: come after); a value already in the environment wins. No effect on CPU or Metal.

@@ -13,8 +13,8 @@ reads and the growth are the same. Group size 64 (mlx-lm's ``kv_group_size`` def
   three parts into their slots — a slice for consecutive slots, else a scatter.
 - **Reads**: :meth:`QuantizedAttention.attend_read` gathers the table's blocks of the three
   arrays (still quantized) once for all rows, then by measurement
-  (``bench/kv_quant_attention.py``, ``bench/results/kv-quant-attention.json``, one layer of
-  the qwen3-0.6b shape on the CPU box):
+  (``bench/engine.py attention``, ``bench/results/engine-attention-cpu-2026-12-01.json``,
+  one layer of the qwen3-0.6b shape on the CPU box):
 
   - **decode** (one query a row): mlx-lm's ``quantized_scaled_dot_product_attention`` (two
     ``mx.quantized_matmul`` s and a softmax, the padding mask) — 1.6-11 × faster than

@@ -99,7 +99,7 @@ class WorkerConfig(BaseModel):
 #: The per-step prompt budget (``--prefill-chunk``) by default. On a CPU a chunk's compute
 #: is what the running streams wait for, so it stays small. On a GPU every chunk at a prefix
 #: costs a fixed ~40-55 ms of attention-plan build on MLX's CUDA backend (a new key length
-#: each chunk; bench/results/cuda-attention-h200.md), so bigger chunks, as mlx_lm.server's
+#: each chunk; bench/results/cuda-attention-h200-2026-12-01.md), so bigger chunks, as mlx-lm's
 #: 2048-token prefill steps, pay it for more tokens; a 2048 chunk delays streams ~0.1 s.
 PREFILL_CHUNK = 512
 PREFILL_CHUNK_FUSED = 2048

@@ -2,7 +2,7 @@
 
 No mocks: greedy outputs are compared with mlx-lm's own ``generate_step`` token for
 token, and memory is asserted on the bytes of the arrays the engine allocated. The
-tests own block ids (``engine_drive.Blocks``); the real scheduler is tested elsewhere.
+tests own block ids (``plimsoll.engine.drive.Blocks``); the real scheduler is tested elsewhere.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from engine_drive import Blocks, drive, reference, seqs_for, sharpen, text  # noqa: E402
-
 from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
+from plimsoll.engine.drive import Blocks, drive, reference, seqs_for, sharpen, text  # noqa: E402
 from plimsoll.engine.work import Sampling, Step, Work, growth_transient_bytes  # noqa: E402
 
 BLOCK = 16

@@ -15,10 +15,9 @@ from plimsoll.engine.batched_prefill import GRID, groups, padded
 
 mx = pytest.importorskip("mlx.core")
 
-from engine_drive import Blocks, reference, sharpen, text  # noqa: E402
-
 from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
+from plimsoll.engine.drive import Blocks, reference, sharpen, text  # noqa: E402
 from plimsoll.engine.work import Step, Work  # noqa: E402
 
 

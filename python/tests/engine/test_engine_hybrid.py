@@ -11,10 +11,9 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from engine_drive import Blocks, drive, reference, seqs_for, text  # noqa: E402
-
 from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
+from plimsoll.engine.drive import Blocks, drive, reference, seqs_for, text  # noqa: E402
 from plimsoll.engine.work import Step, Work  # noqa: E402
 
 BLOCK = 16

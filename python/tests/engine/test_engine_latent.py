@@ -17,7 +17,10 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from engine_drive import (  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from plimsoll.engine import Engine  # noqa: E402
+from plimsoll.engine.drive import (  # noqa: E402
     Blocks,
     drive,
     engine_cache,
@@ -25,9 +28,6 @@ from engine_drive import (  # noqa: E402
     reference,
     seqs_for,
 )
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-
-from plimsoll.engine import Engine  # noqa: E402
 from plimsoll.engine.work import Step, Work  # noqa: E402
 
 BLOCK = 16

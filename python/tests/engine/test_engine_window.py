@@ -21,13 +21,13 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from conftest import Worker  # noqa: E402
-from engine_drive import Blocks, drive, reference, seqs_for  # noqa: E402
 from families import FAMILIES, Family, build_model  # noqa: E402
 from test_worker_paged import Req, drain, scheduler  # noqa: E402
 
 from plimsoll.core.capability import check  # noqa: E402
 from plimsoll.core.model_facts import inspect_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
+from plimsoll.engine.drive import Blocks, drive, reference, seqs_for  # noqa: E402
 from plimsoll.engine.window import WindowAttention  # noqa: E402
 
 BLOCK = 16

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_drive import reference, text
 from test_worker_paged import BLOCK, Req, drain, load
 
 from plimsoll.core.sizing import fixed_blocks
 from plimsoll.demo.model import build_demo_model
 from plimsoll.engine.block_io import export_block, import_block, supports
+from plimsoll.engine.drive import reference, text
 from plimsoll.engine.work import Step, Work
 from plimsoll.worker.disk_restore import DiskTier, SpillingPool
 from plimsoll.worker.scheduler import Scheduler, SchedulerLimits
