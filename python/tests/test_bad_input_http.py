@@ -603,6 +603,26 @@ def test_ollama_model_management_is_400_whatever_the_body(servers, body, route):
     assert "not supported here" in assert_ollama_refused(r, path, 400)
 
 
+def test_ollama_a_worker_lost_mid_stream_ends_in_an_error_line(servers):
+    """The proxy's mid-stream error on an NDJSON stream is one ``{"error"}`` line (which the
+    ollama client raises), with the reason; no ``done`` object follows."""
+    body = {"model": "long", "messages": [{"role": "user", "content": "hello there"}],
+            "options": {"num_predict": 1000, "temperature": 0}}
+    objects: list[dict[str, Any]] = []
+    pid = None
+    with servers.client.stream("POST", servers.proxy.url + "/api/chat", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+        for line in r.iter_lines():
+            objects.append(json.loads(line))
+            if len(objects) == 5:
+                pid = next(w["pid"] for w in servers.proxy.running()["workers"]
+                           if w["model"] == "long")
+                os.kill(pid, signal.SIGKILL)
+    assert pid is not None and not any(o.get("done") for o in objects), objects[-3:]
+    last = objects[-1]
+    assert f"pid {pid}" in last["error"] and last["code"] == "worker_lost", last
+
+
 @pytest.mark.parametrize("target", ["worker", "proxy"])
 def test_ollama_a_format_that_is_no_json_schema_is_400(servers, target):
     for path in ("/api/chat", "/api/generate"):
