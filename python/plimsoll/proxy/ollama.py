@@ -88,7 +88,8 @@ def shaped(endpoint: Endpoint) -> Endpoint:
             return response
         kept = {k: v for k, v in response.headers.items()
                 if k.lower() not in ("content-length", "content-type")}
-        return error(response.status_code, str(err.get("message")), str(err.get("code")), kept)
+        return error(response.status_code, str(err.get("message")),
+                     str(err.get("code") or err.get("type") or "error"), kept)
 
     return wrapper
 
