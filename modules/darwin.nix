@@ -208,8 +208,9 @@ in
       '';
       description = ''
         The rest of the policy, as in `plimsoll policy schema`: `tripOffset`, `uMargin`,
-        `blockTokens`, `minContext`, `wire`, `listen`, `cluster`, `pressure` (the proxy's
-        memory-pressure tripwire). Unknown keys are errors.
+        `blockTokens`, `minContext`, `wire`, `listen`, `ollamaApi` (false: no Ollama API on
+        the proxy's port), `cluster`, `pressure` (the proxy's memory-pressure tripwire).
+        Unknown keys are errors.
       '';
     };
 

@@ -49,6 +49,7 @@ let
     minContext = 2048;
     wire = "weights";
     listen = { host = "127.0.0.1"; port = 8080; };
+    ollamaApi = true;  # Ollama's API (/api/*) on the proxy's port
     cluster = { interface = "bridge0"; peers = [ ]; backend = "ring"; };
     # The proxy's memory-pressure tripwire (PSI %, pages/s, seconds).
     pressure = {
@@ -80,7 +81,7 @@ let
 
   declKeys = [ "host" "totalRamGb" "osFloorGb" "maxLocalLlmGb" "transientReserve" "models" "settings" "aliases" "defaultModel" ];
   modeNames = [ "standalone" "clustered" ];
-  settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "cluster" "pressure" "diskCache" ];
+  settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "ollamaApi" "cluster" "pressure" "diskCache" ];
   modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" "diskCache" "maxTokensOverLimit" ];
   listenKeys = [ "host" "port" ];
   clusterKeys = [ "interface" "peers" "backend" ];
@@ -158,6 +159,7 @@ let
       minContext = s.minContext or defaults.minContext;
       wire = s.wire or defaults.wire;
       listen = if isAttrs (s.listen or { }) then listen else s.listen;
+      ollamaApi = s.ollamaApi or defaults.ollamaApi;
       cluster = if isAttrs (s.cluster or { }) then cluster else s.cluster;
       pressure = if isAttrs (s.pressure or { }) then pressure else s.pressure;
       diskCache = diskCacheOf (s.diskCache or null);
@@ -316,6 +318,7 @@ let
       (check (!(isAttrs settings) || unknownKeys settingsKeys settings == [ ])
         "${who}: settings has unknown key(s) ${quoteList (if isAttrs settings then unknownKeys settingsKeys settings else [ ])}: allowed are ${quoteList settingsKeys} (the budgets, floor, reserve and models have their own options)")
       (check (elem p.wire wireChoices) "${who}: settings.wire is ${fmt p.wire}, must be one of ${quoteList wireChoices}")
+      (check (isBool p.ollamaApi) "${who}: settings.ollamaApi must be true or false, got ${fmt p.ollamaApi}")
     ]
     ++ numberChecks { field = "totalRamGb"; value = p.totalRamGb; ok = v: v > 0; range = "above 0 GiB"; }
     ++ numberChecks { field = "osFloorGb"; value = p.osFloorGb; ok = v: v >= 0; range = "at least 0 GiB"; }

@@ -90,7 +90,7 @@ let
         modes = { standalone.maxLocalLlmGb = 8; clustered.maxLocalLlmGb = 8; };
         transientReserve = 0.05; tripOffset = 0.05; uMargin = 0.02; blockTokens = 16;
         minContext = 2048; wire = "weights";
-        listen = { host = "127.0.0.1"; port = 8080; };
+        listen = { host = "127.0.0.1"; port = 8080; }; ollamaApi = true;
         cluster = { interface = "bridge0"; peers = [ ]; backend = "ring"; };
         pressure = {
           enabled = true; someAvg10Warn = 10; someAvg10Critical = 25; fullAvg10Critical = 5;
@@ -156,6 +156,9 @@ let
       "host min: settings.minContext is 8, must be at least 16 tokens")
     (broken "wire not a choice" (withSettings minimal { wire = "all"; })
       "host min: settings.wire is \"all\", must be one of \"footprint\", \"weights\", \"none\"")
+    (accepted "Ollama's API turned off" (withSettings minimal { ollamaApi = false; }))
+    (broken "ollamaApi not a boolean" (withSettings minimal { ollamaApi = "no"; })
+      "host min: settings.ollamaApi must be true or false, got \"no\"")
     (broken "listen port out of range" (withSettings minimal { listen.port = 70000; })
       "host min: settings.listen.port is 70000, must be between 1 and 65535")
     (broken "unknown listen key" (withSettings minimal { listen.address = "0.0.0.0"; })

@@ -29,7 +29,8 @@ from plimsoll.cli.common import UsageFailure
 @click.option("--port", type=click.IntRange(1, 65535),
               help="Port (default: the policy's listen.port, 8080).")
 @click.option("--api-key", envvar="PLIMSOLL_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on /v1/*, /running and /unload.")
+              help="Require 'Authorization: Bearer KEY' on /v1/*, /api/*, /running and "
+                   "/unload.")
 @click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True,
               path_type=Path), help="The admin token for /admin/* (default: generated at "
               "start into a user-only file under the cache directory).")
@@ -68,9 +69,11 @@ from plimsoll.cli.common import UsageFailure
                    "more is clamped. Default: a quarter of the context (at most 32768).")
 @click.option("--quiet", is_flag=True, help="No access-log line per request (proxy and "
               "workers).")
+@click.option("--no-ollama-api", is_flag=True, help="Do not serve Ollama's API (/api/chat, "
+              "/api/tags, ...) on this port (policy: ollamaApi false).")
 def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_waiting,
                   swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks,
-                  model_spec, context, concurrency, max_tokens, quiet) -> None:
+                  model_spec, context, concurrency, max_tokens, quiet, no_ollama_api) -> None:
     """Serve every model of the policy behind one OpenAI-compatible endpoint.
 
     Workers start on demand through load-time admission with live inputs; a swap stops
@@ -96,7 +99,8 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     default_ttl, per_model = parse_idle_ttls(idle_ttls, set(pol.models))
     settings = Settings(max_waiting=max_waiting, swap_hold_s=swap_hold, drain_s=drain_timeout,
                         release_timeout_s=release_timeout, default_idle_ttl_s=default_ttl,
-                        idle_ttl_s=per_model, cluster_ranks=ranks, quiet=quiet)
+                        idle_ttl_s=per_model, cluster_ranks=ranks, quiet=quiet,
+                        ollama_api=not no_ollama_api)
     from plimsoll.web.access_log import set_quiet
     from plimsoll.web.edge import Edge
     from plimsoll.web.graceful import Drain, serve

@@ -258,6 +258,10 @@ class Policy(_Strict):
         description="What a worker wires: its admitted footprint, only the weights, or nothing.",
     )
     listen: Listen = Listen()
+    ollama_api: bool = Field(
+        default=True, description="Serve Ollama's API (/api/chat, /api/generate, /api/tags, "
+        "...) on the proxy's port beside the OpenAI and Anthropic ones; false: those routes "
+        "are 404.")
     cluster: Cluster = Cluster()
     pressure: Pressure = Pressure()
     disk_cache: DiskCache | None = Field(

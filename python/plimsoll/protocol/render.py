@@ -46,8 +46,10 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    """Prompt token ids for a chat request (generation prompt appended).
+def render_chat(tokenizer: Any, req: ChatCompletionRequest, **template_kwargs: Any
+                ) -> list[int]:
+    """Prompt token ids for a chat request (generation prompt appended; ``template_kwargs``
+    go to the template, e.g. ``enable_thinking``).
 
     Tools (unless ``tool_choice`` is ``"none"``) are passed to the template, which lists
     their schemas in the prompt. Raises :class:`ProtocolError` (400) when the model has
@@ -58,7 +60,7 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
         raise ProtocolError(400, "This model has no chat template; send a plain prompt to "
                             "/v1/completions instead.", param="messages", code="no_chat_template")
     return apply_template(tokenizer, template_messages(req), req.active_tools,
-                          add_generation_prompt=True)
+                          add_generation_prompt=True, **template_kwargs)
 
 
 def apply_template(tokenizer: Any, messages: list[dict[str, Any]],

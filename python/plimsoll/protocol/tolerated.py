@@ -17,7 +17,8 @@ the reason, so an operator can see what their clients send.
 
 Scopes name the object a field sits on: ``anthropic.request`` is the body of
 ``/v1/messages`` (and ``count_tokens``), ``anthropic.tool`` one entry of ``tools``,
-``openai.responses`` the body of ``/v1/responses``, and so on. One scope holds values, not
+``openai.responses`` the body of ``/v1/responses``, ``ollama.request`` the body of
+``/api/chat`` and ``/api/generate``, and so on. One scope holds values, not
 field names: ``openai.responses.tool_type`` lists the *types* of Responses tools that are
 left out of the prompt (hosted tools nothing here runs) instead of refused
 (:func:`left_out`).
@@ -128,6 +129,28 @@ TOLERATED: dict[str, dict[str, str]] = {
         "namespace": "a group of tools whose calls carry a namespace this worker's tool-call "
                      "parser does not produce; the group is left out of the prompt (Codex "
                      "sends its sub-agent tools so)",
+    },
+    "ollama.request": {
+        "keep_alive": "how long Ollama keeps the model loaded after the request; here the "
+                      "policy's idleTtlS (or --idle-ttl) decides when an idle worker is unloaded",
+        "truncate": "the prompt is never truncated here: an over-long one is a 400 with the "
+                    "figures",
+        "shift": "the output reservation is fixed at admission: an answer that reaches it "
+                 "ends with done_reason \"length\", never with a shifted context",
+    },
+    "ollama.show": {"options": "a Modelfile parameter override for the shown model; what is "
+                               "shown is the model as the policy serves it"},
+    "ollama.options": {
+        **dict.fromkeys(
+            ("numa", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all",
+             "vocab_only", "use_mmap", "use_mlock", "embedding_only", "num_thread"),
+            "a llama.cpp load-time setting; the worker's placement, batch and memory come "
+            "from admission"),
+        "num_keep": "tokens kept when the context shifts; the context never shifts here",
+        "repeat_last_n": "the window of repeat_penalty, which is accepted only at 1 (off)",
+        "penalize_newline": "a refinement of repeat_penalty, which is accepted only at 1 (off)",
+        "mirostat_tau": "a parameter of mirostat, which is accepted only at 0 (off)",
+        "mirostat_eta": "a parameter of mirostat, which is accepted only at 0 (off)",
     },
 }
 """scope → field (or, for ``openai.responses.tool_type``, tool type) → why it is safe."""

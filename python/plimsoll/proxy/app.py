@@ -42,9 +42,10 @@ from plimsoll.web.graceful import Drain
 
 from .. import protocol as P
 from ..protocol import anthropic as A
+from ..protocol import ollama as O
 from ..protocol import responses_events as RE
 from ..protocol.reservation import HEADER as MAX_TOKENS_HEADER
-from . import admin
+from . import admin, catalog, ollama
 from . import dashboard as dash  # GET /, GET /dashboard.json
 from . import metrics as M  # the request/event observer
 from . import metrics_edge as ME  # GET /metrics, and the request path observed
@@ -158,7 +159,9 @@ async def until_drained(task: asyncio.Future, drain: Drain | None) -> Any:
 
 
 def _stream_lost(message: str, code: str, anthropic: bool, status: int = 502,
-                 responses: bool = False) -> list[bytes]:
+                 responses: bool = False, ndjson: bool = False) -> list[bytes]:
+    if ndjson:  # Ollama's streams: one {"error"} line
+        return [O.ndjson(O.error_body(message, code))]
     body = error_body(status, message, code, anthropic=anthropic)
     if responses:  # the Responses API's typed error event; no [DONE]
         return [RE.sse_event({"type": "error", "sequence_number": 0, "code": code,
@@ -174,7 +177,8 @@ def _retrieved(task: asyncio.Future) -> None:
 
 
 async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = False,
-                responses: bool = False, drain: Drain | None = None) -> AsyncIterator[bytes]:
+                responses: bool = False, drain: Drain | None = None,
+                ndjson: bool = False) -> AsyncIterator[bytes]:
     """The worker's stream, chunk by chunk; a worker lost mid-way, or a shutdown whose
     drain time runs out, ends it with the protocol's error event."""
     chunks = upstream.aiter_raw()
@@ -192,13 +196,13 @@ async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = Fal
                 for part in _stream_lost(
                         f"the proxy is shutting down and its drain time ({drain.drain_s:g} s) "
                         "ran out before this stream finished", "proxy_stopping", anthropic,
-                        503, responses):
+                        503, responses, ndjson):
                     yield part
                 return
             yield chunk
     except httpx.HTTPError as err:
         for part in _stream_lost(await lost_reason(lease, err), "worker_lost", anthropic,
-                                 responses=responses):
+                                 responses=responses, ndjson=ndjson):
             yield part
     finally:
         await upstream.aclose()
@@ -250,9 +254,10 @@ async def generate(request: Request) -> Response:
                if k.lower() in ("retry-after", MAX_TOKENS_HEADER)}
     if (reserved := upstream.headers.get(MAX_TOKENS_HEADER, "")).isdigit():
         rec.reservation = int(reserved)
-    if ctype.startswith("text/event-stream"):
+    if ctype.startswith(("text/event-stream", O.NDJSON)):
         return PassThrough(relay(upstream, lease, anthropic=anthropic, drain=drain,
-                                 responses=request.url.path == "/v1/responses"),
+                                 responses=request.url.path == "/v1/responses",
+                                 ndjson=ctype.startswith(O.NDJSON)),
                            upstream.status_code, media_type=ctype,
                            headers={"Cache-Control": "no-cache", **headers})
     try:
@@ -389,6 +394,8 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
             Route("/v1/messages", ME.observed(generate), methods=["POST"]),  # Anthropic
             Route("/v1/messages/count_tokens", generate, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", catalog.retrieve(models), methods=["GET"]),
+            *ollama.routes(policy, settings, ME.observed(generate)),  # Ollama's API, /api/*
             Route("/health", health, methods=["GET"]),
             Route("/running", running, methods=["GET"]),
             Route("/unload", unload, methods=["POST"]),

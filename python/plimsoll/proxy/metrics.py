@@ -67,8 +67,10 @@ def outcome_of(status: int) -> str:
 
 
 def error_code(body: Any) -> tuple[str, str]:
-    """(code, message) of an OpenAI- or Anthropic-shaped error body."""
+    """(code, message) of an OpenAI-, Anthropic- or Ollama-shaped error body."""
     err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, str):  # Ollama's {"error": "...", "code": ...}
+        return str(body.get("code") or "unknown"), err
     if not isinstance(err, dict):
         return "unknown", ""
     code = err.get("code") or err.get("type") or "unknown"

@@ -1,6 +1,6 @@
 """The metrics' HTTP edge: ``GET /metrics`` and :func:`observed`, which counts and times
-every request the proxy's generate endpoints answer (relayed SSE streams are scanned for
-the first token, the token count and mid-stream refusals as they pass).
+every request the proxy's generate endpoints answer (relayed SSE and NDJSON streams are
+scanned for the first token, the token count and mid-stream refusals as they pass).
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ class _Watched:
     """A relayed SSE stream, scanned for first token, token count and errors as it passes."""
 
     def __init__(self, inner: Any, obs: Observer, model: str, start: float, status: int,
-                 rec: Access | None = None):
+                 rec: Access | None = None, ndjson: bool = False):
         self.inner, self.obs, self.model = inner, obs, model
         self.rec = rec
+        self.ndjson = ndjson  # Ollama's streams: one JSON object a line
         self.start, self.status = start, status
         self.buf = b""
         self.first: float | None = None
@@ -73,6 +74,11 @@ class _Watched:
 
     def _scan(self, chunk: bytes) -> None:
         self.buf += chunk
+        if self.ndjson:
+            *objects, self.buf = self.buf.split(b"\n")
+            for line in objects:
+                self._data(line)
+            return
         *events, self.buf = self.buf.split(b"\n\n")
         for raw in events:
             for line in raw.split(b"\n"):
@@ -88,14 +94,14 @@ class _Watched:
             return
         if not isinstance(obj, dict):
             return
-        if obj.get("type") == "message_stop":  # Anthropic's end of stream
+        if obj.get("type") == "message_stop" or obj.get("done") is True:  # Anthropic, Ollama
             self.saw_end = True
         if "error" in obj:
             self.error = obj
             if self.rec is not None:
                 self.rec.code = error_code(obj)[0]
             return
-        usage = obj.get("usage") or (obj.get("message") or {}).get("usage") or {}
+        usage = usage_of(obj)
         for key in ("completion_tokens", "output_tokens"):
             if isinstance(usage.get(key), int):
                 self.usage = usage[key]
@@ -113,6 +119,10 @@ class _Watched:
     def _has_token(obj: dict[str, Any]) -> bool:
         if obj.get("type") == "content_block_delta":  # Anthropic
             return True
+        if obj.get("done") is False:  # Ollama: a piece of the answer (or a keep-alive)
+            message = obj.get("message") or {}
+            return bool(obj.get("response") or obj.get("thinking") or message.get("content")
+                        or message.get("thinking") or message.get("tool_calls"))
         for choice in obj.get("choices") or ():
             delta = choice.get("delta") or {}
             if delta.get("content") or delta.get("tool_calls") or choice.get("text"):
@@ -136,6 +146,18 @@ class _Watched:
             self.obs.finished(self.model, 499, None, ttft_s=ttft)
         else:
             self.obs.finished(self.model, self.status, None, ttft_s=ttft, rate=rate)
+
+
+def usage_of(obj: dict[str, Any]) -> dict[str, Any]:
+    """The ``usage`` of an OpenAI or Anthropic object, or an Ollama final object's counts
+    in OpenAI's keys ({} when it has none)."""
+    usage = obj.get("usage") or (obj.get("message") or {}).get("usage")
+    if isinstance(usage, dict):
+        return usage
+    if isinstance(obj.get("eval_count"), int):
+        return {"prompt_tokens": obj.get("prompt_eval_count"),
+                "completion_tokens": obj["eval_count"]}
+    return {}
 
 
 def note_usage(rec: Access, usage: dict[str, Any]) -> None:
@@ -166,17 +188,18 @@ def observed(endpoint: Callable[[Request], Awaitable[Response]]
             model = "-"
         rec = access(request)
         if isinstance(response, StreamingResponse) and response.status_code < 400:
+            ndjson = (response.media_type or "").startswith("application/x-ndjson")
             response.body_iterator = _Watched(response.body_iterator, obs, model, start,
-                                              response.status_code, rec)
+                                              response.status_code, rec, ndjson)
             return response
         body: Any = None
         with contextlib.suppress(ValueError, AttributeError):
             body = json.loads(response.body)
         tokens, rate = None, None
-        usage = body.get("usage") if isinstance(body, dict) else None
-        if isinstance(usage, dict):
+        usage = usage_of(body) if isinstance(body, dict) else None
+        if usage:
             note_usage(rec, usage)
-        if response.status_code < 400 and isinstance(usage, dict):
+        if response.status_code < 400 and usage:
             tokens = usage.get("completion_tokens", usage.get("output_tokens"))
             elapsed = time.monotonic() - start
             if isinstance(tokens, int) and tokens > 0 and elapsed > 0:

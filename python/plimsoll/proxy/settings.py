@@ -22,3 +22,4 @@ class Settings:
     # first; in clustered mode a model with ``sharded: true`` runs as `plimsoll cluster serve`
     cluster_ranks: tuple[tuple[int, int, int], ...] = ()
     quiet: bool = False  # --quiet: workers write no access-log lines either
+    ollama_api: bool = True  # False (--no-ollama-api): no /api/* routes, whatever the policy says

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from .access_log import Access, emit
-from .errors import error_body
+from .errors import OLLAMA_PREFIX, error_body_for
 
 DEFAULT_RETRY_AFTER_S = 1
 _SCOPE_KEY = "plimsoll.access"
@@ -44,6 +44,9 @@ def _code_of(body: bytes) -> str | None:
     err = obj.get("error") if isinstance(obj, dict) else None
     if isinstance(err, dict):
         return err.get("code") or err.get("type")
+    if isinstance(err, str):  # Ollama's shape: the code beside the message
+        code = obj.get("code")
+        return code if isinstance(code, str) else None
     return None
 
 
@@ -52,7 +55,7 @@ class Edge:
 
     def __init__(self, app: Any, *, limit: int | None = None,
                  retry_after_s: int = DEFAULT_RETRY_AFTER_S, log_paths: tuple[str, ...] = (
-                     "/v1/",)) -> None:
+                     "/v1/", OLLAMA_PREFIX)) -> None:
         self.app = app
         self.limit = limit
         self.retry_after_s = retry_after_s
@@ -100,10 +103,10 @@ class Edge:
 
     async def _refuse(self, scope: dict, send: Any, rec: Access) -> None:
         path = scope.get("path", "")
-        body = json.dumps(error_body(
-            503, f"{self.in_flight} requests are in flight, the most this server takes at "
-            f"once ({self.limit}): retry after {self.retry_after_s} s", "too_many_requests",
-            anthropic=path.startswith("/v1/messages"))).encode()
+        body = json.dumps(error_body_for(
+            path, 503, f"{self.in_flight} requests are in flight, the most this server takes "
+            f"at once ({self.limit}): retry after {self.retry_after_s} s",
+            "too_many_requests")).encode()
         rec.status, rec.code = 503, "too_many_requests"
         await send({"type": "http.response.start", "status": 503, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

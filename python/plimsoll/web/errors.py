@@ -1,9 +1,11 @@
 """Error answers in the route's own protocol, shared by the worker and the proxy (HTTP edge).
 
 An error on an Anthropic route (``/v1/messages…``) is Anthropic-shaped
-(``{"type": "error", "error": {"type", "message"}}``), anywhere else OpenAI-shaped
+(``{"type": "error", "error": {"type", "message"}}``), on an Ollama route (``/api/…``)
+Ollama-shaped (``{"error": "...", "code"}``), anywhere else OpenAI-shaped
 (``{"error": {"message", "type", "param", "code"}}``); ``code`` rides inside ``error`` in
-both, so metrics and clients can tell refusals apart. Unknown paths and wrong methods get
+the first and the last, beside it in Ollama's, so metrics and clients can tell refusals
+apart. Unknown paths and wrong methods get
 the same JSON, naming what exists, never Starlette's plain-text "Not Found".
 """
 
@@ -18,11 +20,26 @@ from starlette.responses import JSONResponse, Response
 
 from plimsoll import protocol as P
 from plimsoll.protocol import anthropic as A
+from plimsoll.protocol import ollama as O
+
+OLLAMA_PREFIX = "/api/"
 
 
 def is_anthropic(request: Request) -> bool:
     """True on the Anthropic routes (``/v1/messages``, ``/v1/messages/count_tokens``)."""
     return request.url.path.startswith("/v1/messages")
+
+
+def is_ollama_path(path: str) -> bool:
+    """True on Ollama's routes (``/api/chat``, ``/api/tags``, ...)."""
+    return path.startswith(OLLAMA_PREFIX)
+
+
+def error_body_for(path: str, status: int, message: str, code: str) -> dict[str, Any]:
+    """:func:`error_body` in the protocol of the route at ``path``."""
+    if is_ollama_path(path):
+        return O.error_body(message, code)
+    return error_body(status, message, code, anthropic=path.startswith("/v1/messages"))
 
 
 def error_body(status: int, message: str, code: str, *, anthropic: bool = False,
@@ -55,7 +72,7 @@ def no_route_handler(served: str) -> Callable[[Request, Exception], Awaitable[Re
         else:
             message = f"no route {path}: {served}"
             code = "unknown_route"
-        return JSONResponse(error_body(status, message, code, anthropic=is_anthropic(request)),
-                            status, headers=headers)
+        return JSONResponse(error_body_for(path, status, message, code), status,
+                            headers=headers)
 
     return no_route

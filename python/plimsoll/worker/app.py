@@ -46,7 +46,7 @@ from plimsoll.web.errors import no_route_handler
 from plimsoll.web.graceful import Drain
 from plimsoll.worker.config import WorkerConfig, default_prefill_chunk, prefill_chunk
 
-from . import anthropic_routes, responses_routes
+from . import anthropic_routes, ollama_routes, responses_routes
 from .scheduler import (
     Refused,
     Scheduler,
@@ -381,6 +381,7 @@ def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
             Route("/v1/plimsoll/status", status, methods=["GET"]),
             *anthropic_routes.ROUTES,  # POST /v1/messages, /v1/messages/count_tokens
             *responses_routes.ROUTES,  # POST /v1/responses
+            *ollama_routes.ROUTES,  # POST /api/chat, /api/generate (Ollama's API)
         ],
         exception_handlers={404: NO_ROUTE, 405: NO_ROUTE},
         lifespan=lifespan,

@@ -4,13 +4,14 @@ One ``plimsoll worker`` (the tiny demo model, context 512, output reservation �
 prefix cache so its pool has one exact baseline) and one ``plimsoll serve`` proxy in front
 of the same model receive malformed bytes, wrong types for every field, impossible
 ``max_tokens``, prompts over the context, unknown models, wrong content types, bodies over
-the cap and headers past uvicorn's limits, on the OpenAI and the Anthropic routes.
+the cap and headers past uvicorn's limits, on the OpenAI, the Anthropic and Ollama's routes.
 
 The contract checked on every answer: a 4xx whose body says why, in the route's protocol
-(OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", "error": {...}}``) — never a
-5xx; only a request that happens to be valid may be served (200), and any such request is
-cheap (≤ 8 output tokens). At the end both processes are alive, nothing runs or waits, the
-worker's pool is back at its baseline and nobody logged a traceback.
+(OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", "error": {...}}``, Ollama's
+``{"error": "..."}``) — never a 5xx; only a request that happens to be valid may be served
+(200), and any such request is cheap (≤ 8 output tokens). At the end both processes are
+alive, nothing runs or waits, the worker's pool is back at its baseline and nobody logged a
+traceback.
 """
 
 from __future__ import annotations
@@ -502,6 +503,142 @@ def test_broken_http_framing_is_a_400_or_a_close(servers, target):
         if reply:  # else closed or reset: never served
             status = int(reply.split(b" ", 2)[1])
             assert 400 <= status < 500, (raw[:60], reply)
+
+
+# --- Ollama's routes (/api/*): the same contract, in Ollama's {"error": "..."} ------------------
+
+OLLAMA_BASES: dict[str, dict[str, Any]] = {
+    "/api/chat": {"model": MODEL, "messages": MSG, "stream": False,
+                  "options": {"num_predict": 2}},
+    "/api/generate": {"model": MODEL, "prompt": "hi", "stream": False,
+                      "options": {"num_predict": 2}},
+    "/api/show": {"model": MODEL},
+}
+OLLAMA_FIELDS: dict[str, list[tuple]] = {
+    "/api/chat": [
+        ("messages",), ("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
+        ("messages", 0, "images"), ("messages", 0, "tool_calls"), ("messages", 0, "tool_name"),
+        ("messages", 0, "thinking"), ("model",), ("stream",), ("format",), ("tools",),
+        ("think",), ("keep_alive",), ("logprobs",), ("options",), ("options", "num_predict"),
+        ("options", "num_ctx"), ("options", "temperature"), ("options", "top_p"),
+        ("options", "top_k"), ("options", "seed"), ("options", "stop"),
+        ("options", "repeat_penalty"), ("options", "num_gpu")],
+    "/api/generate": [
+        ("prompt",), ("model",), ("system",), ("raw",), ("suffix",), ("template",),
+        ("context",), ("images",), ("stream",), ("format",), ("think",), ("options",),
+        ("options", "num_predict"), ("options", "num_ctx"), ("options", "stop")],
+    "/api/show": [("model",), ("name",), ("verbose",)],
+}
+OLLAMA_ROUTES = list(OLLAMA_BASES)
+OLLAMA_MANAGEMENT = [("POST", "/api/pull"), ("POST", "/api/push"), ("POST", "/api/create"),
+                     ("POST", "/api/copy"), ("DELETE", "/api/delete"),
+                     ("POST", "/api/blobs/sha256:00"), ("POST", "/api/embed")]
+
+
+def ollama_target(data: Any, path: str) -> str:
+    """The worker serves generation only; the listings are the proxy's."""
+    return data.draw(targets) if path != "/api/show" else "proxy"
+
+
+def assert_ollama_refused(r: httpx.Response, path: str, *statuses: int) -> str:
+    """A 4xx (one of ``statuses`` when given) whose body is Ollama's ``{"error": "..."}``."""
+    assert 400 <= r.status_code < 500, f"{r.status_code} on {path}: {r.text[:500]}"
+    if statuses:
+        assert r.status_code in statuses, f"{r.status_code} on {path}: {r.text[:500]}"
+    body = r.json()
+    assert isinstance(body["error"], str) and len(body["error"]) > 10, body
+    return body["error"]
+
+
+def assert_ollama_served_or_refused(r: httpx.Response, path: str) -> None:
+    if r.status_code == 200:
+        for line in r.text.splitlines():  # one object, or an NDJSON stream
+            assert "error" not in json.loads(line), r.text[:300]
+        return
+    assert_ollama_refused(r, path, 400, 404)
+
+
+@HTTP
+@given(path=st.sampled_from(OLLAMA_ROUTES), body=malformed, data=st.data())
+def test_ollama_malformed_bodies_are_400_with_a_reason(servers, path, body, data):
+    r = servers.post(ollama_target(data, path), path, content=body,
+                     headers={"content-type": "application/json"})
+    assert_ollama_refused(r, path, 400, 404)
+
+
+@settings(HTTP, max_examples=120)
+@given(path=st.sampled_from(OLLAMA_ROUTES), data=st.data())
+def test_ollama_any_value_in_any_field_is_served_or_refused(servers, path, data):
+    field = data.draw(st.sampled_from(OLLAMA_FIELDS[path]))
+    body = mutate(OLLAMA_BASES[path], field, data.draw(JSON_VALUES))
+    assert_ollama_served_or_refused(servers.post(ollama_target(data, path), path, json=body),
+                                    path)
+
+
+@HTTP
+@given(path=st.sampled_from(OLLAMA_ROUTES), data=st.data())
+def test_ollama_lone_surrogates_are_400(servers, path, data):
+    field = {"/api/chat": ("messages", 0, "content"), "/api/generate": ("prompt",),
+             "/api/show": ("model",)}[path]
+    raw = json.dumps(mutate(OLLAMA_BASES[path], field, "a\ud800")).encode()
+    err = assert_ollama_refused(servers.post(ollama_target(data, path), path, content=raw),
+                                path, 400)
+    assert "surrogate" in err
+
+
+@HTTP
+@given(path=st.sampled_from(OLLAMA_ROUTES), model=st.text(min_size=1, max_size=40).filter(
+    lambda m: m not in (MODEL, f"{MODEL}:latest")), data=st.data())
+def test_ollama_unknown_models_are_404_naming_the_served_ones(servers, path, model, data):
+    r = servers.post(ollama_target(data, path), path, json={**OLLAMA_BASES[path], "model": model})
+    assert MODEL in assert_ollama_refused(r, path, 404)
+
+
+@HTTP
+@given(body=malformed | JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+       route=st.sampled_from(OLLAMA_MANAGEMENT))
+def test_ollama_model_management_is_400_whatever_the_body(servers, body, route):
+    method, path = route
+    r = servers.client.request(method, servers.proxy.url + path, content=body)
+    assert "not supported here" in assert_ollama_refused(r, path, 400)
+
+
+def test_ollama_a_worker_lost_mid_stream_ends_in_an_error_line(servers):
+    """The proxy's mid-stream error on an NDJSON stream is one ``{"error"}`` line (which the
+    ollama client raises), with the reason; no ``done`` object follows."""
+    body = {"model": "long", "messages": [{"role": "user", "content": "hello there"}],
+            "options": {"num_predict": 1000, "temperature": 0}}
+    objects: list[dict[str, Any]] = []
+    pid = None
+    with servers.client.stream("POST", servers.proxy.url + "/api/chat", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+        for line in r.iter_lines():
+            objects.append(json.loads(line))
+            if len(objects) == 5:
+                pid = next(w["pid"] for w in servers.proxy.running()["workers"]
+                           if w["model"] == "long")
+                os.kill(pid, signal.SIGKILL)
+    assert pid is not None and not any(o.get("done") for o in objects), objects[-3:]
+    last = objects[-1]
+    assert f"pid {pid}" in last["error"] and last["code"] == "worker_lost", last
+
+
+@pytest.mark.parametrize("target", ["worker", "proxy"])
+def test_ollama_a_format_that_is_no_json_schema_is_400(servers, target):
+    for path in ("/api/chat", "/api/generate"):
+        for fmt in ({"type": 5}, {"properties": []}, {"$ref": "#/nowhere"}):
+            r = servers.post(target, path, json={**OLLAMA_BASES[path], "format": fmt})
+            err = assert_ollama_refused(r, path, 400)
+            assert "format" in err or "schema" in err, err
+
+
+@pytest.mark.parametrize("target", ["worker", "proxy"])
+def test_ollama_streamed_bad_requests_are_plain_400_json(servers, target):
+    for path in ("/api/chat", "/api/generate"):
+        body = {**OLLAMA_BASES[path], "stream": True, "options": {"num_ctx": 10**9}}
+        r = servers.post(target, path, json=body)
+        assert r.headers["content-type"].startswith("application/json")
+        assert "num_ctx" in assert_ollama_refused(r, path, 400)
 
 
 # --- afterwards: alive, idle, pool at baseline, no traceback ----------------------------------
