@@ -49,7 +49,7 @@ let
     minContext = 2048;
     wire = "weights";
     listen = { host = "127.0.0.1"; port = 8080; };
-    cluster = { interface = "bridge0"; peers = [ ]; backend = "ring"; };
+    cluster = { interface = "bridge0"; peers = [ ]; backend = "auto"; };
     # The proxy's memory-pressure tripwire (PSI %, pages/s, seconds).
     pressure = {
       enabled = true;
@@ -89,7 +89,7 @@ let
   darwinLevels = [ "warn" "critical" ];
   wireChoices = [ "footprint" "weights" "none" ];
   kvDtypes = [ "auto" "float16" "bfloat16" "float32" "q8" "q4" ];
-  backends = [ "ring" "jaccl" ];
+  backends = [ "auto" "ring" "jaccl" "nccl" ];
 
   # ---- small helpers (builtins only) -------------------------------------------------
 

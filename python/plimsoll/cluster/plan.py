@@ -14,7 +14,11 @@ The shape of the protocol (DESIGN.md invariant 5):
    of the embedding matrix that it uses as the head). Each rank's weights share is the sum
    of *its* tensors' bytes from the headers — never ``weights ÷ ranks``. Each rank's KV per
    token counts only the full-attention layers it runs; its per-sequence fixed bytes only
-   its sliding/linear layers. Ranks that talk to a peer also hold communication buffers.
+   its sliding/linear layers. Ranks that talk to a peer also hold communication buffers:
+   the activation messages (one in and one out per link, at the prefill chunk) and the
+   backend's own buffers (:func:`plimsoll.cluster.backend.transport_bytes`: ring, jaccl
+   from MLX's sources, nccl a conservative reserve from NCCL's defaults), all counted as
+   resident for the life of the load.
 2. **Preflight and reserve.** Each rank runs the single-host :func:`~plimsoll.core.admission.admit`
    on its own figures and its own share (:func:`preflight`) and, if admitted, reserves
    (the rank process sets its allocation limit); it answers admit/refuse with its figures.
@@ -32,6 +36,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from plimsoll.cluster.backend import Backend, transport_bytes
 from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
 from plimsoll.core.cache_layout import CAPPED_KINDS, GROWING_KINDS, lookup
 from plimsoll.core.model_facts import DTYPE_BYTES, ModelFacts
@@ -81,6 +86,9 @@ class ClusterRequest(BaseModel):
     transient_reserve: float = Field(default=0.05, ge=0, le=1)
     min_context: int = Field(default=1024, gt=0)
     prefill_chunk: int = Field(default=512, gt=0, description="Tokens per pipeline message.")
+    backend: Backend = Field(default="ring", description="The MLX distributed backend every "
+                             "rank runs on (chosen before the ranks start: "
+                             ":func:`plimsoll.cluster.backend.choose`).")
 
 
 class RankPlan(BaseModel):
@@ -95,6 +103,8 @@ class RankPlan(BaseModel):
     holds_head: bool
     weights_bytes: int
     comm_bytes: int
+    transport_bytes: int = Field(default=0, description="The backend's own buffers on this "
+                                 "rank (:func:`plimsoll.cluster.backend.transport_bytes`).")
     kv_bytes_per_token: int
     per_sequence_fixed_bytes: int
 
@@ -239,6 +249,7 @@ def plan_cluster(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
     # One activation message in and one out per peer link, at the prefill chunk size.
     message = hidden * request.prefill_chunk * act
     last = len(probes) - 1
+    transport = transport_bytes(request.backend, len(probes)).bytes
     plans = []
     for r, (a, b) in enumerate(ranges(split)):
         per_token, fixed = costs(a, b)
@@ -246,6 +257,7 @@ def plan_cluster(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
         plans.append(RankPlan(
             rank=r, layer_start=a, layer_end=b, holds_embeddings=r == 0, holds_head=r == last,
             weights_bytes=shares[r], comm_bytes=links * message if last else 0,
+            transport_bytes=transport,
             kv_bytes_per_token=per_token, per_sequence_fixed_bytes=fixed))
     return plans
 
@@ -266,7 +278,7 @@ def preflight(plan: RankPlan, probe: RankProbe, facts: ModelFacts,
     req = AdmissionRequest(
         ceiling_bytes=probe.ceiling_bytes, total_ram_bytes=probe.total_ram_bytes,
         budget_bytes=probe.budget_bytes, resident_bytes=probe.measured_extra_bytes,
-        weights_bytes=plan.weights_bytes + plan.comm_bytes,
+        weights_bytes=plan.weights_bytes + plan.comm_bytes + plan.transport_bytes,
         kv_bytes_per_token=max(plan.kv_bytes_per_token, 1),
         per_sequence_fixed_bytes=plan.per_sequence_fixed_bytes,
         native_max_context=facts.native_max_context,
@@ -275,7 +287,8 @@ def preflight(plan: RankPlan, probe: RankProbe, facts: ModelFacts,
         max_tokens=request.max_tokens, min_context=request.min_context)
     decision = admit(req)
     head = (f"layers {plan.layer_start}..{plan.layer_end - 1}, weights share "
-            f"{plan.weights_bytes} B + comm {plan.comm_bytes} B, ceiling "
+            f"{plan.weights_bytes} B + comm {plan.comm_bytes} B + {request.backend} "
+            f"buffers {plan.transport_bytes} B, ceiling "
             f"{probe.ceiling_bytes} B" + (f" ({probe.source})" if probe.source else ""))
     return Preflight(rank=plan.rank, admitted=decision.admitted, reasons=[head, *decision.reasons],
                      plan=plan, decision=decision)

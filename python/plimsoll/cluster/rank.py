@@ -1,9 +1,13 @@
-"""One rank of a clustered load: the process that joins the ring, admits two-phase, serves.
+"""One rank of a clustered load: the process that joins the group, admits two-phase, serves.
 
 Started once per host, by :mod:`plimsoll.cluster.runner` (or by ``mlx.launch --backend
-ring``, which sets the same ``MLX_RANK``/``MLX_HOSTFILE`` environment). Every rank:
+B``, which sets the same environment: :func:`plimsoll.cluster.backend.launches`). Every rank:
 
-1. joins the ring (``mx.distributed.init(backend="ring", strict=True)``);
+1. joins the group on the request's backend (``mx.distributed.init(backend=B,
+   strict=True)``); under ``mlx.launch`` with no backend in ``--request``, the one its
+   environment was set up for (:func:`plimsoll.cluster.backend.backend_from_env`). A
+   backend MLX does not report available here, or one that cannot run this many ranks,
+   ends the rank with exit 2 and a reason that says what to change;
 2. reads its *own* memory figures (command-line overrides, else its own probe) and
    all-gathers them, so every rank computes the same pure plan
    (:func:`plimsoll.cluster.plan.plan_cluster`);
@@ -31,8 +35,9 @@ ends the rank with exit 6, which ends the ring for every peer. Each slot's KV is
 to its reservation (``prompt + max_tokens``, whole blocks: :class:`plimsoll.cluster.slots.SlotKV`),
 so it never grows past what rank 0's pool admitted.
 
-Exit codes: 0 shutdown, 2 cannot join the ring, 3 rolled back, 4 peer lost, 5 other error,
-6 ran out of its admitted memory.
+Exit codes: 0 shutdown, 2 cannot join the group, 3 rolled back, 4 peer lost, 5 other error,
+6 ran out of its admitted memory. (The group is called "the ring" below whatever its
+backend: the protocol only ever talks to a neighbour.)
 """
 
 from __future__ import annotations
@@ -123,6 +128,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                    "mlx.launch needs, with each rank's own figures")
     p.add_argument("--policy", type=Path, help="This host's policy (clustered budget).")
     p.add_argument("--request", default="{}", help="ClusterRequest as JSON (same on every rank)")
+    p.add_argument("--backend", choices=["ring", "jaccl", "nccl"],
+                   help="Overrides the request's backend (default: the request's, else the "
+                        "one this process's environment was launched for, else ring).")
     for flag in ("--concurrency", "--context", "--max-tokens", "--block-tokens"):
         p.add_argument(flag, type=int, help="Overrides the same field of --request.")
     s = p.add_argument_group("HTTP on rank 0 (the worker API); without --serve-port, stdin")
@@ -137,13 +145,37 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _request(args):
+    from plimsoll.cluster.backend import backend_from_env
     from plimsoll.cluster.plan import ClusterRequest
 
     base = json.loads(args.request)
-    for name in ("concurrency", "context", "max_tokens", "block_tokens"):
+    for name in ("concurrency", "context", "max_tokens", "block_tokens", "backend"):
         if getattr(args, name) is not None:
             base[name] = getattr(args, name)
+    if "backend" not in base:
+        base["backend"] = backend_from_env(os.environ) or "ring"
     return ClusterRequest.model_validate(base)
+
+
+def _join(mx, request):
+    """The group on the request's backend (a singleton when no launcher set one up);
+    raises ValueError with what to change when it cannot run here."""
+    from plimsoll.cluster.backend import availability_of, backend_from_env, choose, world_refusal
+
+    launched = backend_from_env(os.environ)
+    if launched is None:
+        return mx.distributed.init()  # one rank: no group to join
+    backend = request.backend
+    if launched != backend:
+        raise ValueError(f"the request's backend is {backend!r} but this process was launched "
+                         f"for {launched!r}: give both the same (--backend)")
+    choice = choose(backend, availability_of(mx), setting="the cluster backend")
+    if choice.backend is None:
+        raise ValueError(choice.reason)
+    group = mx.distributed.init(backend=backend, strict=True)
+    if why := world_refusal(backend, group.size()):
+        raise ValueError(why)
+    return group
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,17 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     from plimsoll.core.model_facts import inspect_model
 
     try:
-        if os.environ.get("MLX_HOSTFILE"):
-            group = mx.distributed.init(backend="ring", strict=True)
-        else:
-            group = mx.distributed.init()
+        request = _request(args)
+        group = _join(mx, request)
     except Exception as e:
         emit("error", rank=int(os.environ.get("MLX_RANK", 0)), phase="init",
-             reason=f"cannot join the ring: {e}")
+             reason=f"cannot join the group: {e}")
         return EXIT_INIT
-    ring = Ring(mx, group)
+    ring = Ring(mx, group, request.backend)
     try:
-        request = _request(args)
         probe = _own_probe(args, ring.rank)
         probes = [cp.RankProbe.model_validate(x) for x in ring.all_gather_json(probe.model_dump())]
         config, facts = read_config(args.model), inspect_model(args.model)
@@ -195,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                 "planned_weights_bytes": plans[ring.rank].weights_bytes,
                 "active_memory_bytes": mx.get_active_memory(),
                 "memory_limit_applied_bytes": mx.get_memory_limit(),
-                "layers": [plans[ring.rank].layer_start, plans[ring.rank].layer_end]}
+                "layers": [plans[ring.rank].layer_start, plans[ring.rank].layer_end],
+                "backend": ring.backend,
+                "messages": "all-sum" if ring.collective else "send/recv"}
         loaded = ring.all_gather_json(mine)  # also the barrier: every rank loaded
         emit("ready", **mine, concurrency=decision.concurrency, context=decision.context)
         from plimsoll.cluster import protocol

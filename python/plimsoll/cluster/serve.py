@@ -218,6 +218,8 @@ class ClusterFacts:
                 "rank": a.rank, "pid": got.get("pid"), "host": got.get("host", ""),
                 "layers": [p.layer_start, p.layer_end], "weights_bytes": p.weights_bytes,
                 "loaded_bytes": got.get("loaded_bytes"), "comm_bytes": p.comm_bytes,
+                "backend": got.get("backend"), "transport_bytes": p.transport_bytes,
+                "messages": got.get("messages"),
                 "kv_bytes_per_token": p.kv_bytes_per_token,
                 "per_sequence_fixed_bytes": p.per_sequence_fixed_bytes,
                 "pool_blocks": d.pool_blocks, "block_bytes": d.block_bytes,
