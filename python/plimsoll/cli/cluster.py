@@ -49,6 +49,11 @@ def _request_options(f):
                              show_default=True, help="Fraction of each rank's budget."),
                 click.option("--min-context", type=click.IntRange(min=1), default=1024,
                              show_default=True),
+                click.option("--stage", type=click.Choice(["loop", "engine"]), default="loop",
+                             show_default=True,
+                             help="How each rank runs its layers: one slot per sequence "
+                                  "(loop), or the worker's engine (paged KV, batched decodes, "
+                                  "prefix sharing)."),
                 click.option("--backend", type=click.Choice(["auto", "ring", "jaccl", "nccl"]),
                              default="auto", show_default=True,
                              help="MLX distributed backend of the ranks (auto: what MLX "

@@ -86,6 +86,10 @@ class ClusterRequest(BaseModel):
     transient_reserve: float = Field(default=0.05, ge=0, le=1)
     min_context: int = Field(default=1024, gt=0)
     prefill_chunk: int = Field(default=512, gt=0, description="Tokens per pipeline message.")
+    stage: Literal["loop", "engine"] = Field(
+        default="loop", description="How a rank runs its layers: its own per-layer loop, one "
+        "slot per sequence (:mod:`plimsoll.cluster.stage`), or the worker's engine "
+        "(:mod:`plimsoll.cluster.engine_stage`: paged pools, batching, prefix sharing).")
     backend: Backend = Field(default="ring", description="The MLX distributed backend every "
                              "rank runs on (chosen before the ranks start: "
                              ":func:`plimsoll.cluster.backend.choose`).")
@@ -135,6 +139,8 @@ class ClusterDecision(BaseModel):
     action: Literal["commit", "rollback"]
     concurrency: int = 0
     context: int = 0
+    pool_blocks: int = Field(default=0, description="Blocks every rank's pool holds: the "
+                             "smallest admitted (a sequence holds its blocks on every rank).")
     reasons: dict[int, list[str]]
     refusing_ranks: list[int]
 
@@ -318,7 +324,28 @@ def decide(answers: list[Preflight], world_size: int) -> ClusterDecision:
     decisions = [by_rank[r].decision for r in range(world_size)]
     return ClusterDecision(action="commit", reasons=reasons, refusing_ranks=[],
                            concurrency=min(d.concurrency for d in decisions),
-                           context=min(d.context for d in decisions))
+                           context=min(d.context for d in decisions),
+                           pool_blocks=min(d.pool_blocks for d in decisions))
+
+
+def stage_facts(facts: ModelFacts, start: int, end: int, weights_bytes: int) -> ModelFacts:
+    """The facts of layers ``[start, end)`` alone, renumbered from 0 (what a rank's engine
+    serves: its caches, its KV per token and per-sequence fixed bytes, its weights share)."""
+    if not facts.caches:
+        raise ClusterPlanError(f"{facts.model_type}: no per-layer cache layout to split")
+    caches = tuple(c.model_copy(update={"layers": mine}) for c in facts.caches
+                   if (mine := tuple(i - start for i in c.layers if start <= i < end)))
+    growing = {i for c in caches if c.kind in GROWING_KINDS for i in c.layers}
+    capped = {i for c in caches if c.kind in CAPPED_KINDS for i in c.layers}
+    fixed = sum(len(c.layers) * (c.bytes_per_token * (c.max_tokens or 0)
+                                 if c.kind in CAPPED_KINDS else 0)
+                + len(c.layers) * c.state_bytes for c in caches)
+    return ModelFacts.model_validate(facts.model_dump() | {
+        "num_layers": end - start, "kv_layers": len(growing),
+        "sliding_layers": len(capped - growing), "weights_bytes": weights_bytes,
+        "kv_bytes_per_token": sum(len(c.layers) * c.bytes_per_token for c in caches
+                                  if c.kind in GROWING_KINDS),
+        "per_sequence_fixed_bytes": fixed, "caches": [c.model_dump() for c in caches]})
 
 
 def cache_limit_mib(transient_reserve_bytes: int) -> int:

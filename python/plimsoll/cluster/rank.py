@@ -23,6 +23,10 @@ B``, which sets the same environment: :func:`plimsoll.cluster.backend.launches`)
    activations rank → rank + 1, and the last rank's token is all-summed back to every rank.
    Rank 0 takes its requests from HTTP (``--serve-port``: the worker's own API, through
    :mod:`plimsoll.cluster.serve`) or, without it, one JSON request per line on stdin.
+   With ``stage: "engine"`` in the request, every rank runs its layers on the worker's
+   engine instead (:mod:`plimsoll.cluster.engine_stage`: paged pools of the decision's
+   common block count, batched decodes, chunked prefills), and rank 0's scheduler is the
+   worker's own with a sharing pool, making every engine call on every rank in turn.
 
 Events are JSON lines on stdout (``{"event": ...}``); the supervisor reads them. A lost
 peer (mlx raises ``[ring] connection to a peer was lost``) ends the rank with exit 4 and a
@@ -217,34 +221,70 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_ROLLBACK
         # the MLX buffer cache is capped too (invariant 4): half the transient reserve
         mx.set_cache_limit(cp.cache_limit_mib(answer.decision.transient_reserve_bytes) << 20)
-        stage = load_stage(mx, ring, args.model, plans[ring.rank], request)
-        stage.limit_bytes = answer.decision.allocation_limit_bytes
+        plan, limit = plans[ring.rank], answer.decision.allocation_limit_bytes
+        if request.stage == "engine":
+            engine, check, loaded_bytes = _engine_rank(mx, ring, args.model, plan, request,
+                                                       decision, facts, limit)
+        else:
+            stage = load_stage(mx, ring, args.model, plan, request)
+            stage.limit_bytes, loaded_bytes = limit, stage.loaded_bytes
         mine = {"rank": ring.rank, "pid": os.getpid(), "host": probe.host,
-                "loaded_bytes": stage.loaded_bytes,
-                "planned_weights_bytes": plans[ring.rank].weights_bytes,
+                "loaded_bytes": loaded_bytes,
+                "planned_weights_bytes": plan.weights_bytes,
                 "active_memory_bytes": mx.get_active_memory(),
                 "memory_limit_applied_bytes": mx.get_memory_limit(),
-                "layers": [plans[ring.rank].layer_start, plans[ring.rank].layer_end],
-                "backend": ring.backend,
+                "layers": [plan.layer_start, plan.layer_end],
+                "backend": ring.backend, "stage": request.stage,
                 "messages": "all-sum" if ring.collective else "send/recv"}
         loaded = ring.all_gather_json(mine)  # also the barrier: every rank loaded
         emit("ready", **mine, concurrency=decision.concurrency, context=decision.context)
         from plimsoll.cluster import protocol
+        from plimsoll.cluster.serve import ClusterFacts, serve_http
 
+        def cluster_facts(tokenizer) -> ClusterFacts:
+            return ClusterFacts(model_dir=args.model, request=request, decision=decision,
+                                answers=answers, loaded=loaded, facts=facts, tokenizer=tokenizer)
+
+        if request.stage == "engine":
+            from plimsoll.cluster import engine_stage
+
+            if ring.rank != 0:
+                return engine_stage.follow(ring, engine, check)
+            leader = engine_stage.StageEngine(ring, engine, facts, check)
+            if args.serve_port is None:
+                from plimsoll.cluster.engine_serve import serve_stdin
+
+                return serve_stdin(leader, cluster_facts(engine.tokenizer))
+            return serve_http(leader, cluster_facts(engine.tokenizer), args, engine=leader)
         if ring.rank != 0:
             return protocol.follow(ring, stage)
         leader = protocol.Leader(ring, stage)
         if args.serve_port is None:
             return protocol.serve_stdin(leader, decision.context)
-        from plimsoll.cluster.serve import ClusterFacts, serve_http
-
-        return serve_http(leader, ClusterFacts(
-            model_dir=args.model, request=request, decision=decision, answers=answers,
-            loaded=loaded, facts=facts, tokenizer=_load_tokenizer(args.model, config)), args)
+        return serve_http(leader, cluster_facts(_load_tokenizer(args.model, config)), args)
     except Exception as e:
         failure = as_failure(ring.rank, e)
         emit("error", rank=ring.rank, phase="run", reason=failure.reason)
         return failure.code
+
+
+def _engine_rank(mx, ring, model_dir: Path, plan, request, decision, facts, limit: int):
+    """This rank's layers on the worker's engine: ``(engine, memory check, loaded bytes)``.
+    Every rank's pool holds the decision's common number of blocks (the same block ids)."""
+    from plimsoll.cluster import engine_stage
+    from plimsoll.cluster.plan import stage_facts
+    from plimsoll.cluster.stage import load_slice
+
+    model, config, templates, params = load_slice(mx, model_dir, plan)
+    stage = engine_stage.StageModel(mx, ring, model, plan, templates)
+    engine = engine_stage.build_engine(
+        mx, ring, stage, stage_facts(facts, plan.layer_start, plan.layer_end,
+                                     plan.weights_bytes),
+        _load_tokenizer(model_dir, config) if ring.rank == 0 else None,
+        block_tokens=request.block_tokens, max_blocks=decision.pool_blocks,
+        context=decision.context)
+    return (engine, engine_stage.MemoryCheck(mx, ring.rank, limit),
+            sum(v.nbytes for v in params))
 
 
 def _load_tokenizer(model_dir: Path, config: dict):

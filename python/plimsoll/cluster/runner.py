@@ -341,13 +341,27 @@ class Cluster:
     def generate(self, prompt: list[int], max_tokens: int, *, timeout: float = 60.0,
                  on_token: Callable[[int], None] | None = None) -> Generation:
         """Greedy tokens for ``prompt`` from the whole cluster (one request at a time)."""
+        done = self._ask({"op": "generate", "prompt": prompt, "max_tokens": max_tokens},
+                         timeout, on_token)
+        return Generation(done["tokens"], done["seconds"], done["tokens_per_s"])
+
+    def generate_many(self, prompts: list[list[int]], max_tokens: int, *,
+                      timeout: float = 60.0, ignore_eos: bool = False) -> dict:
+        """Greedy tokens for every prompt, submitted at once (the ranks run their layers on
+        the engine: ``ClusterRequest(stage="engine")``, so they run concurrently): rank 0's
+        ``done`` event (``outputs``: each prompt's tokens; ``most_rows``)."""
+        return self._ask({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                          "ignore_eos": ignore_eos}, timeout, None)
+
+    def _ask(self, request: dict, timeout: float,
+             on_token: Callable[[int], None] | None) -> dict:
+        """One request to rank 0's stdin; its ``done`` event."""
         if self.decision is None or self.decision.action != "commit":
             raise RuntimeError("start() the cluster first")
         self._check_alive()
         stdin = self.procs[0].stdin
         try:
-            stdin.write(json.dumps({"op": "generate", "prompt": prompt,
-                                    "max_tokens": max_tokens}) + "\n")
+            stdin.write(json.dumps(request) + "\n")
             stdin.flush()
         except (BrokenPipeError, OSError):
             self._check_alive()
@@ -367,7 +381,7 @@ class Cluster:
             if kind == "token" and on_token is not None:
                 on_token(int(event["id"]))
             elif kind == "done":
-                return Generation(event["tokens"], event["seconds"], event["tokens_per_s"])
+                return event
             elif kind == "refused":
                 raise ClusterError("request refused", {0: [event["reason"]]})
             elif kind == "error":

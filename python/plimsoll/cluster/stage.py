@@ -248,6 +248,19 @@ class Stage:
 
 
 def load_stage(mx, ring, model_dir: Path, plan, request) -> Stage:
+    model, config, templates, params = load_slice(mx, model_dir, plan)
+    eos = config.get("eos_token_id", [])
+    eos = set(eos if isinstance(eos, list) else [eos])
+    stage = Stage(mx, ring, model, plan, eos, request.prefill_chunk, templates,
+                  request.block_tokens)
+    stage.dtype = params[0].dtype if params else mx.float32
+    stage.loaded_bytes = sum(v.nbytes for v in params)
+    return stage
+
+
+def load_slice(mx, model_dir: Path, plan) -> tuple:
+    """The model with only this rank's tensors evaluated (lazy load, foreign layers and
+    parts dropped first): ``(model, config, cache templates per layer, parameters)``."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
@@ -274,10 +287,4 @@ def load_stage(mx, ring, model_dir: Path, plan, request) -> Stage:
             model.lm_head = None
     params = [v for _, v in tree_flatten(model.parameters())]
     mx.eval(params)
-    eos = config.get("eos_token_id", [])
-    eos = set(eos if isinstance(eos, list) else [eos])
-    stage = Stage(mx, ring, model, plan, eos, request.prefill_chunk, templates,
-                  request.block_tokens)
-    stage.dtype = params[0].dtype if params else mx.float32
-    stage.loaded_bytes = sum(v.nbytes for v in params)
-    return stage
+    return model, config, templates, params
