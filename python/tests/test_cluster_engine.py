@@ -187,3 +187,28 @@ def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model):
     assert [t["choices"][0]["text"] for t in two] == one
     assert status["cluster"]["stage"] == "engine" and status["max_num_seqs"] == 2
     assert [r["messages"] for r in status["cluster"]["ranks"]] == ["send/recv"] * 2
+
+
+def test_a_rank_that_runs_out_on_the_engine_tears_down_every_peer(tiny_model):
+    """Rank 1 (a 64 MiB host) spikes 64 MiB at its fourth step: it stops itself (exit 6)
+    before running it, and the ring with it; rank 0 fails the request with the reason."""
+    from test_cluster_ring import gone
+
+    from plimsoll.cluster.exits import ClusterRankFailed
+
+    specs = [RankSpec(ceiling_bytes=c, total_ram_bytes=c, budget_bytes=c)
+             for c in (4 * GIB, GIB // 16)]
+    specs[1].env = {"PLIMSOLL_CLUSTER_FAULT_BYTES": str(64 << 20),
+                    "PLIMSOLL_CLUSTER_FAULT_AT": "3"}
+    c = Cluster(tiny_model, specs, REQUEST, env=worker_env())
+    try:
+        assert c.start(timeout=120).action == "commit"
+        with pytest.raises(ClusterRankFailed) as failed:
+            c.generate_many([[10, 20, 30, 40, 50, 60]], 200, timeout=60)
+    finally:
+        c.close()
+    err = failed.value
+    assert "rank(s) [1]" in str(err)
+    assert any("exited 6 (ran out of its admitted memory)" in line for line in err.reasons[1])
+    assert any("ran out of its admitted memory at step 3" in line for line in err.reasons[1])
+    assert all(gone(pid) for pid in c.pids)
