@@ -9,9 +9,15 @@
 # plain declarations as hosts/*.nix). Every member agrees on the figures because they
 # come from the same declarations.
 #
+# The ranks' MLX distributed backend (settings.cluster.backend: auto, ring, jaccl, nccl)
+# goes on the same command line as `--cluster-backend`, so every member's generated
+# command names it; members that declare different backends are an error (one group runs
+# on one backend).
+#
 #   ranksOf decl members   [ { host; totalRamGb; budgetGb; flag; } ], [] when not a member
+#   backendOf decl         the declared backend (the policy default when unset)
 #   errors decl members    why the ranks cannot be derived (nix-darwin assertion messages)
-#   rankArgs decl members  [ "--cluster-rank" "80:96:80" ... ]
+#   rankArgs decl members  [ "--cluster-backend" "ring" "--cluster-rank" "80:96:80" ... ]
 let
   inherit (builtins) concatLists elem filter hasAttr isAttrs isList map;
   policy = import ./policy.nix;
@@ -38,6 +44,8 @@ let
       flag = "${f budget}:${f (d.totalRamGb or null)}:${f budget}";
     };
 
+  backendOf = decl: (clusterOf decl).backend or policy.defaults.cluster.backend;
+
   isMember = decl: peersOf decl != [ ] && shardedModels decl != [ ];
 
   errors = decl: members:
@@ -46,17 +54,24 @@ let
       missing = filter (h: !(hasAttr h members)) (peersOf decl);
       oneWay = filter (h: hasAttr h members && !(elem (decl.host or null) (peersOf members.${h})))
         (peersOf decl);
+      otherBackend = filter (h: backendOf members.${h} != backendOf decl)
+        (filter (h: hasAttr h members && !(elem h oneWay)) (peersOf decl));
     in
     if !(isMember decl) then [ ]
     else
       map (h: "${who}: cluster peer ${h} has no declaration: add it to services.plimsoll.cluster.members (its totalRamGb and maxLocalLlmGb.clustered size its rank)") missing
-      ++ map (h: "${who}: cluster peer ${h} does not list ${toString decl.host} among its own settings.cluster.peers: declare the link on both hosts") oneWay;
+      ++ map (h: "${who}: cluster peer ${h} does not list ${toString decl.host} among its own settings.cluster.peers: declare the link on both hosts") oneWay
+      ++ map (h: "${who}: cluster peer ${h} declares settings.cluster.backend ${policy.fmt (backendOf members.${h})}, this host ${policy.fmt (backendOf decl)}: one cluster runs on one backend, declare the same on both hosts") otherBackend;
 
   ranksOf = decl: members:
     if !(isMember decl) || errors decl members != [ ] then [ ]
     else [ (rankOf decl) ] ++ map (h: rankOf members.${h}) (peersOf decl);
 in
 {
-  inherit errors ranksOf isMember shardedModels peersOf;
-  rankArgs = decl: members: concatLists (map (r: [ "--cluster-rank" r.flag ]) (ranksOf decl members));
+  inherit errors ranksOf isMember shardedModels peersOf backendOf;
+  rankArgs = decl: members:
+    let ranks = ranksOf decl members; in
+    if ranks == [ ] then [ ]
+    else [ "--cluster-backend" (backendOf decl) ]
+      ++ concatLists (map (r: [ "--cluster-rank" r.flag ]) ranks);
 }

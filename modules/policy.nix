@@ -50,7 +50,7 @@ let
     wire = "weights";
     listen = { host = "127.0.0.1"; port = 8080; };
     ollamaApi = true;  # Ollama's API (/api/*) on the proxy's port
-    cluster = { interface = "bridge0"; peers = [ ]; backend = "ring"; };
+    cluster = { interface = "bridge0"; peers = [ ]; backend = "auto"; };
     # The proxy's memory-pressure tripwire (PSI %, pages/s, seconds).
     pressure = {
       enabled = true;
@@ -90,7 +90,7 @@ let
   darwinLevels = [ "warn" "critical" ];
   wireChoices = [ "footprint" "weights" "none" ];
   kvDtypes = [ "auto" "float16" "bfloat16" "float32" "q8" "q4" ];
-  backends = [ "ring" "jaccl" ];
+  backends = [ "auto" "ring" "jaccl" "nccl" ];
 
   # ---- small helpers (builtins only) -------------------------------------------------
 

@@ -82,8 +82,8 @@ let
   # What each example host's proxy agent is given beyond the policy and the token:
   # studio and studio-b are one cluster serving a sharded model (each host its own rank 0).
   expectedServeTail = {
-    studio = [ "--mode" "standalone" "--cluster-rank" "80:96:80" "--cluster-rank" "52:64:52" ];
-    studio-b = [ "--mode" "standalone" "--cluster-rank" "52:64:52" "--cluster-rank" "80:96:80" ];
+    studio = [ "--mode" "standalone" "--cluster-backend" "ring" "--cluster-rank" "80:96:80" "--cluster-rank" "52:64:52" ];
+    studio-b = [ "--mode" "standalone" "--cluster-backend" "ring" "--cluster-rank" "52:64:52" "--cluster-rank" "80:96:80" ];
     macbook = [ "--mode" "standalone" ];
   };
 
@@ -156,6 +156,14 @@ let
     services.plimsoll.cluster.members = lib.mkForce { studio-b = removeAttrs hosts.studio-b [ "settings" ]; };
   };
   noProxy = evalWith hosts.studio { services.plimsoll.proxy.enable = false; };
+  # Every cluster member declaring another backend (hosts without a cluster stay as they are).
+  withBackend = b: decl:
+    if (decl.settings or { }) ? cluster
+    then decl // { settings = decl.settings // { cluster = decl.settings.cluster // { backend = b; }; }; }
+    else decl;
+  hostsOn = b: lib.mapAttrs (_: withBackend b) hosts;
+  otherBackend = evalWith (withBackend "jaccl" hosts.studio) { };
+  agentLine = cmds: name: lib.last cmds.${name}.jobs."agent:plimsoll-serve";
   hostFromNetworking = evalWith (removeAttrs hosts.macbook [ "host" ]) { networking.hostName = "mbp"; };
 
   eq = name: actual: expected: {
@@ -195,8 +203,15 @@ let
       (eq "cluster peer that does not list this host back: a failed assertion"
         (failedAssertions oneWayPeer)
         [ "services.plimsoll: host studio: cluster peer studio-b does not list studio among its own settings.cluster.peers: declare the link on both hosts" ])
+      (eq "cluster peer declaring another backend: a failed assertion naming both"
+        (failedAssertions otherBackend)
+        [ "services.plimsoll: host studio: cluster peer studio-b declares settings.cluster.backend \"ring\", this host \"jaccl\": one cluster runs on one backend, declare the same on both hosts" ])
+      (ok "two cluster members on nccl: both generated commands carry --cluster-backend nccl before their ranks"
+        (lib.hasSuffix "--cluster-backend nccl --cluster-rank 80:96:80 --cluster-rank 52:64:52" (agentLine backendCommands.nccl "studio")
+          && lib.hasSuffix "--cluster-backend nccl --cluster-rank 52:64:52 --cluster-rank 80:96:80" (agentLine backendCommands.nccl "studio-b")
+          && !(lib.hasInfix "--cluster-backend" (agentLine backendCommands.nccl "macbook"))))
       (ok "cluster member without the watcher: its proxy starts clustered (nothing would switch it)"
-        (lib.hasInfix "--mode clustered --cluster-rank 80:96:80" (lib.last noWatcher.launchd.user.agents.plimsoll-serve.serviceConfig.ProgramArguments)))
+        (lib.hasInfix "--mode clustered --cluster-backend ring --cluster-rank 80:96:80" (lib.last noWatcher.launchd.user.agents.plimsoll-serve.serviceConfig.ProgramArguments)))
       (eq "host defaults to networking.hostName"
         (builtins.fromJSON hostFromNetworking.environment.etc."plimsoll/policy.json".text).host "mbp")
       (eq "clustered budget defaults to the standalone one (macbook)"
@@ -229,7 +244,7 @@ let
       (builtins.fromJSON (builtins.readFile ./expected/studio.json)))
     (eq "README example: the agent's command is the one the README shows"
       (lib.last readmeSystem.launchd.user.agents.plimsoll-serve.serviceConfig.ProgramArguments)
-      "/bin/wait4path /nix/store && exec ${bin} serve --policy /etc/plimsoll/policy.json --admin-token-file /var/db/plimsoll/admin-token --mode standalone --cluster-rank 80:96:80 --cluster-rank 52:64:52")
+      "/bin/wait4path /nix/store && exec ${bin} serve --policy /etc/plimsoll/policy.json --admin-token-file /var/db/plimsoll/admin-token --mode standalone --cluster-backend ring --cluster-rank 80:96:80 --cluster-rank 52:64:52")
     (ok "README example: the README shows the daemon's command as generated"
       (lib.hasInfix (lib.removePrefix "/bin/wait4path /nix/store && exec ${bin} " (lib.last readmeSystem.launchd.daemons.plimsoll-watch-link.serviceConfig.ProgramArguments)) readme))
   ];
@@ -242,8 +257,9 @@ let
       ++ [ "${toString passed} passed, ${toString failed} failed" ]) + "\n";
   # For python/tests/nix/test_darwin_commands.py: every launchd job this module generates, per
   # host, with the files its arguments name (the policy text, the token path).
-  commands = lib.mapAttrs (name: decl:
-    let config = evalHost decl; in {
+  # ``backendCommands.B``: the same, every cluster member declaring backend B.
+  commandsOf = hs: lib.mapAttrs (name: decl:
+    let config = evalWith decl { services.plimsoll.cluster.members = lib.mkForce hs; }; in {
       policy = config.environment.etc."plimsoll/policy.json".text;
       adminTokenFile = config.services.plimsoll.adminTokenFile;
       activation = config.system.activationScripts.extraActivation.text;
@@ -253,8 +269,10 @@ let
           (lib.filterAttrs (n: _: lib.hasPrefix "plimsoll" n) config.launchd.user.agents)
         // lib.mapAttrs' (n: v: lib.nameValuePair "daemon:${n}" v.serviceConfig.ProgramArguments)
           (lib.filterAttrs (n: _: lib.hasPrefix "plimsoll" n) config.launchd.daemons);
-    }) hosts;
+    }) hs;
+  commands = commandsOf hosts;
+  backendCommands = lib.genAttrs [ "auto" "ring" "jaccl" "nccl" ] (b: commandsOf (hostsOn b));
 in
 {
-  inherit passed failed report results commands;
+  inherit passed failed report results commands backendCommands;
 }

@@ -91,7 +91,7 @@ let
         transientReserve = 0.05; tripOffset = 0.05; uMargin = 0.02; blockTokens = 16;
         minContext = 2048; wire = "weights";
         listen = { host = "127.0.0.1"; port = 8080; }; ollamaApi = true;
-        cluster = { interface = "bridge0"; peers = [ ]; backend = "ring"; };
+        cluster = { interface = "bridge0"; peers = [ ]; backend = "auto"; };
         pressure = {
           enabled = true; someAvg10Warn = 10; someAvg10Critical = 25; fullAvg10Critical = 5;
           pageOutsPerS = 256; darwinLevel = "warn"; pollS = 1; clearAfterS = 10;
@@ -164,7 +164,7 @@ let
     (broken "unknown listen key" (withSettings minimal { listen.address = "0.0.0.0"; })
       "host min: settings.listen has unknown key(s) \"address\"")
     (broken "cluster backend not a choice" (withSettings minimal { cluster.backend = "mpi"; })
-      "host min: settings.cluster.backend is \"mpi\", must be one of \"ring\", \"jaccl\"")
+      "host min: settings.cluster.backend is \"mpi\", must be one of \"auto\", \"ring\", \"jaccl\", \"nccl\"")
     (broken "cluster peer with a bad name" (withSettings minimal { cluster.peers = [ { host = "-bad"; address = "10.0.0.2"; } ]; })
       "host min: settings.cluster.peers[0].host is \"-bad\"")
     (broken "cluster peer without an address" (withSettings minimal { cluster.peers = [ { host = "b"; } ]; })

@@ -129,7 +129,8 @@ def secret_file_findings(path: Path, what: str) -> list[Finding]:
 def check_serve(parse_idle_ttls: Callable[..., Any], parse_cluster_ranks: Callable[..., Any], *,
                 policy_file: Path | None = None, admin_token_file: Path | None = None,
                 mode: str = "standalone", idle_ttls: tuple[str, ...] = (),
-                cluster_ranks: tuple[str, ...] = (), **_: Any) -> list[Finding]:
+                cluster_ranks: tuple[str, ...] = (), cluster_backend: str | None = None,
+                **_: Any) -> list[Finding]:
     """What ``plimsoll serve`` with these arguments would meet at start. The command's own
     parsers are passed in (``serve`` imports this module, never the reverse)."""
     from plimsoll.cli.common import UsageFailure
@@ -157,7 +158,30 @@ def check_serve(parse_idle_ttls: Callable[..., Any], parse_cluster_ranks: Callab
     if idle_ttls:
         out.append(ok(f"--idle-ttl {' '.join(idle_ttls)}"))
     out += cluster_findings(pol, mode, ranks)
+    if len(ranks) >= 2:
+        out += backend_findings(pol, cluster_backend, len(ranks))
     return out
+
+
+def backend_setting(flag: str | None) -> str:
+    """Where the cluster backend was set, for a refusal's fix."""
+    return "--cluster-backend" if flag else "the policy's cluster.backend"
+
+
+def backend_findings(pol: Any, flag: str | None, world: int) -> list[Finding]:
+    """The ranks' MLX backend as ``plimsoll serve`` would resolve it: a named backend MLX
+    does not report available here fails, with what to change."""
+    from plimsoll.cluster.backend import choose, read_availability, world_refusal
+
+    wanted = flag or (pol.cluster.backend if pol is not None else "auto")
+    setting = backend_setting(flag)
+    available = read_availability()
+    choice = choose(wanted, available, setting=setting, local=True)
+    if choice.backend is None:
+        return [fail(choice.reason)]
+    if why := world_refusal(choice.backend, world):
+        return [fail(f"{setting} {wanted!r}: {why}")]
+    return [ok(f"cluster backend {choice.backend} ({choice.reason}; {available.summary()})")]
 
 
 def model_dir_finding(name: str, path: str) -> Finding:

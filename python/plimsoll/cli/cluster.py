@@ -1,8 +1,10 @@
 """``plimsoll cluster``: plan a clustered load per rank, serve one, or run one and generate.
 
 ``plan`` is pure (no process starts); ``serve`` and ``generate`` start every rank on this
-host (ring backend on 127.0.0.1) through :class:`plimsoll.cluster.runner.Cluster`.
-mlx is never imported here (the rank processes import it).
+host (on 127.0.0.1) through :class:`plimsoll.cluster.runner.Cluster`, on the backend
+``--backend`` names (``auto``: what MLX reports available here, ring last; a named one MLX
+does not offer here is refused with what to change). mlx is never imported here (the rank
+processes import it; availability is read in a child process).
 """
 
 from __future__ import annotations
@@ -46,15 +48,38 @@ def _request_options(f):
                 click.option("--transient-reserve", type=click.FloatRange(0, 1), default=0.05,
                              show_default=True, help="Fraction of each rank's budget."),
                 click.option("--min-context", type=click.IntRange(min=1), default=1024,
-                             show_default=True)):
+                             show_default=True),
+                click.option("--stage", type=click.Choice(["loop", "engine"]), default="loop",
+                             show_default=True,
+                             help="How each rank runs its layers: one slot per sequence "
+                                  "(loop), or the worker's engine (paged KV, batched decodes, "
+                                  "prefix sharing)."),
+                click.option("--backend", type=click.Choice(["auto", "ring", "jaccl", "nccl"]),
+                             default="auto", show_default=True,
+                             help="MLX distributed backend of the ranks (auto: what MLX "
+                                  "reports available here; ring last).")):
         f = opt(f)
     return f
 
 
-def _request(**kw):
+def resolve_backend(wanted: str, *, local: bool, setting: str = "--backend") -> str:
+    """The backend to run on; a usage error (with what to change) when there is none.
+
+    ``local``: every rank runs on this host, and a named backend must be available here."""
+    from plimsoll.cluster.backend import choose, read_availability
+
+    if not local and wanted != "auto":
+        return wanted  # a plan may price a backend this host does not have
+    choice = choose(wanted, read_availability(), setting=setting, local=local)
+    if choice.backend is None:
+        raise UsageFailure(choice.reason)
+    return choice.backend
+
+
+def _request(*, local: bool, backend: str, **kw):
     from plimsoll.cluster.plan import ClusterRequest
 
-    return ClusterRequest(**kw)
+    return ClusterRequest(backend=resolve_backend(backend, local=local), **kw)
 
 
 def _exit_for(err: Exception) -> SystemExit:
@@ -85,7 +110,7 @@ def plan_command(model, rank_figures, as_json, **request_kw) -> None:
     from plimsoll.cluster.weights import read_config, tensor_bytes
     from plimsoll.core.model_facts import ModelInspectionError, inspect_model
 
-    request = _request(**request_kw)
+    request = _request(local=False, **request_kw)
     probes = [cp.RankProbe(rank=r, ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b,
                            source="command line")
               for r, (c, t, b) in enumerate(map(_parse_rank, rank_figures))]
@@ -105,7 +130,8 @@ def plan_command(model, rank_figures, as_json, **request_kw) -> None:
         for a in answers:
             d = a.decision
             click.echo(f"rank {a.rank}: layers {a.plan.layer_start}..{a.plan.layer_end - 1}, "
-                       f"weights {a.plan.weights_bytes} B, comm {a.plan.comm_bytes} B, "
+                       f"weights {a.plan.weights_bytes} B, comm {a.plan.comm_bytes} B + "
+                       f"{request.backend} {a.plan.transport_bytes} B, "
                        f"KV {a.plan.kv_bytes_per_token} B/token, pool {d.pool_blocks} blocks, "
                        f"footprint {d.footprint_bytes} B, u {d.gpu_memory_utilization:.3f}: "
                        f"{d.decision}")
@@ -124,7 +150,7 @@ def plan_command(model, rank_figures, as_json, **request_kw) -> None:
 @click.option("--timeout", type=click.FloatRange(min=1), default=120.0, show_default=True,
               help="Seconds to wait for the load, and again for the answer.")
 def generate_command(model, rank_figures, prompt, n_tokens, timeout, **request_kw) -> None:
-    """Start every rank on 127.0.0.1 (ring backend), admit two-phase, generate, shut down.
+    """Start every rank on 127.0.0.1, admit two-phase, generate, shut down.
 
     Exit status: 0 done, 3 refused (rolled back on every rank), 4 a rank failed (every
     rank torn down), 2 bad input. Prints one JSON object.
@@ -139,7 +165,7 @@ def generate_command(model, rank_figures, prompt, n_tokens, timeout, **request_k
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     ids = tok.encode(prompt).ids
     try:
-        with Cluster(model, specs, _request(**request_kw)) as cluster:
+        with Cluster(model, specs, _request(local=True, **request_kw)) as cluster:
             decision = cluster.start(timeout=timeout)
             out = cluster.generate(ids, n_tokens, timeout=timeout)
             ready = cluster.ready
@@ -192,7 +218,7 @@ def serve_command(model, rank_figures, host, port, model_name, default_max_token
 
     specs = [RankSpec(ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b)
              for c, t, b in map(_parse_rank, rank_figures)]
-    request = _request(**request_kw)
+    request = _request(local=True, **request_kw)
     name = model_name or model.name
     cluster = Cluster(model, specs, request, env=worker_env(), serve=ServeSpec(
         port=port, host=host, model_name=name, default_max_tokens=default_max_tokens,

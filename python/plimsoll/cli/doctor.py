@@ -3,8 +3,8 @@
 The judgement is :func:`plimsoll.reliability.doctor.diagnose` (pure); this module only gathers its
 inputs: the snapshot, the policy (or the default sized from this machine), one
 admission per registered model (alone against the envelope), the MLX this interpreter
-would give a worker (Metal or not, read in a child process) and, with ``--proxy``, the
-proxy's ``GET /running``.
+would give a worker (Metal or not, and its distributed backends, each read in a child
+process) and, with ``--proxy``, the proxy's ``GET /running``.
 """
 
 from __future__ import annotations
@@ -134,8 +134,10 @@ def doctor_command(policy_file, mode, proxy_url, as_json) -> None:
     else:
         source = str(policy_file)
     proxy = ask_proxy(proxy_url) if proxy_url else None
+    from plimsoll.cluster.backend import read_availability
+
     lines = diagnose(snapshot, pol, mode, check_models(pol, mode, snapshot), proxy, source,
-                     read_mlx())
+                     read_mlx(), read_availability())
     status = exit_status(lines)
     if as_json:
         click.echo(json.dumps({"ok": status == 0, "exit_status": status,

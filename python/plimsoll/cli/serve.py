@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from plimsoll.cli.check import check_serve, with_check
+from plimsoll.cli.check import backend_setting, check_serve, with_check
 from plimsoll.cli.common import UsageFailure
 
 
@@ -54,6 +54,10 @@ from plimsoll.cli.common import UsageFailure
               metavar="CEILING_GIB[:TOTAL_GIB[:BUDGET_GIB]]",
               help="One per rank, rank 0 first: in clustered mode, models marked sharded run "
                    "split across these ranks on this host (`plimsoll cluster serve`).")
+@click.option("--cluster-backend", type=click.Choice(["auto", "ring", "jaccl", "nccl"]),
+              help="MLX distributed backend of those ranks (default: the policy's "
+                   "cluster.backend; auto: what MLX reports available here, ring last). "
+                   "A named backend MLX does not offer here is refused at start.")
 @click.option("--model", "model_spec", metavar="DIR|ORG/NAME",
               help="Serve this model: a local directory, or a Hugging Face repository id "
                    "resolved from the local cache (HF_HUB_CACHE / HF_HOME; never downloaded). "
@@ -73,7 +77,8 @@ from plimsoll.cli.common import UsageFailure
               "/api/tags, ...) on this port (policy: ollamaApi false).")
 def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_waiting,
                   swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks,
-                  model_spec, context, concurrency, max_tokens, quiet, no_ollama_api) -> None:
+                  cluster_backend, model_spec, context, concurrency, max_tokens,
+                  quiet, no_ollama_api) -> None:
     """Serve every model of the policy behind one OpenAI-compatible endpoint.
 
     Workers start on demand through load-time admission with live inputs; a swap stops
@@ -97,10 +102,16 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     except (OSError, ValueError) as err:
         raise UsageFailure(f"admin token: {err}") from None
     default_ttl, per_model = parse_idle_ttls(idle_ttls, set(pol.models))
+    backend = "ring"
+    if ranks:  # the ranks' backend, resolved once: a named one unavailable here is refused
+        from plimsoll.cli.cluster import resolve_backend
+
+        backend = resolve_backend(cluster_backend or pol.cluster.backend, local=True,
+                                  setting=backend_setting(cluster_backend))
     settings = Settings(max_waiting=max_waiting, swap_hold_s=swap_hold, drain_s=drain_timeout,
                         release_timeout_s=release_timeout, default_idle_ttl_s=default_ttl,
-                        idle_ttl_s=per_model, cluster_ranks=ranks, quiet=quiet,
-                        ollama_api=not no_ollama_api)
+                        idle_ttl_s=per_model, cluster_ranks=ranks, cluster_backend=backend,
+                        quiet=quiet, ollama_api=not no_ollama_api)
     from plimsoll.web.access_log import set_quiet
     from plimsoll.web.edge import Edge
     from plimsoll.web.graceful import Drain, serve

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from plimsoll.cluster.plan import ClusterDecision
 
 EXIT_OK, EXIT_INIT, EXIT_ROLLBACK, EXIT_PEER, EXIT_OTHER, EXIT_RAN_OUT = 0, 2, 3, 4, 5, 6
-EXIT_NAMES = {EXIT_OK: "shut down", EXIT_INIT: "could not join the ring",
+EXIT_NAMES = {EXIT_OK: "shut down", EXIT_INIT: "could not join the group",
               EXIT_ROLLBACK: "rolled back", EXIT_PEER: "lost a peer", EXIT_OTHER: "failed",
               EXIT_RAN_OUT: "ran out of its admitted memory"}
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from plimsoll.cluster import plan as cp
+from plimsoll.cluster.backend import Backend
 from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.core.policy import ModelEntry, Policy
@@ -52,15 +53,18 @@ def parse_rank_figures(text: str) -> RankFigures:
     return int(ceiling * GIB), int(total * GIB), int(budget * GIB)
 
 
-def sharded_request(entry: ModelEntry, policy: Policy) -> cp.ClusterRequest:
+def sharded_request(entry: ModelEntry, policy: Policy, backend: Backend = "ring"
+                    ) -> cp.ClusterRequest:
+    """What every rank is asked: the entry's sizes, the policy's blocks and reserve, and the
+    backend (resolved already: :func:`plimsoll.cluster.backend.choose`)."""
     return cp.ClusterRequest(
         concurrency=entry.concurrency, context=entry.context, max_tokens=entry.max_tokens,
         block_tokens=policy.block_tokens, transient_reserve=policy.transient_reserve,
-        min_context=policy.min_context)
+        min_context=policy.min_context, backend=backend)
 
 
 def admit_sharded(model_dir: Path, entry: ModelEntry, policy: Policy,
-                  ranks: tuple[RankFigures, ...]
+                  ranks: tuple[RankFigures, ...], backend: Backend = "ring"
                   ) -> tuple[ModelFacts, AdmissionDecision, cp.ClusterDecision]:
     """Every rank's plan and preflight (pure, from the header bytes), and the decision.
 
@@ -70,7 +74,7 @@ def admit_sharded(model_dir: Path, entry: ModelEntry, policy: Policy,
     """
     from plimsoll.cluster.weights import read_config, tensor_bytes
 
-    request = sharded_request(entry, policy)
+    request = sharded_request(entry, policy, backend)
     probes = [cp.RankProbe(rank=r, ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b,
                            source="plimsoll serve --cluster-rank")
               for r, (c, t, b) in enumerate(ranks)]
@@ -104,7 +108,7 @@ def cluster_serve_argv(cfg: WorkerConfig, ranks: tuple[RankFigures, ...],
             "--concurrency", str(request.concurrency), "--context", str(request.context),
             "--max-tokens", str(request.max_tokens), "--block-tokens", str(request.block_tokens),
             "--transient-reserve", repr(request.transient_reserve),
-            "--min-context", str(request.min_context),
+            "--min-context", str(request.min_context), "--backend", request.backend,
             "--default-max-tokens", str(cfg.default_max_tokens),
             "--max-queue", str(cfg.max_queue), "--max-wait", repr(cfg.max_wait_s)]
     for c, t, b in ranks:

@@ -14,7 +14,11 @@ The shape of the protocol (DESIGN.md invariant 5):
    of the embedding matrix that it uses as the head). Each rank's weights share is the sum
    of *its* tensors' bytes from the headers — never ``weights ÷ ranks``. Each rank's KV per
    token counts only the full-attention layers it runs; its per-sequence fixed bytes only
-   its sliding/linear layers. Ranks that talk to a peer also hold communication buffers.
+   its sliding/linear layers. Ranks that talk to a peer also hold communication buffers:
+   the activation messages (one in and one out per link, at the prefill chunk) and the
+   backend's own buffers (:func:`plimsoll.cluster.backend.transport_bytes`: ring, jaccl
+   from MLX's sources, nccl a conservative reserve from NCCL's defaults), all counted as
+   resident for the life of the load.
 2. **Preflight and reserve.** Each rank runs the single-host :func:`~plimsoll.core.admission.admit`
    on its own figures and its own share (:func:`preflight`) and, if admitted, reserves
    (the rank process sets its allocation limit); it answers admit/refuse with its figures.
@@ -32,6 +36,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from plimsoll.cluster.backend import Backend, transport_bytes
 from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
 from plimsoll.core.cache_layout import CAPPED_KINDS, GROWING_KINDS, lookup
 from plimsoll.core.model_facts import DTYPE_BYTES, ModelFacts
@@ -81,6 +86,13 @@ class ClusterRequest(BaseModel):
     transient_reserve: float = Field(default=0.05, ge=0, le=1)
     min_context: int = Field(default=1024, gt=0)
     prefill_chunk: int = Field(default=512, gt=0, description="Tokens per pipeline message.")
+    stage: Literal["loop", "engine"] = Field(
+        default="loop", description="How a rank runs its layers: its own per-layer loop, one "
+        "slot per sequence (:mod:`plimsoll.cluster.stage`), or the worker's engine "
+        "(:mod:`plimsoll.cluster.engine_stage`: paged pools, batching, prefix sharing).")
+    backend: Backend = Field(default="ring", description="The MLX distributed backend every "
+                             "rank runs on (chosen before the ranks start: "
+                             ":func:`plimsoll.cluster.backend.choose`).")
 
 
 class RankPlan(BaseModel):
@@ -95,6 +107,8 @@ class RankPlan(BaseModel):
     holds_head: bool
     weights_bytes: int
     comm_bytes: int
+    transport_bytes: int = Field(default=0, description="The backend's own buffers on this "
+                                 "rank (:func:`plimsoll.cluster.backend.transport_bytes`).")
     kv_bytes_per_token: int
     per_sequence_fixed_bytes: int
 
@@ -125,6 +139,8 @@ class ClusterDecision(BaseModel):
     action: Literal["commit", "rollback"]
     concurrency: int = 0
     context: int = 0
+    pool_blocks: int = Field(default=0, description="Blocks every rank's pool holds: the "
+                             "smallest admitted (a sequence holds its blocks on every rank).")
     reasons: dict[int, list[str]]
     refusing_ranks: list[int]
 
@@ -239,6 +255,7 @@ def plan_cluster(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
     # One activation message in and one out per peer link, at the prefill chunk size.
     message = hidden * request.prefill_chunk * act
     last = len(probes) - 1
+    transport = transport_bytes(request.backend, len(probes)).bytes
     plans = []
     for r, (a, b) in enumerate(ranges(split)):
         per_token, fixed = costs(a, b)
@@ -246,6 +263,7 @@ def plan_cluster(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
         plans.append(RankPlan(
             rank=r, layer_start=a, layer_end=b, holds_embeddings=r == 0, holds_head=r == last,
             weights_bytes=shares[r], comm_bytes=links * message if last else 0,
+            transport_bytes=transport,
             kv_bytes_per_token=per_token, per_sequence_fixed_bytes=fixed))
     return plans
 
@@ -266,7 +284,7 @@ def preflight(plan: RankPlan, probe: RankProbe, facts: ModelFacts,
     req = AdmissionRequest(
         ceiling_bytes=probe.ceiling_bytes, total_ram_bytes=probe.total_ram_bytes,
         budget_bytes=probe.budget_bytes, resident_bytes=probe.measured_extra_bytes,
-        weights_bytes=plan.weights_bytes + plan.comm_bytes,
+        weights_bytes=plan.weights_bytes + plan.comm_bytes + plan.transport_bytes,
         kv_bytes_per_token=max(plan.kv_bytes_per_token, 1),
         per_sequence_fixed_bytes=plan.per_sequence_fixed_bytes,
         native_max_context=facts.native_max_context,
@@ -275,7 +293,8 @@ def preflight(plan: RankPlan, probe: RankProbe, facts: ModelFacts,
         max_tokens=request.max_tokens, min_context=request.min_context)
     decision = admit(req)
     head = (f"layers {plan.layer_start}..{plan.layer_end - 1}, weights share "
-            f"{plan.weights_bytes} B + comm {plan.comm_bytes} B, ceiling "
+            f"{plan.weights_bytes} B + comm {plan.comm_bytes} B + {request.backend} "
+            f"buffers {plan.transport_bytes} B, ceiling "
             f"{probe.ceiling_bytes} B" + (f" ({probe.source})" if probe.source else ""))
     return Preflight(rank=plan.rank, admitted=decision.admitted, reasons=[head, *decision.reasons],
                      plan=plan, decision=decision)
@@ -305,7 +324,28 @@ def decide(answers: list[Preflight], world_size: int) -> ClusterDecision:
     decisions = [by_rank[r].decision for r in range(world_size)]
     return ClusterDecision(action="commit", reasons=reasons, refusing_ranks=[],
                            concurrency=min(d.concurrency for d in decisions),
-                           context=min(d.context for d in decisions))
+                           context=min(d.context for d in decisions),
+                           pool_blocks=min(d.pool_blocks for d in decisions))
+
+
+def stage_facts(facts: ModelFacts, start: int, end: int, weights_bytes: int) -> ModelFacts:
+    """The facts of layers ``[start, end)`` alone, renumbered from 0 (what a rank's engine
+    serves: its caches, its KV per token and per-sequence fixed bytes, its weights share)."""
+    if not facts.caches:
+        raise ClusterPlanError(f"{facts.model_type}: no per-layer cache layout to split")
+    caches = tuple(c.model_copy(update={"layers": mine}) for c in facts.caches
+                   if (mine := tuple(i - start for i in c.layers if start <= i < end)))
+    growing = {i for c in caches if c.kind in GROWING_KINDS for i in c.layers}
+    capped = {i for c in caches if c.kind in CAPPED_KINDS for i in c.layers}
+    fixed = sum(len(c.layers) * (c.bytes_per_token * (c.max_tokens or 0)
+                                 if c.kind in CAPPED_KINDS else 0)
+                + len(c.layers) * c.state_bytes for c in caches)
+    return ModelFacts.model_validate(facts.model_dump() | {
+        "num_layers": end - start, "kv_layers": len(growing),
+        "sliding_layers": len(capped - growing), "weights_bytes": weights_bytes,
+        "kv_bytes_per_token": sum(len(c.layers) * c.bytes_per_token for c in caches
+                                  if c.kind in GROWING_KINDS),
+        "per_sequence_fixed_bytes": fixed, "caches": [c.model_dump() for c in caches]})
 
 
 def cache_limit_mib(transient_reserve_bytes: int) -> int:

@@ -1,9 +1,13 @@
-"""One rank of a clustered load: the process that joins the ring, admits two-phase, serves.
+"""One rank of a clustered load: the process that joins the group, admits two-phase, serves.
 
 Started once per host, by :mod:`plimsoll.cluster.runner` (or by ``mlx.launch --backend
-ring``, which sets the same ``MLX_RANK``/``MLX_HOSTFILE`` environment). Every rank:
+B``, which sets the same environment: :func:`plimsoll.cluster.backend.launches`). Every rank:
 
-1. joins the ring (``mx.distributed.init(backend="ring", strict=True)``);
+1. joins the group on the request's backend (``mx.distributed.init(backend=B,
+   strict=True)``); under ``mlx.launch`` with no backend in ``--request``, the one its
+   environment was set up for (:func:`plimsoll.cluster.backend.backend_from_env`). A
+   backend MLX does not report available here, or one that cannot run this many ranks,
+   ends the rank with exit 2 and a reason that says what to change;
 2. reads its *own* memory figures (command-line overrides, else its own probe) and
    all-gathers them, so every rank computes the same pure plan
    (:func:`plimsoll.cluster.plan.plan_cluster`);
@@ -19,6 +23,10 @@ ring``, which sets the same ``MLX_RANK``/``MLX_HOSTFILE`` environment). Every ra
    activations rank → rank + 1, and the last rank's token is all-summed back to every rank.
    Rank 0 takes its requests from HTTP (``--serve-port``: the worker's own API, through
    :mod:`plimsoll.cluster.serve`) or, without it, one JSON request per line on stdin.
+   With ``stage: "engine"`` in the request, every rank runs its layers on the worker's
+   engine instead (:mod:`plimsoll.cluster.engine_stage`: paged pools of the decision's
+   common block count, batched decodes, chunked prefills), and rank 0's scheduler is the
+   worker's own with a sharing pool, making every engine call on every rank in turn.
 
 Events are JSON lines on stdout (``{"event": ...}``); the supervisor reads them. A lost
 peer (mlx raises ``[ring] connection to a peer was lost``) ends the rank with exit 4 and a
@@ -31,8 +39,9 @@ ends the rank with exit 6, which ends the ring for every peer. Each slot's KV is
 to its reservation (``prompt + max_tokens``, whole blocks: :class:`plimsoll.cluster.slots.SlotKV`),
 so it never grows past what rank 0's pool admitted.
 
-Exit codes: 0 shutdown, 2 cannot join the ring, 3 rolled back, 4 peer lost, 5 other error,
-6 ran out of its admitted memory.
+Exit codes: 0 shutdown, 2 cannot join the group, 3 rolled back, 4 peer lost, 5 other error,
+6 ran out of its admitted memory. (The group is called "the ring" below whatever its
+backend: the protocol only ever talks to a neighbour.)
 """
 
 from __future__ import annotations
@@ -123,6 +132,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                    "mlx.launch needs, with each rank's own figures")
     p.add_argument("--policy", type=Path, help="This host's policy (clustered budget).")
     p.add_argument("--request", default="{}", help="ClusterRequest as JSON (same on every rank)")
+    p.add_argument("--backend", choices=["ring", "jaccl", "nccl"],
+                   help="Overrides the request's backend (default: the request's, else the "
+                        "one this process's environment was launched for, else ring).")
     for flag in ("--concurrency", "--context", "--max-tokens", "--block-tokens"):
         p.add_argument(flag, type=int, help="Overrides the same field of --request.")
     s = p.add_argument_group("HTTP on rank 0 (the worker API); without --serve-port, stdin")
@@ -137,13 +149,37 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _request(args):
+    from plimsoll.cluster.backend import backend_from_env
     from plimsoll.cluster.plan import ClusterRequest
 
     base = json.loads(args.request)
-    for name in ("concurrency", "context", "max_tokens", "block_tokens"):
+    for name in ("concurrency", "context", "max_tokens", "block_tokens", "backend"):
         if getattr(args, name) is not None:
             base[name] = getattr(args, name)
+    if "backend" not in base:
+        base["backend"] = backend_from_env(os.environ) or "ring"
     return ClusterRequest.model_validate(base)
+
+
+def _join(mx, request):
+    """The group on the request's backend (a singleton when no launcher set one up);
+    raises ValueError with what to change when it cannot run here."""
+    from plimsoll.cluster.backend import availability_of, backend_from_env, choose, world_refusal
+
+    launched = backend_from_env(os.environ)
+    if launched is None:
+        return mx.distributed.init()  # one rank: no group to join
+    backend = request.backend
+    if launched != backend:
+        raise ValueError(f"the request's backend is {backend!r} but this process was launched "
+                         f"for {launched!r}: give both the same (--backend)")
+    choice = choose(backend, availability_of(mx), setting="the cluster backend")
+    if choice.backend is None:
+        raise ValueError(choice.reason)
+    group = mx.distributed.init(backend=backend, strict=True)
+    if why := world_refusal(backend, group.size()):
+        raise ValueError(why)
+    return group
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,17 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     from plimsoll.core.model_facts import inspect_model
 
     try:
-        if os.environ.get("MLX_HOSTFILE"):
-            group = mx.distributed.init(backend="ring", strict=True)
-        else:
-            group = mx.distributed.init()
+        request = _request(args)
+        group = _join(mx, request)
     except Exception as e:
         emit("error", rank=int(os.environ.get("MLX_RANK", 0)), phase="init",
-             reason=f"cannot join the ring: {e}")
+             reason=f"cannot join the group: {e}")
         return EXIT_INIT
-    ring = Ring(mx, group)
+    ring = Ring(mx, group, request.backend)
     try:
-        request = _request(args)
         probe = _own_probe(args, ring.rank)
         probes = [cp.RankProbe.model_validate(x) for x in ring.all_gather_json(probe.model_dump())]
         config, facts = read_config(args.model), inspect_model(args.model)
@@ -188,32 +221,70 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_ROLLBACK
         # the MLX buffer cache is capped too (invariant 4): half the transient reserve
         mx.set_cache_limit(cp.cache_limit_mib(answer.decision.transient_reserve_bytes) << 20)
-        stage = load_stage(mx, ring, args.model, plans[ring.rank], request)
-        stage.limit_bytes = answer.decision.allocation_limit_bytes
+        plan, limit = plans[ring.rank], answer.decision.allocation_limit_bytes
+        if request.stage == "engine":
+            engine, check, loaded_bytes = _engine_rank(mx, ring, args.model, plan, request,
+                                                       decision, facts, limit)
+        else:
+            stage = load_stage(mx, ring, args.model, plan, request)
+            stage.limit_bytes, loaded_bytes = limit, stage.loaded_bytes
         mine = {"rank": ring.rank, "pid": os.getpid(), "host": probe.host,
-                "loaded_bytes": stage.loaded_bytes,
-                "planned_weights_bytes": plans[ring.rank].weights_bytes,
+                "loaded_bytes": loaded_bytes,
+                "planned_weights_bytes": plan.weights_bytes,
                 "active_memory_bytes": mx.get_active_memory(),
                 "memory_limit_applied_bytes": mx.get_memory_limit(),
-                "layers": [plans[ring.rank].layer_start, plans[ring.rank].layer_end]}
+                "layers": [plan.layer_start, plan.layer_end],
+                "backend": ring.backend, "stage": request.stage,
+                "messages": "all-sum" if ring.collective else "send/recv"}
         loaded = ring.all_gather_json(mine)  # also the barrier: every rank loaded
         emit("ready", **mine, concurrency=decision.concurrency, context=decision.context)
         from plimsoll.cluster import protocol
+        from plimsoll.cluster.serve import ClusterFacts, serve_http
 
+        def cluster_facts(tokenizer) -> ClusterFacts:
+            return ClusterFacts(model_dir=args.model, request=request, decision=decision,
+                                answers=answers, loaded=loaded, facts=facts, tokenizer=tokenizer)
+
+        if request.stage == "engine":
+            from plimsoll.cluster import engine_stage
+
+            if ring.rank != 0:
+                return engine_stage.follow(ring, engine, check)
+            leader = engine_stage.StageEngine(ring, engine, facts, check)
+            if args.serve_port is None:
+                from plimsoll.cluster.engine_serve import serve_stdin
+
+                return serve_stdin(leader, cluster_facts(engine.tokenizer))
+            return serve_http(leader, cluster_facts(engine.tokenizer), args, engine=leader)
         if ring.rank != 0:
             return protocol.follow(ring, stage)
         leader = protocol.Leader(ring, stage)
         if args.serve_port is None:
             return protocol.serve_stdin(leader, decision.context)
-        from plimsoll.cluster.serve import ClusterFacts, serve_http
-
-        return serve_http(leader, ClusterFacts(
-            model_dir=args.model, request=request, decision=decision, answers=answers,
-            loaded=loaded, facts=facts, tokenizer=_load_tokenizer(args.model, config)), args)
+        return serve_http(leader, cluster_facts(_load_tokenizer(args.model, config)), args)
     except Exception as e:
         failure = as_failure(ring.rank, e)
         emit("error", rank=ring.rank, phase="run", reason=failure.reason)
         return failure.code
+
+
+def _engine_rank(mx, ring, model_dir: Path, plan, request, decision, facts, limit: int):
+    """This rank's layers on the worker's engine: ``(engine, memory check, loaded bytes)``.
+    Every rank's pool holds the decision's common number of blocks (the same block ids)."""
+    from plimsoll.cluster import engine_stage
+    from plimsoll.cluster.plan import stage_facts
+    from plimsoll.cluster.stage import load_slice
+
+    model, config, templates, params = load_slice(mx, model_dir, plan)
+    stage = engine_stage.StageModel(mx, ring, model, plan, templates)
+    engine = engine_stage.build_engine(
+        mx, ring, stage, stage_facts(facts, plan.layer_start, plan.layer_end,
+                                     plan.weights_bytes),
+        _load_tokenizer(model_dir, config) if ring.rank == 0 else None,
+        block_tokens=request.block_tokens, max_blocks=decision.pool_blocks,
+        context=decision.context)
+    return (engine, engine_stage.MemoryCheck(mx, ring.rank, limit),
+            sum(v.nbytes for v in params))
 
 
 def _load_tokenizer(model_dir: Path, config: dict):

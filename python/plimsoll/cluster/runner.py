@@ -1,8 +1,12 @@
 """The supervisor of a clustered load: starts the rank processes, speaks the protocol, tears down.
 
-It does what ``mlx.launch --backend ring`` does for one host (writes the ring hostfile
-JSON, starts one process per rank with ``MLX_RANK`` and ``MLX_HOSTFILE``) and what it does
-not: ``mlx.launch`` exits 0 even when ranks fail, so this class watches every rank itself.
+It does what ``mlx.launch --backend B`` does for one host (each rank's environment for the
+request's backend, :func:`plimsoll.cluster.backend.launches`: for ring the hostfile JSON in
+``MLX_HOSTFILE`` and ``MLX_RANK``; for nccl rank 0's address in ``NCCL_HOST_IP``/``NCCL_PORT``
+and ``MLX_WORLD_SIZE``; for jaccl the coordinator and the RDMA devices file) and what it
+does not: ``mlx.launch`` exits 0 even when ranks fail, so this class watches every rank
+itself. Every rank's environment carries its own backend's variables only (any the
+supervisor inherited are dropped).
 
 - :meth:`Cluster.start` waits (bounded) for every rank's preflight answer and the common
   decision. A rollback raises :class:`ClusterRefused` with every rank's reasons, after
@@ -44,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from plimsoll.cluster.backend import BACKEND_ENV, launches, ring_hostfile
 from plimsoll.cluster.exits import (
     EXIT_NAMES,
     EXIT_PEER,
@@ -91,9 +96,8 @@ class Generation:
     tokens_per_s: float | None
 
 
-def ring_hostfile(ips_ports: list[tuple[str, int]]) -> str:
-    """The ring backend's hostfile JSON: one list of ``ip:port`` per rank (as mlx.launch)."""
-    return json.dumps([[f"{ip}:{port}"] for ip, port in ips_ports])
+__all__ = ["Cluster", "ClusterError", "ClusterRankFailed", "ClusterRefused", "RankSpec",
+           "ServeSpec", "ring_hostfile"]
 
 
 class Cluster:
@@ -103,7 +107,8 @@ class Cluster:
                  request: ClusterRequest | None = None, *, python: str = sys.executable,
                  env: dict[str, str] | None = None, workdir: str | Path | None = None,
                  serve: ServeSpec | None = None, guard: bool = False,
-                 cgroup_parent: Path | None = None):
+                 cgroup_parent: Path | None = None,
+                 rdma_devices: list[list[str | None]] | None = None):
         if not ranks:
             raise ValueError("a cluster needs at least one rank")
         self.model_dir = Path(model_dir)
@@ -123,6 +128,7 @@ class Cluster:
         self.guard, self.cgroup_parent = guard, cgroup_parent
         self.guards: list = []  # plimsoll.guard.process.WorkerGuard per rank (when made)
         self.guard_note = ""
+        self.rdma_devices = rdma_devices  # jaccl: the device linking each pair of ranks
 
     # ------------------------------------------------------------ processes
 
@@ -201,15 +207,17 @@ class Cluster:
     def _spawn(self) -> None:
         if self.guard:
             self._make_guards()
-        hostfile = self.workdir / "hostfile.json"
-        if len(self.ranks) > 1:
-            hostfile.write_text(ring_hostfile([(s.ip, free_port(s.ip)) for s in self.ranks]))
-        for rank, spec in enumerate(self.ranks):
-            env = self.env | spec.env | {"MLX_RANK": str(rank)}
-            if len(self.ranks) > 1:
-                env["MLX_HOSTFILE"] = str(hostfile)
-            else:
-                env.pop("MLX_HOSTFILE", None)
+        inherited = {name for names in BACKEND_ENV.values() for name in names} | {"MLX_RANK"}
+        visible = [d for d in self.env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+        plans = launches(self.request.backend, [(s.ip, free_port(s.ip)) for s in self.ranks],
+                         rdma_devices=self.rdma_devices, visible_devices=visible)
+        for rank, (spec, launch) in enumerate(zip(self.ranks, plans, strict=True)):
+            env = {k: v for k, v in self.env.items() if k not in inherited}
+            env |= launch.env | spec.env
+            for name, content in launch.files.items():
+                path = self.workdir / f"{name.lower()}.json"
+                path.write_text(content)
+                env[name] = str(path)
             log = (self.workdir / f"rank{rank}.log").open("wb")
             stdin = subprocess.PIPE if rank == 0 and self.serve is None else subprocess.DEVNULL
             argv = self._argv(rank, spec)
@@ -333,13 +341,27 @@ class Cluster:
     def generate(self, prompt: list[int], max_tokens: int, *, timeout: float = 60.0,
                  on_token: Callable[[int], None] | None = None) -> Generation:
         """Greedy tokens for ``prompt`` from the whole cluster (one request at a time)."""
+        done = self._ask({"op": "generate", "prompt": prompt, "max_tokens": max_tokens},
+                         timeout, on_token)
+        return Generation(done["tokens"], done["seconds"], done["tokens_per_s"])
+
+    def generate_many(self, prompts: list[list[int]], max_tokens: int, *,
+                      timeout: float = 60.0, ignore_eos: bool = False) -> dict:
+        """Greedy tokens for every prompt, submitted at once (the ranks run their layers on
+        the engine: ``ClusterRequest(stage="engine")``, so they run concurrently): rank 0's
+        ``done`` event (``outputs``: each prompt's tokens; ``most_rows``)."""
+        return self._ask({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
+                          "ignore_eos": ignore_eos}, timeout, None)
+
+    def _ask(self, request: dict, timeout: float,
+             on_token: Callable[[int], None] | None) -> dict:
+        """One request to rank 0's stdin; its ``done`` event."""
         if self.decision is None or self.decision.action != "commit":
             raise RuntimeError("start() the cluster first")
         self._check_alive()
         stdin = self.procs[0].stdin
         try:
-            stdin.write(json.dumps({"op": "generate", "prompt": prompt,
-                                    "max_tokens": max_tokens}) + "\n")
+            stdin.write(json.dumps(request) + "\n")
             stdin.flush()
         except (BrokenPipeError, OSError):
             self._check_alive()
@@ -359,7 +381,7 @@ class Cluster:
             if kind == "token" and on_token is not None:
                 on_token(int(event["id"]))
             elif kind == "done":
-                return Generation(event["tokens"], event["seconds"], event["tokens_per_s"])
+                return event
             elif kind == "refused":
                 raise ClusterError("request refused", {0: [event["reason"]]})
             elif kind == "error":

@@ -218,6 +218,8 @@ class ClusterFacts:
                 "rank": a.rank, "pid": got.get("pid"), "host": got.get("host", ""),
                 "layers": [p.layer_start, p.layer_end], "weights_bytes": p.weights_bytes,
                 "loaded_bytes": got.get("loaded_bytes"), "comm_bytes": p.comm_bytes,
+                "backend": got.get("backend"), "transport_bytes": p.transport_bytes,
+                "messages": got.get("messages"),
                 "kv_bytes_per_token": p.kv_bytes_per_token,
                 "per_sequence_fixed_bytes": p.per_sequence_fixed_bytes,
                 "pool_blocks": d.pool_blocks, "block_bytes": d.block_bytes,
@@ -250,6 +252,26 @@ def ring_worker_config(cf: ClusterFacts, *, model_name: str | None, host: str, p
         mlx_cache_mb=cache_limit_mib(d0.transient_reserve_bytes), host=host, port=port)
 
 
+def engine_parts(cf: ClusterFacts, cfg: WorkerConfig) -> tuple[BlockPool, SchedulerLimits]:
+    """The scheduler's pool and figures when every rank runs its layers on its engine.
+
+    The pool is a local worker's (sharing on; hybrid when any layer holds state or a
+    window, since every rank snapshots its own), with the cluster's common block count
+    and the largest per-sequence fixed blocks of any rank; prefix retention stays off
+    (cache cap 0), as the cluster admits no prefix cache. A step computes at most the
+    request's prefill chunk of prompt tokens (what the plan's activation messages are
+    sized by), for up to the committed concurrency of sequences."""
+    hybrid = any(c.kind in ("state", "window") for c in cf.facts.caches)
+    pool = BlockPool(total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
+                     cache_cap_blocks=0, fixed_blocks_per_seq=cf.fixed_blocks_per_seq,
+                     hybrid=hybrid,
+                     extra_key=f"{cf.model_dir.resolve()}|{cf.facts.kv_format}".encode())
+    limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
+                             max_batch=cfg.max_num_seqs,
+                             prefill_tokens=min(cf.request.prefill_chunk, cfg.context))
+    return pool, limits
+
+
 # ------------------------------------------------------------------ serving
 
 
@@ -267,7 +289,8 @@ def ring_backend(sched: RingScheduler, cf: ClusterFacts, leader, guard):
 
         def status_extra() -> dict[str, Any]:
             return {"cluster": {
-                "world_size": len(cf.answers), "backend": "ring",
+                "world_size": len(cf.answers), "backend": cf.request.backend,
+                "stage": cf.request.stage,
                 "decision": cf.decision.model_dump(), "ranks": cf.ranks(),
                 "slots_open": sched.engine.open_slots,
                 "failed": sched.fatal.reason if sched.fatal else None}}
@@ -290,8 +313,12 @@ def ring_backend(sched: RingScheduler, cf: ClusterFacts, leader, guard):
     return backend
 
 
-def serve_http(leader, cf: ClusterFacts, args) -> int:
+def serve_http(leader, cf: ClusterFacts, args, engine=None) -> int:
     """Rank 0: uvicorn in a thread, the ring loop here; the exit code for the rank.
+
+    ``engine`` (a :class:`plimsoll.cluster.engine_stage.StageEngine`, also the
+    ``leader``): the scheduler drives every rank's own engine, with a sharing pool
+    (:func:`engine_parts`); without it, the slot leader through :class:`RingEngine`.
 
     SIGTERM/SIGINT stop uvicorn gracefully (in-flight requests get a bounded time), then
     the loop, then the ring (SHUTDOWN to every rank): exit 0. A ring failure answers every
@@ -309,18 +336,22 @@ def serve_http(leader, cf: ClusterFacts, args) -> int:
                              port=args.serve_port, default_max_tokens=args.default_max_tokens,
                              max_queue=args.max_queue, max_wait_s=args.max_wait,
                              trip_offset=args.trip_offset)
-    pool = BlockPool(total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
-                     cache_cap_blocks=0, fixed_blocks_per_seq=cf.fixed_blocks_per_seq,
-                     sharing=False)
-    engine = RingEngine(leader, cf.tokenizer, cf.facts, cfg.max_num_seqs,
-                        cf.facts.kv_bytes_per_token * cfg.block_tokens)
+    if engine is None:
+        pool = BlockPool(total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
+                         cache_cap_blocks=0, fixed_blocks_per_seq=cf.fixed_blocks_per_seq,
+                         sharing=False)
+        engine = RingEngine(leader, cf.tokenizer, cf.facts, cfg.max_num_seqs,
+                            cf.facts.kv_bytes_per_token * cfg.block_tokens)
+        limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s,
+                                 cfg.trip_bytes, max_batch=cfg.max_num_seqs,
+                                 prefill_tokens=cfg.context)
+    else:
+        pool, limits = engine_parts(cf, cfg)
     proc = psutil.Process()
     guard = SelfGuard.find()
     probe = memory_probe_with_guard(
         lambda: {"mlx_active": leader.memory()["active"], "rss": proc.memory_info().rss}, guard)
-    sched = RingScheduler(engine, pool, SchedulerLimits(
-        cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
-        max_batch=cfg.max_num_seqs, prefill_tokens=cfg.context), probe)
+    sched = RingScheduler(engine, pool, limits, probe)
     app = make_app(cfg, backend=ring_backend(sched, cf, leader, guard))
     server = uvicorn.Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, **uvicorn_options(
         limit_concurrency=cfg.max_queue + cfg.max_num_seqs + 16, graceful_s=5)))

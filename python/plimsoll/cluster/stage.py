@@ -23,17 +23,29 @@ from plimsoll.cluster.exits import RanOut
 
 #: Fault injection for tests: allocate this many extra bytes at decode step FAULT_AT.
 FAULT_BYTES, FAULT_AT = "PLIMSOLL_CLUSTER_FAULT_BYTES", "PLIMSOLL_CLUSTER_FAULT_AT"
+#: Pass every message as an all-sum (the nccl path) whatever the backend.
+COLLECTIVE = "PLIMSOLL_CLUSTER_COLLECTIVE"
 
 
 class Ring:
     """The group and the few collectives the protocol needs (all bounded by the ring's peers).
 
     Admission all-gathers JSON; serving only ever talks to a neighbour: ``right`` (rank + 1)
-    and ``left`` (rank − 1), the last rank's right being rank 0."""
+    and ``left`` (rank − 1), the last rank's right being rank 0. On a backend without
+    send/recv (MLX's nccl) a message is an all-sum that only the sender fills (the
+    receiver adds zeros of the same shape): with two ranks every message is between the
+    two, so sends and receives still pair (:func:`plimsoll.cluster.backend.world_refusal`
+    refuses more). ``PLIMSOLL_CLUSTER_COLLECTIVE=1`` takes that path on any backend (the
+    tests run it over ring).
+    """
 
-    def __init__(self, mx, group):
-        self.mx, self.group = mx, group
+    def __init__(self, mx, group, backend: str = "ring"):
+        from plimsoll.cluster.backend import point_to_point
+
+        self.mx, self.group, self.backend = mx, group, backend
         self.rank, self.size = group.rank(), group.size()
+        self.collective = (not point_to_point(backend)
+                           or os.environ.get(COLLECTIVE) == "1") and self.size > 1
 
     def all_gather_json(self, obj) -> list:
         mx = self.mx
@@ -62,15 +74,27 @@ class Ring:
     def left(self) -> int:
         return (self.rank - 1) % self.size
 
+    def send(self, x, dst: int):
+        """``x`` to neighbour ``dst``, lazily: evaluate the result to send it."""
+        if self.collective:
+            return self.mx.distributed.all_sum(x, group=self.group)
+        return self.mx.distributed.send(x, dst, group=self.group)
+
+    def recv(self, shape: tuple[int, ...], dtype, src: int):
+        """A message of ``shape`` from neighbour ``src``, lazily."""
+        mx = self.mx
+        if self.collective:
+            return mx.distributed.all_sum(mx.zeros(shape, dtype=dtype), group=self.group)
+        return mx.distributed.recv(shape, dtype, src, group=self.group)
+
     def send_ints(self, values: list[int], dst: int) -> None:
         """One message to a neighbour (no reply awaited: TCP buffers it)."""
         mx = self.mx
-        mx.eval(mx.distributed.send(mx.array(values, dtype=mx.int32), dst, group=self.group))
+        mx.eval(self.send(mx.array(values, dtype=mx.int32), dst))
 
     def recv_ints(self, n: int, src: int) -> list[int]:
-        mx = self.mx
-        got = mx.distributed.recv((n,), mx.int32, src, group=self.group)
-        mx.eval(got)
+        got = self.recv((n,), self.mx.int32, src)
+        self.mx.eval(got)
         return got.tolist()
 
 
@@ -164,13 +188,12 @@ class Stage:
         if self.first:
             h = self.inner.embed_tokens(mx.array([tokens]))
         else:
-            h = mx.distributed.recv((1, len(tokens), self.hidden), self.dtype, ring.left,
-                                    group=ring.group)
+            h = ring.recv((1, len(tokens), self.hidden), self.dtype, ring.left)
         masks = self._masks(h, caches)
         for layer, mask, cache in zip(self.layers, masks, caches, strict=True):
             h = layer(h, mask, cache)
         if not self.last:
-            mx.eval(mx.distributed.send(h, ring.right, group=ring.group))
+            mx.eval(ring.send(h, ring.right))
             return None
         if not want_token:
             mx.eval([c.state for c in caches])
@@ -225,6 +248,19 @@ class Stage:
 
 
 def load_stage(mx, ring, model_dir: Path, plan, request) -> Stage:
+    model, config, templates, params = load_slice(mx, model_dir, plan)
+    eos = config.get("eos_token_id", [])
+    eos = set(eos if isinstance(eos, list) else [eos])
+    stage = Stage(mx, ring, model, plan, eos, request.prefill_chunk, templates,
+                  request.block_tokens)
+    stage.dtype = params[0].dtype if params else mx.float32
+    stage.loaded_bytes = sum(v.nbytes for v in params)
+    return stage
+
+
+def load_slice(mx, model_dir: Path, plan) -> tuple:
+    """The model with only this rank's tensors evaluated (lazy load, foreign layers and
+    parts dropped first): ``(model, config, cache templates per layer, parameters)``."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
@@ -251,10 +287,4 @@ def load_stage(mx, ring, model_dir: Path, plan, request) -> Stage:
             model.lm_head = None
     params = [v for _, v in tree_flatten(model.parameters())]
     mx.eval(params)
-    eos = config.get("eos_token_id", [])
-    eos = set(eos if isinstance(eos, list) else [eos])
-    stage = Stage(mx, ring, model, plan, eos, request.prefill_chunk, templates,
-                  request.block_tokens)
-    stage.dtype = params[0].dtype if params else mx.float32
-    stage.loaded_bytes = sum(v.nbytes for v in params)
-    return stage
+    return model, config, templates, params

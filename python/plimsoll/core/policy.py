@@ -177,10 +177,20 @@ class Peer(_Strict):
     address: str = Field(min_length=1, description="Peer address on the cluster link.")
 
 
+#: MLX's distributed backends a cluster may run on; "auto" takes the first MLX reports
+#: available on the host, in :data:`plimsoll.cluster.backend.PREFERENCE` order (ring last).
+ClusterBackend = Literal["auto", "ring", "jaccl", "nccl"]
+
+
 class Cluster(_Strict):
     interface: str = Field(default="bridge0", min_length=1, description="Cluster link interface.")
     peers: tuple[Peer, ...] = ()
-    backend: Literal["ring", "jaccl"] = "ring"
+    backend: ClusterBackend = Field(
+        default="auto",
+        description="MLX distributed backend of a sharded model's ranks: ring (TCP, e.g. the "
+        "Thunderbolt bridge), jaccl (RDMA over Thunderbolt 5, macOS 26.2+ with RDMA enabled), "
+        "nccl (NVIDIA GPUs), or auto (what MLX reports available here; ring last).",
+    )
 
 
 class Pressure(_Strict):

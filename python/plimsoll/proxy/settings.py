@@ -21,5 +21,8 @@ class Settings:
     # --cluster-rank: (ceiling, total RAM, budget) bytes per rank of a sharded model, rank 0
     # first; in clustered mode a model with ``sharded: true`` runs as `plimsoll cluster serve`
     cluster_ranks: tuple[tuple[int, int, int], ...] = ()
+    # the MLX backend those ranks run on, resolved at start (--cluster-backend, else the
+    # policy's cluster.backend; "auto" becomes what MLX reports available)
+    cluster_backend: str = "ring"
     quiet: bool = False  # --quiet: workers write no access-log lines either
     ollama_api: bool = True  # False (--no-ollama-api): no /api/* routes, whatever the policy says

@@ -144,7 +144,8 @@ class Supervisor:
         from ..cluster.launch import sharded_request, start_cluster_worker
 
         return functools.partial(start_cluster_worker, ranks=self.settings.cluster_ranks,
-                                 request=sharded_request(w.entry, self.policy))
+                                 request=sharded_request(w.entry, self.policy,
+                                                         self.settings.cluster_backend))
 
     def admit(self, w: Worker, figures: MemoryFigures,
               resident: int = 0) -> tuple[ModelFacts, AdmissionDecision]:
@@ -154,7 +155,8 @@ class Supervisor:
 
             try:
                 facts, dec, _ = admit_sharded(Path(w.entry.path), w.entry, self.policy,
-                                              self.settings.cluster_ranks)
+                                              self.settings.cluster_ranks,
+                                              self.settings.cluster_backend)
             except (ModelInspectionError, ClusterPlanError) as err:
                 raise ProxyError(503, f"model {w.name!r} cannot be sharded: {err}",
                                  "model_unreadable") from None

@@ -14,7 +14,9 @@ What is checked (DESIGN.md, "The arithmetic"):
 - wired memory in use above the budget (macOS: something wired past the line);
 - each registered model alone against the envelope: its ``u`` band, an empty band, a
   model that cannot hold one sequence, and one admitted below its configured context or
-  concurrency. Co-resident sums are the proxy's job, not checked here.
+  concurrency. Co-resident sums are the proxy's job, not checked here;
+- the MLX workers get (Metal on macOS) and the cluster backend sharded models would run
+  on (the policy's ``cluster.backend`` against what MLX reports available).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from plimsoll.cluster.backend import Availability, choose
 from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.policy import Mode, Policy
 from plimsoll.core.sizing import blocks_for
@@ -75,9 +78,10 @@ def diagnose(
     proxy: ProxyView | None = None,
     policy_source: str = "policy",
     mlx: MlxView | None = None,
+    backends: Availability | None = None,
 ) -> list[Line]:
     """Every finding, in reading order: ceiling, memory, budgets, ceiling vs budget, models,
-    the MLX workers get (when read), what is loaded."""
+    the MLX workers get and its distributed backends (when read), what is loaded."""
     budget = policy.budget_bytes(mode)
     lines = [
         Line("ok", f"ceiling {fmt_bytes(snapshot.ceiling_bytes)} "
@@ -98,6 +102,8 @@ def diagnose(
         lines.extend(_model_lines(check, policy, mode, snapshot))
     if mlx is not None:
         lines.extend(mlx_lines(mlx, snapshot.platform))
+    if backends is not None:
+        lines.extend(cluster_backend_lines(policy, backends))
     lines.extend(_loaded_lines(proxy))
     return lines
 
@@ -128,6 +134,23 @@ def mlx_lines(mlx: MlxView, platform: str) -> list[Line]:
                               "(the official Metal wheels) or pip's mlx")]
     backend = "Metal GPU" if mlx.metal else "no Metal"
     return [Line("ok", f"MLX {mlx.version}: default device {mlx.device} ({backend})")]
+
+
+def cluster_backend_lines(policy: Policy, available: Availability) -> list[Line]:
+    """The backend a sharded model's ranks would run on here (the policy's
+    ``cluster.backend``, ``auto`` resolved as ``plimsoll serve`` resolves it). A named
+    backend MLX does not offer here is an error where a model is sharded (its load would
+    be refused), a warning otherwise."""
+    wanted = policy.cluster.backend
+    choice = choose(wanted, available, setting="cluster.backend in the policy", local=True)
+    if choice.backend is not None:
+        return [Line("ok", f"cluster backend {choice.backend} ({choice.reason}); "
+                           f"{available.summary()}")]
+    sharded = sorted(n for n, e in policy.models.items() if e.sharded)
+    level: Level = "error" if sharded else "warn"
+    what = (f"sharded model(s) {', '.join(sharded)} cannot load clustered" if sharded
+            else "no model is sharded yet")
+    return [Line(level, f"cluster backend: {choice.reason} ({what})")]
 
 
 def exit_status(lines: Iterable[Line]) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from plimsoll.cluster.backend import transport_bytes
 from plimsoll.cluster.launch import (
     GIB,
     admit_sharded,
@@ -54,7 +55,8 @@ def test_the_proxy_admits_a_sharded_model_on_every_ranks_figures(tiny_model):
                                         (parse_rank_figures("4"), parse_rank_figures("4")))
     assert decision.action == "commit" and d0.admitted
     assert (d0.concurrency, d0.context) == (2, 2048)
-    assert d0.weights_bytes < facts.weights_bytes  # rank 0's share, not the whole model
+    # rank 0's share (with the ring backend's own buffers), not the whole model
+    assert d0.weights_bytes - transport_bytes("ring", 2).bytes < facts.weights_bytes
     assert any("rank 0's share" in line for line in d0.reasons)
     # one rank too small: refused before anything starts, with every rank's reasons
     _, d0, decision = admit_sharded(tiny_model, pol.models["big"], pol,
@@ -76,6 +78,9 @@ def test_cluster_serve_argv_carries_every_figure(tiny_model):
     assert argv[argv.index("--port") + 1] == "9123"
     assert argv[argv.index("--model-name") + 1] == "big"
     assert argv[argv.index("--context") + 1] == "2048"
+    assert argv[argv.index("--backend") + 1] == "ring"
+    nccl = cluster_serve_argv(cfg, ranks, sharded_request(pol.models["big"], pol, "nccl"))
+    assert nccl[nccl.index("--backend") + 1] == "nccl"
     ranks_given = [argv[i + 1] for i, a in enumerate(argv) if a == "--rank"]
     assert [parse_rank_figures(r) for r in ranks_given] == list(ranks)  # exact round trip
 

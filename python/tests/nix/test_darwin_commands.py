@@ -119,6 +119,8 @@ def test_the_two_cluster_members_carry_each_others_ranks(commands, tmp_path):
         done = run_check(materialise(argv, host, tmp_path / name))
         assert done.returncode == 0, done.stdout
         assert "ok   2 cluster ranks" in done.stdout
+        assert argv[argv.index("--cluster-backend") + 1] == "ring"  # as both hosts declare
+        assert "ok   cluster backend ring" in done.stdout
     # each host is its own rank 0; the figures agree across the cluster
     assert seen == {"studio": ["80:96:80", "52:64:52"], "studio-b": ["52:64:52", "80:96:80"]}
 
@@ -174,3 +176,33 @@ def test_the_activation_creates_the_token_once(commands, tmp_path):
     token.chmod(0o600)
     token.write_text("")  # an empty token is replaced
     assert activate().returncode == 0 and len(token.read_text()) == 64
+
+
+def test_both_members_carry_the_backend_and_check_refuses_one_missing_here(tmp_path):
+    """Every cluster member declaring nccl (``backendCommands``): both generated agent
+    commands name it before their ranks, and each, run with --check on a host whose MLX
+    has no CUDA, is refused with the reason; on ring both pass."""
+    from plimsoll.cluster.backend import read_availability
+
+    if read_availability().usable("nccl"):
+        pytest.skip("this host has CUDA: nccl is available here")
+    env = {**os.environ, "NIX_CONFIG": "experimental-features = nix-command flakes\n"
+           "substituters =\nbuild-users-group =\nsandbox = false"}
+    done = subprocess.run(
+        ["nix-instantiate", "--eval", "--strict", "--json", str(REPO / "tests/darwin-eval.nix"),
+         "--arg", "nixDarwinSrc", DARWIN, "--arg", "nixpkgsLib", NIXLIB, "-A",
+         "backendCommands"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    both = json.loads(done.stdout)
+    for backend, code in (("nccl", 2), ("ring", 0)):
+        for name in ("studio", "studio-b"):
+            host = both[backend][name]
+            argv = argv_of(host["jobs"]["agent:plimsoll-serve"], host)
+            at = argv.index("--cluster-backend")
+            assert argv[at + 1] == backend and argv[at + 2] == "--cluster-rank"
+            checked = run_check(materialise(argv, host, tmp_path / backend / name))
+            assert checked.returncode == code, checked.stdout
+            assert ("--cluster-backend is 'nccl' but MLX here is not its CUDA build"
+                    if backend == "nccl" else
+                    "ok   cluster backend ring (named by --cluster-backend, available here"
+                    ) in checked.stdout

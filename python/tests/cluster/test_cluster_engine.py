@@ -1,0 +1,214 @@
+"""A rank's layers on the worker's engine: two ranks over ring on 127.0.0.1, the worker's
+scheduler on rank 0 driving every rank's own engine (``ClusterRequest(stage="engine")``).
+
+Greedy output at concurrency 2 (two sequences batched in one decode, a third queued) must
+equal mlx-lm's own generation on the unsplit model, for the tiny (qwen3, tied head) and
+hybrid (qwen3_next: linear attention state + full attention, MoE) demos; also over the
+all-sum path MLX's nccl backend takes. The wire format and the per-stage facts are
+checked purely.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import worker_env
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plimsoll.cluster import plan as cp
+from plimsoll.cluster import wire
+from plimsoll.cluster.runner import Cluster, RankSpec
+from plimsoll.engine.work import Sampling, Step, Work
+
+GIB = 1 << 30
+REQUEST = cp.ClusterRequest(concurrency=2, context=2048, max_tokens=256, min_context=1024,
+                            stage="engine")
+#: tiny: even budgets → layers 2 + 2; hybrid: 6 GiB and 2 GiB → layers 6 + 2 (both ranks
+#: hold linear-attention state and a full-attention layer)
+SPLITS = {"tiny": ((4, 4), [[0, 2], [2, 4]]), "hybrid": ((6, 2), [[0, 6], [6, 8]])}
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def sharp_tiny(tiny_model, tmp_path_factory):
+    """The tiny demo with its matrices scaled (engine_drive.sharpen), saved as a model:
+    at scale 1 it repeats one token, which would make equality weak."""
+    import mlx.core as mx
+
+    out = tmp_path_factory.mktemp("models") / "tiny-sharp"
+    shutil.copytree(tiny_model, out)
+    for f in out.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v * 4.0 if v.ndim == 2 else v
+                                     for k, v in weights.items()}, metadata={"format": "mlx"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    from plimsoll.demo.model import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("models") / "hybrid", preset="hybrid")
+
+
+def prompts_for(model_dir) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    long = tok.encode("import os\nclass Foo:\n    def bar(self, x):\n        return x + 1\n"
+                      "def main():\n    print(Foo().bar(2))\n").ids
+    return [long, [10, 20, 30, 40, 50, 60], long[:5]]  # 3 prompts, 2 at a time
+
+
+def reference(model_dir, prompts: list[list[int]]) -> list[list[int]]:
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _ = load(str(model_dir))
+    return [[int(y) for y, _ in generate_step(mx.array(p), model, max_tokens=NEW)]
+            for p in prompts]
+
+
+def serve(model_dir, preset: str, env: dict[str, str] | None = None):
+    ceilings, _ = SPLITS[preset]
+    specs = [RankSpec(ceiling_bytes=c * GIB, total_ram_bytes=c * GIB, budget_bytes=c * GIB,
+                      env=env or {}) for c in ceilings]
+    with Cluster(model_dir, specs, REQUEST, env=worker_env()) as c:
+        decision = c.start(timeout=120)
+        done = c.generate_many(prompts_for(model_dir), NEW, timeout=120, ignore_eos=True)
+        again = c.generate_many(prompts_for(model_dir)[:1], NEW, timeout=120, ignore_eos=True)
+        return decision, done, again, dict(c.ready)
+
+
+@pytest.mark.parametrize("preset", sorted(SPLITS))
+def test_the_stage_on_the_engine_equals_the_unsplit_model(preset, request):
+    model_dir = request.getfixturevalue("sharp_tiny" if preset == "tiny" else "hybrid_model")
+    decision, done, again, ready = serve(model_dir, preset)
+    assert decision.action == "commit" and decision.concurrency == 2
+    assert decision.pool_blocks > 0
+    assert [ready[r]["layers"] for r in (0, 1)] == SPLITS[preset][1]
+    assert {ready[r]["stage"] for r in (0, 1)} == {"engine"}
+    want = reference(model_dir, prompts_for(model_dir))
+    assert len(set(map(tuple, want))) == 3 and len(set(want[0])) > 1  # a meaningful check
+    assert done["outputs"] == want
+    assert done["most_rows"] == 2  # two sequences decoded in one step: the concurrency
+    assert again["outputs"] == want[:1]  # freed state and blocks: the next request is fresh
+
+
+def test_the_all_sum_path_on_the_engine_gives_the_same_tokens(hybrid_model):
+    _, done, _, ready = serve(hybrid_model, "hybrid", {"PLIMSOLL_CLUSTER_COLLECTIVE": "1"})
+    assert {ready[r]["messages"] for r in (0, 1)} == {"all-sum"}
+    assert done["outputs"] == reference(hybrid_model, prompts_for(hybrid_model))
+
+
+# ---- pure parts ------------------------------------------------------------------------------
+
+works = st.builds(
+    Work, seq_id=st.integers(0, 1 << 30), tokens=st.lists(st.integers(0, 1000), min_size=1,
+                                                          max_size=5).map(tuple),
+    start=st.integers(0, 1 << 20), block_table=st.lists(st.integers(0, 1 << 30),
+                                                        max_size=6).map(tuple),
+    sample=st.booleans(), sampling=st.builds(
+        Sampling, temperature=st.floats(0, 5), top_p=st.floats(0, 1),
+        seed=st.one_of(st.none(), st.integers(0, (1 << 64) - 1))))
+
+
+@given(st.lists(st.tuples(works, works), min_size=1, max_size=3))
+def test_steps_cross_the_wire_exactly(pairs):
+    sent, received = wire.Tables(), wire.Tables()
+    for decode, prefill in pairs:
+        prefill = Work(seq_id=decode.seq_id + 1, tokens=prefill.tokens, start=prefill.start,
+                       block_table=prefill.block_table, sample=prefill.sample,
+                       sampling=prefill.sampling)
+        step = Step(decodes=(decode,), prefills=(prefill,))
+        payload = wire.encode_step(step, sent)
+        assert all(-(1 << 31) <= v < (1 << 31) for v in payload)  # int32 on the wire
+        got = wire.decode_step(payload, received)
+        for w, g in zip((decode, prefill), (*got.decodes, *got.prefills), strict=True):
+            assert (g.seq_id, g.start, g.block_table, g.sample, g.sampling) == (
+                w.seq_id, w.start, w.block_table, w.sample, w.sampling)
+            assert g.tokens == (0,) * len(w.tokens)  # the peers need the count, not the ids
+        assert wire.sampled(got) == wire.sampled(step)
+
+
+def test_a_growing_table_sends_only_its_new_blocks():
+    sent = wire.Tables()
+    step = Step(decodes=(Work(1, (5,), 40, (7, 3, 9), True),))
+    first = wire.encode_step(step, sent)
+    again = wire.encode_step(step, sent)
+    grown = wire.encode_step(Step(decodes=(Work(1, (5,), 48, (7, 3, 9, 4), True),)), sent)
+    assert first[-5:] == [0, 3, 7, 3, 9] and again[-2:] == [3, 0] and grown[-3:] == [3, 1, 4]
+    with pytest.raises(ValueError, match="names its tokens"):
+        wire.encode_step(Step(decodes=(Work(1, None, 48, (7,), True),)), sent)
+
+
+@pytest.mark.parametrize("preset", sorted(SPLITS))
+def test_stage_facts_add_up_to_the_model(preset, request):
+    from plimsoll.core.model_facts import inspect_model
+
+    model_dir = request.getfixturevalue("tiny_model" if preset == "tiny" else "hybrid_model")
+    facts = inspect_model(model_dir)
+    parts = [cp.stage_facts(facts, a, b, 1) for a, b in SPLITS[preset][1]]
+    assert sum(p.num_layers for p in parts) == facts.num_layers
+    assert sum(p.kv_bytes_per_token for p in parts) == facts.kv_bytes_per_token
+    assert sum(p.per_sequence_fixed_bytes for p in parts) == facts.per_sequence_fixed_bytes
+    assert sum(p.kv_layers for p in parts) == facts.kv_layers
+    for p, (a, b) in zip(parts, SPLITS[preset][1], strict=True):
+        assert {i for c in p.caches for i in c.layers} == set(range(b - a))
+
+
+# ---- over HTTP: the worker's API, two requests at once -------------------------------------
+
+
+def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model):
+    """``plimsoll cluster serve --stage engine``: two requests in flight at once get what a
+    single-process worker gives each, and the status says every rank runs the engine."""
+    import concurrent.futures
+
+    from conftest import Worker
+    from test_cluster_serve import ClusterServe, complete
+
+    prompts = ("def main():", "hello world, this is a test")
+    single = Worker(tiny_model)
+    try:
+        one = [complete(single.url, p, 24)["choices"][0]["text"] for p in prompts]
+    finally:
+        single.stop()
+    served = ClusterServe(tiny_model, "4", "4", extra=["--stage", "engine"])
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            two = list(pool.map(lambda p: complete(served.url, p, 24), prompts))
+        status = served.status()
+    finally:
+        assert served.stop() == 0
+    assert [t["choices"][0]["text"] for t in two] == one
+    assert status["cluster"]["stage"] == "engine" and status["max_num_seqs"] == 2
+    assert [r["messages"] for r in status["cluster"]["ranks"]] == ["send/recv"] * 2
+
+
+def test_a_rank_that_runs_out_on_the_engine_tears_down_every_peer(tiny_model):
+    """Rank 1 (a 64 MiB host) spikes 64 MiB at its fourth step: it stops itself (exit 6)
+    before running it, and the ring with it; rank 0 fails the request with the reason."""
+    from test_cluster_ring import gone
+
+    from plimsoll.cluster.exits import ClusterRankFailed
+
+    specs = [RankSpec(ceiling_bytes=c, total_ram_bytes=c, budget_bytes=c)
+             for c in (4 * GIB, GIB // 16)]
+    specs[1].env = {"PLIMSOLL_CLUSTER_FAULT_BYTES": str(64 << 20),
+                    "PLIMSOLL_CLUSTER_FAULT_AT": "3"}
+    c = Cluster(tiny_model, specs, REQUEST, env=worker_env())
+    try:
+        assert c.start(timeout=120).action == "commit"
+        with pytest.raises(ClusterRankFailed) as failed:
+            c.generate_many([[10, 20, 30, 40, 50, 60]], 200, timeout=60)
+    finally:
+        c.close()
+    err = failed.value
+    assert "rank(s) [1]" in str(err)
+    assert any("exited 6 (ran out of its admitted memory)" in line for line in err.reasons[1])
+    assert any("ran out of its admitted memory at step 3" in line for line in err.reasons[1])
+    assert all(gone(pid) for pid in c.pids)
