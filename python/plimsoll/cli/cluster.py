@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from plimsoll.cli.common import EXIT_RANK_FAILED, EXIT_REFUSED, UsageFailure
+from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS
 
 
 def _parse_rank(text: str) -> tuple[int, int, int]:
@@ -165,7 +166,7 @@ class _Interrupted(Exception):
 @click.option("--port", type=click.IntRange(1, 65535), default=8090, show_default=True,
               help="Rank 0's HTTP port (the worker API: /v1/chat/completions, ...).")
 @click.option("--model-name", help="The model name clients use (default: the directory name).")
-@click.option("--default-max-tokens", type=click.IntRange(min=1), default=512,
+@click.option("--default-max-tokens", type=click.IntRange(min=1), default=DEFAULT_OUTPUT_TOKENS,
               show_default=True, help="Output reservation when a request names none.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a free slot; beyond: 503 queue_full.")

@@ -29,8 +29,8 @@ from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.core.policy import ModelEntry, Policy
 from plimsoll.core.sizing import blocks_for
+from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.launch.spawn import LaunchError, stop_worker, wait_ready, worker_env
-from plimsoll.worker.config import WorkerConfig
 
 GIB = 1 << 30
 RankFigures = tuple[int, int, int]  # ceiling, total RAM, clustered budget (bytes)

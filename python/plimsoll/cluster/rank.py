@@ -53,6 +53,7 @@ from plimsoll.cluster.exits import (
     emit,
 )
 from plimsoll.cluster.stage import Ring, load_stage
+from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS
 
 
 def _parent_watchdog(period: float = 0.5) -> None:
@@ -129,7 +130,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     s.add_argument("--serve-port", type=int, help="Rank 0 serves HTTP on this port.")
     s.add_argument("--serve-host", default="127.0.0.1")
     s.add_argument("--model-name", help="The name clients use (default: the directory name).")
-    s.add_argument("--default-max-tokens", type=int, default=512)
+    s.add_argument("--default-max-tokens", type=int, default=DEFAULT_OUTPUT_TOKENS)
     s.add_argument("--max-queue", type=int, default=64)
     s.add_argument("--max-wait", type=float, default=30.0)
     s.add_argument("--trip-offset", type=float, default=0.05)

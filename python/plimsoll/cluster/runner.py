@@ -52,6 +52,7 @@ from plimsoll.cluster.exits import (
     ClusterRefused,
 )
 from plimsoll.cluster.plan import ClusterDecision, ClusterRequest
+from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS
 from plimsoll.web.serve import free_port
 
 
@@ -73,7 +74,7 @@ class ServeSpec:
     port: int
     host: str = "127.0.0.1"
     model_name: str | None = None
-    default_max_tokens: int = 512
+    default_max_tokens: int = DEFAULT_OUTPUT_TOKENS
     max_queue: int = 64
     max_wait_s: float = 30.0
 

@@ -139,6 +139,32 @@ def largest_fitting(low: int, high: int, fits, step: int = 1) -> int | None:
     return lo * step
 
 
+#: The output reservation of a request that names none (``--default-max-tokens``, a policy
+#: entry's ``defaultMaxTokens``), at most the largest the worker allows.
+DEFAULT_OUTPUT_TOKENS = 512
+#: The cap on the default output limit ``plimsoll launch`` / ``admit`` give a model whose
+#: policy entry and flags name none: a modest reservation for a general-purpose worker.
+LAUNCH_OUTPUT_CAP = 1024
+#: The cap on the output limit ``plimsoll serve`` sizes for coding clients (Claude Code,
+#: OpenCode and Codex ask for 32000 tokens; a larger request is clamped to the limit).
+CLIENT_OUTPUT_CAP = 32768
+
+
+def output_limit(context: int, cap: int | None = None) -> int:
+    """The largest output reservation when none is given: a quarter of the context, at most
+    ``cap`` (``None``: no cap, as ``plimsoll worker`` started by hand), at least one token,
+    always below the context. The one output-length rule: the worker, launch's admission
+    and ``plimsoll serve``'s sizing all call it, each with its cap."""
+    quarter = context // 4 if cap is None else min(cap, context // 4)
+    return max(1, min(quarter, context - 1))
+
+
+def default_output(max_tokens: int, given: int | None = None) -> int:
+    """The output reservation of a request that names none: ``given`` (else
+    :data:`DEFAULT_OUTPUT_TOKENS`), at most ``max_tokens``."""
+    return min(given or DEFAULT_OUTPUT_TOKENS, max_tokens)
+
+
 def default_max_batch(max_num_seqs: int) -> int:
     """Sequences decoded together by default: the runtime bound, separate from the
     load-time worst-case ``max_num_seqs`` (short requests fit many more at once)."""

@@ -24,8 +24,8 @@ from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.model_facts import ModelFacts
 from plimsoll.core.policy import ModelEntry, Policy
 from plimsoll.core.units import MIB
+from plimsoll.core.worker_config import WorkerConfig, worker_flags
 from plimsoll.guard import process as G
-from plimsoll.worker.config import WorkerConfig
 
 READY_TIMEOUT_S = 300.0
 #: A launched worker's own drain on SIGTERM: its launcher (the proxy) drains first, then
@@ -52,7 +52,6 @@ def worker_config(
     if not decision.admitted:
         raise ValueError("a refused decision has no worker configuration")
     wire = policy.wire if policy else Policy.model_fields["wire"].default
-    default_max = entry.default_max_tokens if entry else min(512, decision.output_reservation)
     disk = policy.disk_cache_for(entry) if policy else None
     if disk_cache_dir is None and disk is not None:
         disk_cache_dir = Path(disk.path).expanduser()
@@ -65,7 +64,8 @@ def worker_config(
                          else cache_memory_mb),
         max_num_seqs=decision.concurrency, context=decision.context,
         block_tokens=decision.block_tokens, max_tokens=decision.output_reservation,
-        default_max_tokens=min(default_max, decision.output_reservation),
+        default_max_tokens=S.default_output(decision.output_reservation,
+                                            entry.default_max_tokens if entry else None),
         max_queue=max_queue, max_wait_s=max_wait_s,
         ceiling_bytes=decision.ceiling_bytes, total_ram_bytes=decision.total_ram_bytes,
         trip_offset=policy.trip_offset if policy else Policy.model_fields["trip_offset"].default,
@@ -81,31 +81,9 @@ def worker_config(
 
 
 def worker_argv(cfg: WorkerConfig) -> list[str]:
-    """``plimsoll worker`` with every cap as an explicit flag."""
-    return [
-        sys.executable, "-m", "plimsoll.cli", "worker",
-        "--model", str(cfg.model_dir), "--model-name", cfg.model_name,
-        "--max-cache-blocks", str(cfg.max_cache_blocks),
-        "--gpu-memory-utilization", repr(cfg.gpu_memory_utilization),
-        "--cache-memory-mb", str(cfg.cache_memory_mb),
-        "--max-num-seqs", str(cfg.max_num_seqs), "--context", str(cfg.context),
-        "--block-tokens", str(cfg.block_tokens), "--max-tokens", str(cfg.max_tokens),
-        "--default-max-tokens", str(cfg.default_max_tokens),
-        "--max-queue", str(cfg.max_queue), "--max-wait", repr(cfg.max_wait_s),
-        "--ceiling-bytes", str(cfg.ceiling_bytes), "--total-ram-bytes", str(cfg.total_ram_bytes),
-        "--trip-offset", repr(cfg.trip_offset), "--mlx-cache-mb", str(cfg.mlx_cache_mb),
-        "--wired-limit-bytes", str(cfg.wired_limit_bytes),
-        *(["--prefill-chunk", str(cfg.prefill_chunk)] if cfg.prefill_chunk else []),
-        *(["--max-batch", str(cfg.max_batch)] if cfg.max_batch else []),
-        *(["--kv-dtype", cfg.kv_dtype] if cfg.kv_dtype else []),
-        *(["--block-bytes", str(cfg.block_bytes)] if cfg.block_bytes else []),
-        *(["--disk-cache-dir", str(cfg.disk_cache_dir), "--disk-cache-gb",
-           repr(cfg.disk_cache_gb)] if cfg.disk_cache_dir is not None else []),
-        *(["--transient-bytes", str(cfg.transient_bytes)] if cfg.transient_bytes else []),
-        "--host", cfg.host, "--port", str(cfg.port),
-        "--max-tokens-over-limit", cfg.max_tokens_over_limit,
-        "--drain-timeout", repr(cfg.drain_s), *(["--quiet"] if cfg.quiet else []),
-    ]
+    """``plimsoll worker`` with every cap as an explicit flag (the contract's own spelling:
+    :func:`plimsoll.core.worker_config.worker_flags`)."""
+    return [sys.executable, "-m", "plimsoll.cli", "worker", *worker_flags(cfg)]
 
 
 #: Allocations at or above this go straight to mmap and back to the OS on free, instead of

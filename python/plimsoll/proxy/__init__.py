@@ -15,9 +15,9 @@ Owns:
   and the dashboard.
 
 May import: :mod:`plimsoll.cluster` (to start a sharded model), :mod:`plimsoll.launch`,
-:mod:`plimsoll.worker.config` (the figures a worker starts with), :mod:`plimsoll.guard`,
-:mod:`plimsoll.web`, :mod:`plimsoll.protocol`, :mod:`plimsoll.probes`, :mod:`plimsoll.core`;
-never the engine (workers are processes it spawns).
+:mod:`plimsoll.guard`, :mod:`plimsoll.web`, :mod:`plimsoll.protocol`, :mod:`plimsoll.probes`,
+:mod:`plimsoll.core` (the worker's contract among it); never the engine (workers are
+processes it spawns).
 """
 
 from .app import make_app

@@ -36,6 +36,8 @@ from starlette.routing import Route
 
 from plimsoll import protocol as P
 from plimsoll.core import sizing as S
+from plimsoll.core.transients import decode_transient_bytes, default_prefill_chunk, prefill_chunk
+from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.engine.pool import BlockPool
 from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
 from plimsoll.protocol import structured
@@ -44,7 +46,6 @@ from plimsoll.web.body import read_body
 from plimsoll.web.edge import Edge, access
 from plimsoll.web.errors import no_route_handler
 from plimsoll.web.graceful import Drain
-from plimsoll.worker.config import WorkerConfig, default_prefill_chunk, prefill_chunk
 
 from . import anthropic_routes, responses_routes
 from .scheduler import (
@@ -265,8 +266,6 @@ def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
     under the bound admission counted, and a sequence joins the running batch only while
     the decode step's transient stays under it too. The chunk's default and its transient
     follow the backend (``eng.fused_prefill``: a fused prefill attention holds no scores)."""
-    from plimsoll.engine.work import decode_transient_bytes
-
     fused = bool(getattr(eng, "fused_prefill", False))
     most = cfg.prefill_chunk or default_prefill_chunk(fused)
     if prefill_chunk(eng.facts, cfg.context, cfg.transient_bytes,

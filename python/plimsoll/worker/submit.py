@@ -27,12 +27,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from plimsoll import protocol as P
+from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.engine.work import TokenConstraint
 from plimsoll.protocol.reservation import HEADER as MAX_TOKENS_HEADER
 from plimsoll.protocol.reservation import Reservation, reserve
 from plimsoll.web.edge import access
 from plimsoll.web.graceful import Drain
-from plimsoll.worker.config import WorkerConfig
 
 from .scheduler import Finished, GenRequest, Refused, Started, Token
 
