@@ -215,7 +215,7 @@ def scheduler_rounds(model: Path, streams: list[int], tokens: int, rounds: int,
     import mlx.core as mx
     import psutil
     from plimsoll.engine import Engine
-    from plimsoll.engine.pool import BlockPool
+    from plimsoll.worker.pool import BlockPool
     from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
     from plimsoll.worker.scheduler import (
         Finished,

@@ -12,8 +12,8 @@ import contextlib
 
 import pytest
 
-from plimsoll.engine.pool import BlockPool
 from plimsoll.engine.work import Step
+from plimsoll.worker.pool import BlockPool
 from plimsoll.worker.scheduler import (
     Finished,
     GenRequest,

@@ -27,10 +27,10 @@ from plimsoll.core.model_facts import facts_from_config
 from plimsoll.core.sizing import blocks_for, pool_for, pool_problem, right_size
 from plimsoll.core.units import GIB, KIB, MIB
 from plimsoll.demo.model import PRESETS
-from plimsoll.engine.pool import BlockPool, Grant
 from plimsoll.launch.spawn import mismatches, worker_config
 from plimsoll.probes.snapshot import MemorySnapshot
-from plimsoll.worker.app import make_pool
+from plimsoll.worker.backend import make_pool
+from plimsoll.worker.pool import BlockPool, Grant
 
 FACTS = facts_from_config({**PRESETS["tiny"], "torch_dtype": "float32"}, 10 * MIB)
 

@@ -16,7 +16,7 @@ from engine_drive import reference, sharpen, text
 from plimsoll.core.sizing import fixed_blocks
 from plimsoll.demo.model import build_demo_model
 from plimsoll.engine.core import Engine
-from plimsoll.engine.pool import BlockPool
+from plimsoll.worker.pool import BlockPool
 from plimsoll.worker.scheduler import (
     Finished,
     GenRequest,

@@ -43,7 +43,7 @@ from plimsoll.cluster.exits import EXIT_OK, EXIT_OTHER, RingFailure, emit
 from plimsoll.cluster.plan import cache_limit_mib
 from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS, default_output, fixed_blocks
 from plimsoll.core.worker_config import WorkerConfig
-from plimsoll.engine.pool import BlockPool
+from plimsoll.worker.pool import BlockPool
 from plimsoll.worker.scheduler import Scheduler, SchedulerLimits
 
 log = logging.getLogger("plimsoll.cluster")

@@ -3,7 +3,7 @@ pool, the worker's start-up check, the cache and MLX buffer caps, the shared env
 release check. Admission, launch, the worker, the proxy and the cluster plan all call these,
 so no two of them can disagree about what a pool holds.
 
-**No headroom.** With a block-paged pool (:mod:`plimsoll.engine.pool`) nothing moves, so
+**No headroom.** With a block-paged pool (:mod:`plimsoll.worker.pool`) nothing moves, so
 a sequence of ``context`` tokens needs ``ceil(context / block_tokens)`` table blocks plus
 the fixed blocks of its recurrent state (or window), and ``concurrency`` of them fit when
 ``concurrency × blocks_per_seq ≤ pool``. Units: bytes and tokens.

@@ -1,19 +1,20 @@
 """The worker's HTTP edge: a Starlette app over one scheduler (OpenAI-compatible).
 
-``make_app(cfg)`` is an app factory with a lifespan, as Starlette recommends: the
-lifespan opens a *backend* — by default :func:`local_backend`, which loads the model
-(engine edge), applies and later restores the process-wide MLX limits, builds the pool
-from the flags and starts the scheduler thread; in clustered mode rank 0 passes its ring
-scheduler instead (:mod:`plimsoll.cluster.serve`) and every route below is the same
-code. Routes read ``request.app.state`` — no globals. Running out arrives from the scheduler as a
+``make_app(cfg)`` is an app factory with a lifespan, as Starlette recommends: the lifespan
+opens a *backend* — by default :func:`~.backend.local_backend` (the engine, the process
+limits, the pool and the scheduler thread); in clustered mode rank 0 passes its ring
+scheduler instead (:mod:`plimsoll.cluster.serve`) and every route below is the same code.
+Routes read ``request.app.state`` — no globals. Running out arrives from the scheduler as a
 ``Refused`` event and leaves here as a 503 (with ``Retry-After``) in the OpenAI error
-shape; bad input is a 400 that says what to change.
+shape; bad input is a 400 that says what to change. This module holds the OpenAI routes,
+their streaming (:class:`TextSSE`, the per-token template) and the status report; the
+Anthropic and Responses routes are :mod:`.anthropic_routes` and :mod:`.responses_routes`.
 
 A ``max_tokens`` over what the worker reserves is clamped (or refused: the
-``max_tokens_over_limit`` flag; :mod:`.protocol.reservation`), the applied reservation
-sent back in ``x-plimsoll-max-tokens``. Every answer passes :class:`~.http_edge.Edge`
-(``Retry-After`` on each 429/503, a bound on requests in flight, one access-log line), and
-a SIGTERM drains as :mod:`.graceful` says.
+``max_tokens_over_limit`` setting; :mod:`plimsoll.protocol.reservation`), the applied
+reservation sent back in ``x-plimsoll-max-tokens``. Every answer passes
+:class:`plimsoll.web.edge.Edge` (``Retry-After`` on each 429/503, a bound on requests in
+flight, one access-log line), and a SIGTERM drains as :mod:`plimsoll.web.graceful` says.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
@@ -35,11 +35,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from plimsoll import protocol as P
-from plimsoll.core import sizing as S
-from plimsoll.core.transients import decode_transient_bytes, default_prefill_chunk, prefill_chunk
 from plimsoll.core.worker_config import WorkerConfig
-from plimsoll.engine.pool import BlockPool
-from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
+from plimsoll.guard.process import SelfGuard
 from plimsoll.protocol import structured
 from plimsoll.web.access_log import set_quiet
 from plimsoll.web.body import read_body
@@ -48,12 +45,8 @@ from plimsoll.web.errors import no_route_handler
 from plimsoll.web.graceful import Drain
 
 from . import anthropic_routes, responses_routes
-from .scheduler import (
-    Refused,
-    Scheduler,
-    SchedulerLimits,
-    Started,
-)
+from .backend import Backend, local_backend
+from .scheduler import Refused, Scheduler, Started
 from .submit import (
     EARLY_HEADERS_S,
     error,
@@ -239,117 +232,6 @@ def status_report(state: Any) -> dict[str, Any]:
         "uptime_s": round(time.monotonic() - state.started, 3),
         **(extra() if (extra := getattr(state, "status_extra", None)) else {}),
     }
-
-
-def make_pool(cfg: WorkerConfig, eng: Any, pool_cls: type[BlockPool] = BlockPool) -> BlockPool:
-    """The pool the flags describe, sized against the loaded engine's real figures; the
-    start-up check is admission's own (:func:`plimsoll.core.sizing.pool_problem`)."""
-    facts = eng.facts
-    if cfg.block_bytes is not None and eng.block_bytes != cfg.block_bytes:
-        raise SystemExit(
-            f"--block-bytes {cfg.block_bytes} (what admission counted per block) differs "
-            f"from the loaded engine's {eng.block_bytes} B per block of {cfg.block_tokens} "
-            f"tokens (KV dtype {facts.kv_format}): pass the --kv-dtype admission used")
-    fixed = S.fixed_blocks(facts.fixed_bytes(cfg.context), eng.block_bytes)  # windows ≤ context
-    if problem := S.pool_problem(cfg.max_cache_blocks, cfg.context, cfg.block_tokens, fixed):
-        raise SystemExit(problem)
-    return pool_cls(
-        total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
-        cache_cap_blocks=S.cache_cap_blocks(cfg.prefix_cache_bytes, eng.block_bytes,
-                                            cfg.max_cache_blocks),
-        fixed_blocks_per_seq=fixed, hybrid=eng.state_bytes_per_seq > 0,
-        extra_key=f"{cfg.model_dir.resolve()}|{facts.kv_format}".encode())
-
-
-def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
-    """The step's figures: the prefill chunk follows the context so its transient stays
-    under the bound admission counted, and a sequence joins the running batch only while
-    the decode step's transient stays under it too. The chunk's default and its transient
-    follow the backend (``eng.fused_prefill``: a fused prefill attention holds no scores)."""
-    fused = bool(getattr(eng, "fused_prefill", False))
-    most = cfg.prefill_chunk or default_prefill_chunk(fused)
-    if prefill_chunk(eng.facts, cfg.context, cfg.transient_bytes,
-                     block_tokens=cfg.block_tokens, most=most, fused=fused) <= 0:
-        raise SystemExit(
-            f"--transient-bytes {cfg.transient_bytes} cannot hold one prefill token at "
-            f"--context {cfg.context} (the gather of the context alone passes it): raise "
-            "the transient reserve or lower the context")
-    decode = chunk_for = None
-    if cfg.transient_bytes is not None:
-        def decode(rows: int, longest: int) -> int:
-            return decode_transient_bytes(eng.facts, rows, longest, cfg.block_tokens)
-
-        def chunk_for(prompt_tokens: int) -> int:  # short prompts take bigger chunks
-            return prefill_chunk(eng.facts, max(1, prompt_tokens), cfg.transient_bytes,
-                                 block_tokens=cfg.block_tokens, most=most, fused=fused)
-    return SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
-                           max_batch=cfg.batch_bound, prefill_tokens=most,
-                           transient_bytes=cfg.transient_bytes or 0, decode_bytes=decode,
-                           chunk_for=chunk_for)
-
-
-#: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
-#: block_bytes, kv_bytes_per_token, applied_limits, engine_memory, rss, guard, and
-#: optionally ``status_extra`` (a callable whose dict is merged into the status report).
-Backend = Callable[[WorkerConfig], AbstractAsyncContextManager[dict[str, Any]]]
-
-
-@contextlib.asynccontextmanager
-async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
-    """This process's own engine: load it on the scheduler thread, stop it at exit."""
-    import psutil
-
-    proc = psutil.Process()
-    loaded: dict[str, Any] = {}
-
-    def setup(stack: contextlib.ExitStack):
-        """On the scheduler thread: load, apply limits (restored at exit), size the pool."""
-        from plimsoll import engine as E  # the engine edge: the only place mlx is imported
-
-        eng = E.Engine.load(cfg.model_dir, block_tokens=cfg.block_tokens,
-                            max_blocks=cfg.max_cache_blocks, kv_dtype=cfg.kv_dtype,
-                            context=cfg.context)
-        loaded["applied"] = stack.enter_context(E.process_limits(
-            cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
-        loaded["active_memory"] = E.active_memory
-        if cfg.disk_cache_dir is None:
-            pool = make_pool(cfg, eng)
-        else:
-            from plimsoll.worker.disk_restore import SpillingPool, open_tier
-
-            pool = make_pool(cfg, eng, SpillingPool)
-            sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
-            sched.disk.attach(pool)
-        limits = scheduler_limits(cfg, eng)
-        if took := E.warm_up(eng):  # GPU backends only: see engine/warmup
-            log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
-        return eng, pool, limits
-
-    def memory_probe() -> dict[str, int]:
-        return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
-
-    self_guard = SelfGuard.find()  # the cgroup limit that binds us, if any
-    sched = Scheduler(setup, SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s,
-                                             cfg.trip_bytes),
-                      memory_probe_with_guard(memory_probe, self_guard))
-    sched.start()
-    await run_in_threadpool(sched.ready.wait)
-    if sched.setup_error is not None:
-        raise sched.setup_error
-    eng = sched.engine
-    try:
-        yield {"scheduler": sched, "tokenizer": eng.tokenizer,
-               "native_max_context": eng.facts.native_max_context,
-               "block_bytes": eng.block_bytes,
-               "kv_bytes_per_token": eng.block_bytes // cfg.block_tokens,
-               "kv_dtype": eng.facts.kv_format,  # q8 / q4 when quantized
-               "applied_limits": loaded["applied"], "engine_memory": eng.memory,
-               "rss": lambda: proc.memory_info().rss, "guard": self_guard,
-               "constrained_decoding": True}
-    finally:  # the disk tier's shutdown spill runs on the scheduler thread: give it time
-        await run_in_threadpool(sched.stop, 10.0 if sched.disk is None else 120.0)
-        if sched.disk is not None:
-            await run_in_threadpool(sched.disk.close)
 
 
 def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:

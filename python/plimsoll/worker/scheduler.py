@@ -15,7 +15,7 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
    delays running streams by at most one chunk per step. Admission maps every prompt
    block already held or cached (a shared prefix: no copy, no recompute) and reserves
    ``ceil((prompt + max_tokens) / block)`` blocks; physical blocks are taken as tokens
-   are written (:mod:`plimsoll.engine.pool`);
+   are written (:mod:`plimsoll.worker.pool`);
 3. submit it (``engine.run_async``) *before* reading the previous step's tokens, so graph
    building overlaps compute: a running sequence's decode names ``tokens=None`` ("the
    token you sampled last step"); the token a sequence that ended last step samples
@@ -56,7 +56,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from plimsoll.engine.pool import BlockPool, Grant, Refusal
 from plimsoll.engine.work import Sampling, Step, Work
 from plimsoll.worker.events import (  # noqa: F401  (re-exported: the edge imports them here)
     Event,
@@ -69,6 +68,7 @@ from plimsoll.worker.events import (  # noqa: F401  (re-exported: the edge impor
     Token,
 )
 from plimsoll.worker.lines import StatsMixin, TripMixin
+from plimsoll.worker.pool import BlockPool, Grant, Refusal
 
 log = logging.getLogger("plimsoll.worker")
 
