@@ -215,15 +215,10 @@ def scheduler_rounds(model: Path, streams: list[int], tokens: int, rounds: int,
     import mlx.core as mx
     import psutil
     from plimsoll.engine import Engine
-    from plimsoll.worker.pool import BlockPool
     from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
-    from plimsoll.worker.scheduler import (
-        Finished,
-        GenRequest,
-        Scheduler,
-        SchedulerLimits,
-        Token,
-    )
+    from plimsoll.worker.events import Finished, GenRequest, SchedulerLimits, Token
+    from plimsoll.worker.pool import BlockPool
+    from plimsoll.worker.scheduler import Scheduler
 
     total = max(streams) * (-(-(words * 3 + tokens + 64) // BLOCK)) + 64
     proc = psutil.Process()

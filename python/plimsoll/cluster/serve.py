@@ -43,8 +43,9 @@ from plimsoll.cluster.exits import EXIT_OK, EXIT_OTHER, RingFailure, emit
 from plimsoll.cluster.plan import cache_limit_mib
 from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS, default_output, fixed_blocks
 from plimsoll.core.worker_config import WorkerConfig
+from plimsoll.worker.events import SchedulerLimits
 from plimsoll.worker.pool import BlockPool
-from plimsoll.worker.scheduler import Scheduler, SchedulerLimits
+from plimsoll.worker.scheduler import Scheduler
 
 log = logging.getLogger("plimsoll.cluster")
 PING_S = 2.0

@@ -30,7 +30,7 @@ from plimsoll.web.body import read_body
 from plimsoll.web.edge import access
 from plimsoll.worker import submit as W
 
-from .scheduler import Refused, Started
+from .events import Refused, Started
 
 
 def error(status: int, message: str, retry_after: int | None = None) -> JSONResponse:

@@ -46,7 +46,8 @@ from plimsoll.web.graceful import Drain
 
 from . import anthropic_routes, responses_routes
 from .backend import Backend, local_backend
-from .scheduler import Refused, Scheduler, Started
+from .events import Refused, Started
+from .scheduler import Scheduler
 from .submit import (
     EARLY_HEADERS_S,
     error,

@@ -24,8 +24,9 @@ from plimsoll.core.transients import decode_transient_bytes, default_prefill_chu
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
 
+from .events import SchedulerLimits
 from .pool import BlockPool
-from .scheduler import Scheduler, SchedulerLimits
+from .scheduler import Scheduler
 
 log = logging.getLogger("plimsoll.worker")
 

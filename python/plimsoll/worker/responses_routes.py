@@ -30,7 +30,7 @@ from plimsoll.web.body import read_body
 from plimsoll.web.edge import access
 
 from . import submit as W
-from .scheduler import Refused, Started
+from .events import Refused, Started
 
 STORE_CAP = 256
 """Responses kept for ``previous_response_id`` (their conversations; LRU beyond this)."""

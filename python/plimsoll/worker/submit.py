@@ -34,7 +34,7 @@ from plimsoll.protocol.reservation import Reservation, reserve
 from plimsoll.web.edge import access
 from plimsoll.web.graceful import Drain
 
-from .scheduler import Finished, GenRequest, Refused, Started, Token
+from .events import Finished, GenRequest, Refused, Started, Token
 
 DISCONNECT_POLL_S = 0.25
 #: A stream not started (admitted and prefilled) within this many seconds gets its headers
