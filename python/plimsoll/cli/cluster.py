@@ -82,23 +82,25 @@ def plan_command(model, rank_figures, as_json, **request_kw) -> None:
 
     Exit status: 0 commit, 3 rollback (every rank's reasons are printed), 2 bad input.
     """
-    from plimsoll.cluster import plan as cp
+    from plimsoll.cluster import plan as cluster_plan
     from plimsoll.cluster.weights import read_config, tensor_bytes
     from plimsoll.core.model_facts import ModelInspectionError, inspect_model
 
     request = _request(**request_kw)
-    probes = [cp.RankProbe(rank=r, ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b,
-                           source="command line")
+    probes = [cluster_plan.RankProbe(rank=r, ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b,
+                                     source="command line")
               for r, (c, t, b) in enumerate(map(_parse_rank, rank_figures))]
     try:
         facts = inspect_model(model)
-        plans = cp.plan_cluster(read_config(model), facts, tensor_bytes(model), probes, request)
-    except (ModelInspectionError, cp.ClusterPlanError) as err:
+        plans = cluster_plan.plan_cluster(read_config(model), facts, tensor_bytes(model), probes,
+                                          request)
+    except (ModelInspectionError, cluster_plan.ClusterPlanError) as err:
         raise UsageFailure(str(err)) from None
-    answers = [cp.preflight(p, pr, facts, request) for p, pr in zip(plans, probes, strict=True)]
+    answers = [cluster_plan.preflight(p, pr, facts, request)
+               for p, pr in zip(plans, probes, strict=True)]
     # a pure plan has nothing to reserve: an admitted rank counts as reserved
     answers = [a.model_copy(update={"reserved": a.admitted}) for a in answers]
-    decision = cp.decide(answers, len(probes))
+    decision = cluster_plan.decide(answers, len(probes))
     if as_json:
         click.echo(json.dumps({"ranks": [a.model_dump() for a in answers],
                                "decision": decision.model_dump()}, indent=2))

@@ -155,7 +155,7 @@ class Cluster:
 
     def _guard_limits(self) -> list[int] | None:
         """Each rank's cgroup limit: its admitted footprint (the pure plan) + the margin."""
-        from plimsoll.cluster import plan as cp
+        from plimsoll.cluster import plan as cluster_plan
         from plimsoll.cluster.weights import read_config, tensor_bytes
         from plimsoll.core.model_facts import inspect_model
         from plimsoll.guard.process import guard_limit
@@ -164,13 +164,15 @@ class Cluster:
                for s in self.ranks):
             self.guard_note = "a rank reads its own probe: no figures to size its cgroup by"
             return None
-        probes = [cp.RankProbe(rank=r, ceiling_bytes=s.ceiling_bytes,
-                               total_ram_bytes=s.total_ram_bytes, budget_bytes=s.budget_bytes)
+        probes = [cluster_plan.RankProbe(rank=r, ceiling_bytes=s.ceiling_bytes,
+                                         total_ram_bytes=s.total_ram_bytes,
+                                         budget_bytes=s.budget_bytes)
                   for r, s in enumerate(self.ranks)]
         facts = inspect_model(self.model_dir)
-        plans = cp.plan_cluster(read_config(self.model_dir), facts,
-                                tensor_bytes(self.model_dir), probes, self.request)
-        return [guard_limit(cp.preflight(p, pr, facts, self.request).decision.footprint_bytes)
+        plans = cluster_plan.plan_cluster(read_config(self.model_dir), facts,
+                                          tensor_bytes(self.model_dir), probes, self.request)
+        return [guard_limit(
+                    cluster_plan.preflight(p, pr, facts, self.request).decision.footprint_bytes)
                 for p, pr in zip(plans, probes, strict=True)]
 
     def _make_guards(self) -> None:

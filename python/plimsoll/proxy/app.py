@@ -40,15 +40,17 @@ from plimsoll.web.edge import access
 from plimsoll.web.errors import error_body, is_anthropic, no_route_handler
 from plimsoll.web.graceful import Drain
 
-from .. import protocol as P
-from ..protocol import anthropic as A
-from ..protocol import responses_events as RE
+from .. import protocol
+from ..protocol import ProtocolError, responses_events
+from ..protocol import anthropic as anthropic_protocol
 from ..protocol.reservation import HEADER as MAX_TOKENS_HEADER
-from . import admin
+from . import (
+    admin,
+    metrics_edge,  # GET /metrics, and the request path observed
+)
 from . import dashboard as dash  # GET /, GET /dashboard.json
-from . import metrics as M  # the request/event observer
-from . import metrics_edge as ME  # GET /metrics, and the request path observed
 from .errors import ProxyError
+from .metrics import Observer  # the request/event observer
 from .settings import Settings
 from .state import Lease, State, describe_exit
 from .supervisor import Supervisor
@@ -74,14 +76,14 @@ def proxy_error(err: ProxyError, *, anthropic: bool = False) -> JSONResponse:
                  extra=err.extra, anthropic=anthropic)
 
 
-def request_error(err: P.ProtocolError, *, anthropic: bool) -> JSONResponse:
+def request_error(err: ProtocolError, *, anthropic: bool) -> JSONResponse:
     """A body the proxy cannot route (too large, not a JSON object, a bad ``model``)."""
     return error(err.status, err.message, err.code or "invalid_request", param=err.param,
                  anthropic=anthropic)
 
 
 def route_model(raw: bytes, known: list[str], policy: Policy | None = None
-                ) -> tuple[str, bytes] | P.ProtocolError:
+                ) -> tuple[str, bytes] | ProtocolError:
     """The served model a body names (the only one when it names none; an alias of the
     policy), and the body to relay (its ``model`` rewritten to the served name when it was
     an alias), or why not.
@@ -90,24 +92,24 @@ def route_model(raw: bytes, known: list[str], policy: Policy | None = None
     depth), so a body the proxy passes on is one the worker can parse, and one it refuses
     gets the same 400; the rest of the request is the worker's to check.
     """
-    data = P.decode_json_body(raw)
-    if isinstance(data, P.ProtocolError):
+    data = protocol.decode_json_body(raw)
+    if isinstance(data, ProtocolError):
         return data
     model = data.get("model")
     if model is None and len(known) == 1:
         return known[0], raw
     if model is not None and not isinstance(model, str):
-        return P.ProtocolError(400, f"Invalid 'model': send the model's name as a string, got "
-                               f"{json.dumps(model)[:60]}; known models: "
-                               f"{', '.join(known) or '(none)'}", param="model",
-                               code="invalid_request")
+        return ProtocolError(400, f"Invalid 'model': send the model's name as a string, got "
+                             f"{json.dumps(model)[:60]}; known models: "
+                             f"{', '.join(known) or '(none)'}", param="model",
+                             code="invalid_request")
     if model in known:
         return model, raw
     served = resolve(model, policy) if policy is not None and model is not None else None
     if served is None or served not in known:
-        return P.ProtocolError(404, f"the model {model!r} is not served here; known models: "
-                               f"{', '.join(known) or '(none)'} (or an alias of the policy's "
-                               "'aliases')", param="model", code="model_not_found")
+        return ProtocolError(404, f"the model {model!r} is not served here; known models: "
+                             f"{', '.join(known) or '(none)'} (or an alias of the policy's "
+                             "'aliases')", param="model", code="model_not_found")
     return served, json.dumps({**data, "model": served}, ensure_ascii=False).encode()
 
 
@@ -161,11 +163,11 @@ def _stream_lost(message: str, code: str, anthropic: bool, status: int = 502,
                  responses: bool = False) -> list[bytes]:
     body = error_body(status, message, code, anthropic=anthropic)
     if responses:  # the Responses API's typed error event; no [DONE]
-        return [RE.sse_event({"type": "error", "sequence_number": 0, "code": code,
-                              "message": body["error"]["message"], "param": None})]
+        return [responses_events.sse_event({"type": "error", "sequence_number": 0, "code": code,
+                                            "message": body["error"]["message"], "param": None})]
     if anthropic:  # Anthropic's streams end at the error event; no [DONE]
-        return [A.sse_event(body)]
-    return [P.sse(body), P.SSE_DONE]
+        return [anthropic_protocol.sse_event(body)]
+    return [protocol.sse(body), protocol.SSE_DONE]
 
 
 def _retrieved(task: asyncio.Future) -> None:
@@ -214,10 +216,10 @@ async def generate(request: Request) -> Response:
         return admin.unauthorized("API key")
     sup: Supervisor = request.app.state.supervisor
     raw = await read_body(request)
-    if isinstance(raw, P.ProtocolError):
+    if isinstance(raw, ProtocolError):
         return request_error(raw, anthropic=anthropic)
     routed = route_model(raw, sorted(sup.workers), sup.policy)
-    if isinstance(routed, P.ProtocolError):
+    if isinstance(routed, ProtocolError):
         return request_error(routed, anthropic=anthropic)
     model, raw = routed
     request.state.model = model  # metrics: the label of this request
@@ -274,7 +276,7 @@ async def models(request: Request) -> Response:
     created = int(request.app.state.started)
     data = []
     for name, w in sorted(sup.workers.items()):
-        card = P.model_card(name, created)
+        card = protocol.model_card(name, created)
         if (inc := w.current) is not None:
             dec = inc.decision
         else:
@@ -362,7 +364,7 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        obs = M.Observer(policy)  # metrics + dashboard: sees every event and request
+        obs = Observer(policy)  # metrics + dashboard: sees every event and request
         sup = Supervisor(policy, mode, settings, read_snapshot, events=obs.events)
         app.state.supervisor = sup
         app.state.observer = obs
@@ -383,10 +385,10 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
 
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", ME.observed(generate), methods=["POST"]),
-            Route("/v1/completions", ME.observed(generate), methods=["POST"]),
-            Route("/v1/responses", ME.observed(generate), methods=["POST"]),  # Responses API
-            Route("/v1/messages", ME.observed(generate), methods=["POST"]),  # Anthropic
+            Route("/v1/chat/completions", metrics_edge.observed(generate), methods=["POST"]),
+            Route("/v1/completions", metrics_edge.observed(generate), methods=["POST"]),
+            Route("/v1/responses", metrics_edge.observed(generate), methods=["POST"]),  # Responses
+            Route("/v1/messages", metrics_edge.observed(generate), methods=["POST"]),  # Anthropic
             Route("/v1/messages/count_tokens", generate, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
@@ -396,7 +398,7 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
             Route("/admin/mode", admin.post_mode, methods=["POST"]),
             Route("/admin/mode", admin.get_mode, methods=["GET"]),
             Route("/admin/events", admin.get_events, methods=["GET"]),
-            Route("/metrics", ME.get_metrics, methods=["GET"]),
+            Route("/metrics", metrics_edge.get_metrics, methods=["GET"]),
             Route("/", dash.page, methods=["GET"]),
             Route("/dashboard.json", dash.data, methods=["GET"]),
         ],

@@ -16,8 +16,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from plimsoll import protocol as P
-from plimsoll.protocol import anthropic as A
+from plimsoll import protocol
+from plimsoll.protocol.anthropic import error_body as anthropic_error_body
 
 
 def is_anthropic(request: Request) -> bool:
@@ -31,10 +31,10 @@ def error_body(status: int, message: str, code: str, *, anthropic: bool = False,
     """The error object in the route's protocol; ``code`` and ``extra`` ride inside
     ``error`` in both (Anthropic's clients ignore fields they do not know)."""
     if anthropic:
-        body = A.error_body(status, message)
+        body = anthropic_error_body(status, message)
         body["error"]["code"] = code
     else:
-        body = P.error_body(status, message, param=param, code=code)
+        body = protocol.error_body(status, message, param=param, code=code)
     body["error"].update(extra or {})
     return body
 

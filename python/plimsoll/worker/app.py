@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from plimsoll import protocol as P
+from plimsoll import protocol
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard.process import SelfGuard
 from plimsoll.protocol import structured
@@ -68,30 +68,30 @@ NO_ROUTE = no_route_handler("this worker serves POST /v1/chat/completions, /v1/c
                             "/health, /v1/plimsoll/status")
 
 
-async def generate(request: Request, kind: P.Kind) -> Response:
+async def generate(request: Request, kind: protocol.Kind) -> Response:
     state = request.app.state
     cfg: WorkerConfig = state.cfg
     rec = access(request)
     raw = await read_body(request)
-    if isinstance(raw, P.ProtocolError):
+    if isinstance(raw, protocol.ProtocolError):
         return protocol_error(raw)
-    req = P.parse_request(kind, raw)
-    if isinstance(req, P.ProtocolError):
+    req = protocol.parse_request(kind, raw)
+    if isinstance(req, protocol.ProtocolError):
         return protocol_error(req)
     rec.model = req.model or cfg.model_name
-    if err := P.check_model(req.model, cfg.model_name):
+    if err := protocol.check_model(req.model, cfg.model_name):
         return protocol_error(err)
-    render = P.render_chat if kind == "chat" else P.render_completion
+    render = protocol.render_chat if kind == "chat" else protocol.render_completion
     try:
         prompt = await run_in_threadpool(render, state.tokenizer, req)
         spec = structured.chat_spec(req) if kind == "chat" else None
         constraint = await run_in_threadpool(make_constraint, state, spec)
-    except P.ProtocolError as err:
+    except protocol.ProtocolError as err:
         return protocol_error(err)
     rec.prompt = len(prompt)
     res = reservation(state, len(prompt), req.max_output_tokens,
                       "messages" if kind == "chat" else "prompt")
-    if isinstance(res, P.ProtocolError):
+    if isinstance(res, protocol.ProtocolError):
         return protocol_error(res)
     rec.reservation = res.max_tokens
     if refused := stopping(request):
@@ -105,9 +105,9 @@ async def generate(request: Request, kind: P.Kind) -> Response:
         return Response(status_code=499)
     if isinstance(first, Refused):
         return error(first.status, first.message, code=first.code, retry_after=first.retry_after)
-    assembler = P.TextAssembler.for_request(state.tokenizer, req, res.max_tokens,
-                                            P.markers_for(state.tokenizer, prompt))
-    meta = P.ResponseMeta.new(kind, cfg.model_name)
+    assembler = protocol.TextAssembler.for_request(state.tokenizer, req, res.max_tokens,
+                                                   protocol.markers_for(state.tokenizer, prompt))
+    meta = protocol.ResponseMeta.new(kind, cfg.model_name)
     if req.stream:
         return StreamingResponse(_sse(meta, req, (first, queue, request, gen), assembler),
                                  media_type="text/event-stream",
@@ -122,7 +122,7 @@ async def generate(request: Request, kind: P.Kind) -> Response:
     if not assembler.done:  # the client left
         return Response(status_code=499)
     rec.cached = first.cached_tokens
-    return JSONResponse(P.response(meta, assembler.result(), _usage(first, assembler)),
+    return JSONResponse(protocol.response(meta, assembler.result(), _usage(first, assembler)),
                         headers=reserved_headers(res))
 
 
@@ -133,9 +133,10 @@ class TextSSE:
     """``P.sse`` of the chunk of one text delta, byte for byte, without building and encoding
     the whole chunk per token: its bytes around the text are rendered once per response."""
 
-    def __init__(self, meta: P.ResponseMeta) -> None:
+    def __init__(self, meta: protocol.ResponseMeta) -> None:
         chat = meta.kind == "chat"
-        raw = P.sse(P.chat_chunk(meta, {"content": ""}) if chat else P.completion_chunk(meta, ""))
+        raw = protocol.sse(protocol.chat_chunk(meta, {"content": ""}) if chat
+                           else protocol.completion_chunk(meta, ""))
         marker = b'"content":""' if chat else b'"text":""'
         head, found, self._tail = raw.rpartition(marker)
         if not found:  # pragma: no cover - the chunk builders changed shape
@@ -145,33 +146,34 @@ class TextSSE:
     def __call__(self, text: str) -> bytes:
         return self._head + _JSON_STR(text).encode() + self._tail
 
-    def deltas(self, meta: P.ResponseMeta, deltas: list[P.Delta]) -> bytes:
+    def deltas(self, meta: protocol.ResponseMeta, deltas: list[protocol.Delta]) -> bytes:
         """Every delta's event, joined: text through the template, the rest as built."""
         out = []
         for d in deltas:
-            if type(d) is P.TextDelta:
+            if type(d) is protocol.TextDelta:
                 out.append(self(d.text))
             else:
-                out.extend(P.sse(c) for c in P.delta_chunks(meta, [d]))
+                out.extend(protocol.sse(c) for c in protocol.delta_chunks(meta, [d]))
         return b"".join(out)
 
 
-def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
-    return P.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
+def _usage(first: Started, assembler: protocol.TextAssembler) -> dict[str, Any]:
+    return protocol.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
 
 
-def _sse(meta: P.ResponseMeta, req: P.Request, waiting: tuple,
-         assembler: P.TextAssembler) -> AsyncIterator[bytes]:
+def _sse(meta: protocol.ResponseMeta, req: protocol.Request, waiting: tuple,
+         assembler: protocol.TextAssembler) -> AsyncIterator[bytes]:
     def refusal(refused: Refused) -> list[bytes]:
-        return [P.sse(P.error_body(refused.status, refused.message, code=refused.code)),
-                P.SSE_DONE]
+        body = protocol.error_body(refused.status, refused.message, code=refused.code)
+        return [protocol.sse(body), protocol.SSE_DONE]
 
     def closing(first: Started) -> list[bytes]:
         usage = _usage(first, assembler) if req.include_usage else None
-        return [*map(P.sse, P.final_chunks(meta, assembler.result(), usage)), P.SSE_DONE]
+        return [*map(protocol.sse, protocol.final_chunks(meta, assembler.result(), usage)),
+                protocol.SSE_DONE]
 
     text_sse = TextSSE(meta)
-    return sse_stream(waiting, assembler, opening=map(P.sse, P.first_chunks(meta)),
+    return sse_stream(waiting, assembler, opening=map(protocol.sse, protocol.first_chunks(meta)),
                       keepalive=b": keep-alive\n\n", refusal=refusal,
                       deltas=lambda item: [text_sse.deltas(meta, item)], closing=closing)
 
@@ -186,7 +188,7 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    return JSONResponse(P.models_list([request.app.state.cfg.model_name]))
+    return JSONResponse(protocol.models_list([request.app.state.cfg.model_name]))
 
 
 async def health(request: Request) -> Response:
