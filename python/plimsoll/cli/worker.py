@@ -224,7 +224,7 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
                         disk_cache_gb=disk_cache_gb)
     # The worker runs in its own session, so signals to us don't reach it: forward them.
     # The handlers are in place before the worker exists (a SIGTERM right after the ready
-    # line used to kill us by the default action and leave the worker running). Until the
+    # line would otherwise kill us by the default action and leave the worker running). Until the
     # worker is ready a signal interrupts the start (start_worker stops what it started);
     # after that it only records, and stopping happens below, outside Popen.wait's lock.
     stop: list[bool] = []

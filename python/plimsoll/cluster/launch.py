@@ -9,7 +9,7 @@ when it is stopped (SIGTERM) or when any rank dies (then it exits non-zero: the 
 a worker crash and restarts it on the next request).
 
 The proxy's own accounting of the sharded worker is rank 0's share (its weights, its
-pool), as the issue allows: that is what the worker's process tree holds beyond the
+pool): that is what the worker's process tree holds beyond the
 other ranks, and on real hosts the only share that is local. Ranks given on the proxy's
 command line (``--cluster-rank CEILING_GIB[:TOTAL_GIB[:BUDGET_GIB]]``) all run on this
 host; ranks on other hosts use ``mlx.launch`` (README).

@@ -1,7 +1,9 @@
 """Load-time admission: from live memory figures and a model's architecture to a worker's caps.
 
-This is DESIGN.md's arithmetic as one pure function. It does no I/O: callers pass the
-ceiling and total RAM (from a probe or overrides), the mode budget and the model facts.
+This is the arithmetic of docs/DESIGN.md ("The arithmetic") as one pure function. It does
+no I/O: callers pass the ceiling and total RAM (from a probe or overrides), the mode budget
+and the model facts. :func:`admit_counting_transient` wraps it with the engine's least
+transient at the context counted in the reserve (the clamp launch and the proxy call).
 
 The two knobs and their two denominators:
     allocation_limit = u × ceiling                     (``--gpu-memory-utilization u``)

@@ -8,9 +8,9 @@ a sequence of ``context`` tokens needs ``ceil(context / block_tokens)`` table bl
 the fixed blocks of its recurrent state (or window), and ``concurrency`` of them fit when
 ``concurrency × blocks_per_seq ≤ pool``. Units: bytes and tokens.
 
-**Right-sized pools.** Admission's pool fills whatever the envelope leaves (DESIGN.md),
-which is right for one worker alone but means a single worker claims the whole
-envelope and nothing can ever be co-resident. The proxy therefore caps each worker's
+**Right-sized pools.** Admission's pool fills whatever the envelope leaves (docs/DESIGN.md,
+"Admission"), which is right for one worker alone but means a single worker claims the
+whole envelope and nothing can ever be co-resident. The proxy therefore caps each worker's
 pool at what its admitted concurrency and context can use at once,
 ``concurrency × blocks_per_seq`` (:func:`pool_for`, the figure the worker checks at start),
 and accounts co-resident workers by that smaller footprint. Admission still bounds the pool
@@ -60,8 +60,8 @@ def fixed_blocks(per_sequence_fixed_bytes: int, block_bytes: int) -> int:
 
 
 def blocks_for(tokens: int, block_tokens: int, fixed: int = 0) -> int:
-    """Blocks one sequence of ``tokens`` total context reserves (DESIGN: ceil(context /
-    block)), its fixed blocks included."""
+    """Blocks one sequence of ``tokens`` total context reserves (docs/DESIGN.md, "The
+    arithmetic": ceil(context / block)), its fixed blocks included."""
     return math.ceil(tokens / block_tokens) + fixed
 
 

@@ -11,10 +11,11 @@ otherwise). The proxy's own errors speak the route's protocol: Anthropic's shape
 elsewhere; both carry the machine-readable ``code`` the metrics count.
 
 A ``model`` the policy does not serve by that name is looked up in its aliases (and the
-default rule for names coding clients send, :mod:`..aliases`); the body is relayed with
-the served name. Every answer passes :class:`~..http_edge.Edge` (``Retry-After`` on each
-429/503, one access-log line); on SIGTERM, streams still relaying when the drain time is
-up end with their protocol's error event (:mod:`..graceful`).
+default rule for names coding clients send, :mod:`plimsoll.core.aliases`); the body is
+relayed with the served name. Every answer passes :class:`plimsoll.web.edge.Edge`
+(``Retry-After`` on each 429/503, one access-log line); on SIGTERM, streams still relaying
+when the drain time is up end with their protocol's error event
+(:mod:`plimsoll.web.graceful`).
 """
 
 from __future__ import annotations
@@ -358,8 +359,8 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
              drain: Drain | None = None) -> Starlette:
     """The proxy app for ``policy``. Workers are spawned only when a request needs them.
 
-    ``drain`` is the shutdown state :func:`..graceful.serve` marks on SIGTERM (default: one
-    of ``settings.drain_s`` that nothing marks)."""
+    ``drain`` is the shutdown state :func:`plimsoll.web.graceful.serve` marks on SIGTERM
+    (default: one of ``settings.drain_s`` that nothing marks)."""
     drain = drain or Drain(settings.drain_s if settings else Settings().drain_s)
 
     @contextlib.asynccontextmanager

@@ -7,7 +7,7 @@ that model's queue (over ``max_waiting``: 429 with ``Retry-After``) and awaits o
 
 1. waits for every earlier release to be verified (refusing with 503 if one is not);
 2. admits the model alone with live inputs (503 with admission's reasons if refused),
-   right-sizes its pool (:func:`.sizing.right_size`);
+   right-sizes its pool (:func:`plimsoll.core.sizing.right_size`);
 3. asks the pure :func:`.evict.choose_evictions` which running workers must stop;
    each victim keeps its slot for ``swap_hold_s`` after its load while it is in use
    (so two clients alternating two models swap at most once per hold, not per request),

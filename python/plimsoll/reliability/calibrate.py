@@ -1,4 +1,5 @@
-"""Measured-peak calibration (DESIGN.md invariant 2): admit on what a first run really held.
+"""Measured-peak calibration: admit on what a first run really held (docs/DESIGN.md, "The
+invariants").
 
 The formula counts weights, the KV pool and a transient reserve; a real process also
 holds activations of a full-context prefill at full concurrency, MLX's buffer cache,

@@ -1,4 +1,4 @@
-"""``plimsoll verify``: the cap-comprehensiveness run (DESIGN.md invariant 7).
+"""``plimsoll verify``: the cap-comprehensiveness run (docs/DESIGN.md, "The invariants").
 
 A real worker runs in its own memory cgroup whose hard limit stands in for the wired
 ceiling; each fault kind (:mod:`.faults`) is injected in turn, the last one
