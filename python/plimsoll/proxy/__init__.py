@@ -10,9 +10,10 @@ Owns:
 - :mod:`.tripwire` — the memory-pressure backstop, acting through the narrow
   :class:`~.tripwire.Host` interface the supervisor implements;
 - :mod:`.events`, :mod:`.errors`, :mod:`.settings` — the event log, the refusals, the figures;
-- :mod:`.app` / :mod:`.admin` / :mod:`.metrics` / :mod:`.dashboard` — the HTTP edge
-  (Starlette app factory), the admin contract the link watcher calls, Prometheus metrics
-  and the dashboard.
+- :mod:`.app` / :mod:`.routing` / :mod:`.admin` / :mod:`.metrics` / :mod:`.metrics_edge` /
+  :mod:`.dashboard` — the HTTP edge (Starlette app factory and its relay), which served model
+  a body names, the admin contract the link watcher calls, Prometheus metrics (the observer
+  and ``GET /metrics``) and the dashboard.
 
 May import: :mod:`plimsoll.cluster` (to start a sharded model), :mod:`plimsoll.launch`,
 :mod:`plimsoll.guard`, :mod:`plimsoll.web`, :mod:`plimsoll.protocol`, :mod:`plimsoll.probes`,

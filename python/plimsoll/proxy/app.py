@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,7 +33,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from plimsoll.core.aliases import resolve
 from plimsoll.core.policy import Mode, Policy
 from plimsoll.web.body import read_body
 from plimsoll.web.edge import access
@@ -45,13 +43,10 @@ from .. import protocol
 from ..protocol import ProtocolError, responses_events
 from ..protocol import anthropic as anthropic_protocol
 from ..protocol.reservation import HEADER as MAX_TOKENS_HEADER
-from . import (
-    admin,
-    metrics_edge,  # GET /metrics, and the request path observed
-)
-from . import dashboard as dash  # GET /, GET /dashboard.json
+from . import admin, dashboard, metrics_edge
 from .errors import ProxyError
 from .metrics import Observer  # the request/event observer
+from .routing import route_model
 from .settings import Settings
 from .state import Lease, State, describe_exit
 from .supervisor import Supervisor
@@ -81,37 +76,6 @@ def request_error(err: ProtocolError, *, anthropic: bool) -> JSONResponse:
     """A body the proxy cannot route (too large, not a JSON object, a bad ``model``)."""
     return error(err.status, err.message, err.code or "invalid_request", param=err.param,
                  anthropic=anthropic)
-
-
-def route_model(raw: bytes, known: list[str], policy: Policy | None = None
-                ) -> tuple[str, bytes] | ProtocolError:
-    """The served model a body names (the only one when it names none; an alias of the
-    policy), and the body to relay (its ``model`` rewritten to the served name when it was
-    an alias), or why not.
-
-    The body is decoded as the worker decodes it (UTF-8, one JSON object, no NaN, bounded
-    depth), so a body the proxy passes on is one the worker can parse, and one it refuses
-    gets the same 400; the rest of the request is the worker's to check.
-    """
-    data = protocol.decode_json_body(raw)
-    if isinstance(data, ProtocolError):
-        return data
-    model = data.get("model")
-    if model is None and len(known) == 1:
-        return known[0], raw
-    if model is not None and not isinstance(model, str):
-        return ProtocolError(400, f"Invalid 'model': send the model's name as a string, got "
-                             f"{json.dumps(model)[:60]}; known models: "
-                             f"{', '.join(known) or '(none)'}", param="model",
-                             code="invalid_request")
-    if model in known:
-        return model, raw
-    served = resolve(model, policy) if policy is not None and model is not None else None
-    if served is None or served not in known:
-        return ProtocolError(404, f"the model {model!r} is not served here; known models: "
-                             f"{', '.join(known) or '(none)'} (or an alias of the policy's "
-                             "'aliases')", param="model", code="model_not_found")
-    return served, json.dumps({**data, "model": served}, ensure_ascii=False).encode()
 
 
 class PassThrough(StreamingResponse):
@@ -400,8 +364,8 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
             Route("/admin/mode", admin.get_mode, methods=["GET"]),
             Route("/admin/events", admin.get_events, methods=["GET"]),
             Route("/metrics", metrics_edge.get_metrics, methods=["GET"]),
-            Route("/", dash.page, methods=["GET"]),
-            Route("/dashboard.json", dash.data, methods=["GET"]),
+            Route("/", dashboard.page, methods=["GET"]),
+            Route("/dashboard.json", dashboard.data, methods=["GET"]),
         ],
         lifespan=lifespan,
         exception_handlers={404: NO_ROUTE, 405: NO_ROUTE},

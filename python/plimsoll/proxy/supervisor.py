@@ -167,16 +167,6 @@ class Supervisor:
                              "model_unreadable") from None
         return facts, right_size(dec)
 
-    def idle_ttl(self, w: Worker) -> float:
-        """The command line's per-model TTL, else the policy entry's ``idleTtlS`` when the
-        entry sets it, else the command line's default. 0 means never."""
-        for name, ttl in self.settings.idle_ttl_s:
-            if name == w.name:
-                return ttl
-        if "idle_ttl_s" in w.entry.model_fields_set:
-            return w.entry.idle_ttl_s
-        return self.settings.default_idle_ttl_s
-
     # --- the request path -------------------------------------------------------------------
     async def acquire(self, name: str) -> Lease:
         """A lease on a ready worker for ``name``, loading it if needed (bounded wait)."""
@@ -332,7 +322,6 @@ class Supervisor:
     async def settle_releases(self) -> None:
         await self.releases.settle()
 
-
     # --- unload, idle TTL, shutdown ---------------------------------------------------------
     async def unload(self, names: list[str]) -> dict[str, Any]:
         """Stop the named workers (drained, verified). Pending checks are re-verified."""
@@ -361,7 +350,7 @@ class Supervisor:
 
     async def _reap_once(self) -> None:
         for w in self.workers.values():
-            inc, ttl = w.current, self.idle_ttl(w)
+            inc, ttl = w.current, self.settings.idle_ttl(w.name, w.entry)
             if (ttl <= 0 or w.state is not State.READY or inc is None or inc.inflight
                     or time.monotonic() - inc.last_used < ttl or self._transitions.busy):
                 continue
