@@ -142,9 +142,10 @@ def scheduler_rounds(args) -> dict:
     import mlx.core as mx
     import psutil
     from plimsoll.engine import Engine
-    from plimsoll.engine.pool import BlockPool
     from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
-    from plimsoll.worker.scheduler import Finished, GenRequest, Scheduler, SchedulerLimits, Token
+    from plimsoll.worker.events import Finished, GenRequest, SchedulerLimits, Token
+    from plimsoll.worker.pool import BlockPool
+    from plimsoll.worker.scheduler import Scheduler
 
     total = max(args.streams) * (-(-(args.prompt_words * 3 + args.tokens + 64) // BLOCK)) + 64
     proc, loaded = psutil.Process(), {}

@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from plimsoll.cli.common import EXIT_RANK_FAILED, EXIT_REFUSED, UsageFailure
+from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS
 
 
 def _parse_rank(text: str) -> tuple[int, int, int]:
@@ -106,23 +107,25 @@ def plan_command(model, rank_figures, as_json, **request_kw) -> None:
 
     Exit status: 0 commit, 3 rollback (every rank's reasons are printed), 2 bad input.
     """
-    from plimsoll.cluster import plan as cp
+    from plimsoll.cluster import plan as cluster_plan
     from plimsoll.cluster.weights import read_config, tensor_bytes
     from plimsoll.core.model_facts import ModelInspectionError, inspect_model
 
     request = _request(local=False, **request_kw)
-    probes = [cp.RankProbe(rank=r, ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b,
-                           source="command line")
+    probes = [cluster_plan.RankProbe(rank=r, ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b,
+                                     source="command line")
               for r, (c, t, b) in enumerate(map(_parse_rank, rank_figures))]
     try:
         facts = inspect_model(model)
-        plans = cp.plan_cluster(read_config(model), facts, tensor_bytes(model), probes, request)
-    except (ModelInspectionError, cp.ClusterPlanError) as err:
+        plans = cluster_plan.plan_cluster(read_config(model), facts, tensor_bytes(model), probes,
+                                          request)
+    except (ModelInspectionError, cluster_plan.ClusterPlanError) as err:
         raise UsageFailure(str(err)) from None
-    answers = [cp.preflight(p, pr, facts, request) for p, pr in zip(plans, probes, strict=True)]
+    answers = [cluster_plan.preflight(p, pr, facts, request)
+               for p, pr in zip(plans, probes, strict=True)]
     # a pure plan has nothing to reserve: an admitted rank counts as reserved
     answers = [a.model_copy(update={"reserved": a.admitted}) for a in answers]
-    decision = cp.decide(answers, len(probes))
+    decision = cluster_plan.decide(answers, len(probes))
     if as_json:
         click.echo(json.dumps({"ranks": [a.model_dump() for a in answers],
                                "decision": decision.model_dump()}, indent=2))
@@ -191,7 +194,7 @@ class _Interrupted(Exception):
 @click.option("--port", type=click.IntRange(1, 65535), default=8090, show_default=True,
               help="Rank 0's HTTP port (the worker API: /v1/chat/completions, ...).")
 @click.option("--model-name", help="The model name clients use (default: the directory name).")
-@click.option("--default-max-tokens", type=click.IntRange(min=1), default=512,
+@click.option("--default-max-tokens", type=click.IntRange(min=1), default=DEFAULT_OUTPUT_TOKENS,
               show_default=True, help="Output reservation when a request names none.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
               help="Requests that may wait for a free slot; beyond: 503 queue_full.")

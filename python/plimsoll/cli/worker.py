@@ -1,5 +1,10 @@
 """``plimsoll worker`` (one model behind a bounded KV pool) and ``plimsoll launch`` (admission,
-then the worker with the derived caps, verified)."""
+then the worker with the derived caps, verified).
+
+``plimsoll worker``'s options are generated from the worker's contract
+(:class:`~plimsoll.core.worker_config.WorkerConfig`): one option per setting, its flag, type,
+bounds, default and help as declared there.
+"""
 
 from __future__ import annotations
 
@@ -7,128 +12,126 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import click
 
 from plimsoll.cli.common import EXIT_REFUSED, UsageFailure, invalid_figures
+from plimsoll.core.sizing import default_output, output_limit
+from plimsoll.core.worker_config import SETTINGS, Setting, WorkerConfig
+
+
+def _click_type(s: Setting) -> Any:
+    """The click type of a setting, from its annotation and its pydantic bounds."""
+    kind = s.info.annotation
+    if get_origin(kind) in (Union, UnionType):  # an optional setting: X | None
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if get_origin(kind) is Literal:
+        return click.Choice(list(get_args(kind)))
+    if kind is Path:
+        return click.Path(exists=s.spelling.existing, file_okay=False, path_type=Path)
+    bounds: dict[str, Any] = {}
+    for m in s.info.metadata:
+        bounds |= {k: v for k in ("gt", "ge", "lt", "le") if (v := getattr(m, k, None)) is not None}
+    if kind is int and bounds:  # an int's open bound is the next integer, closed
+        return click.IntRange(
+            min=bounds["ge"] if "ge" in bounds else bounds["gt"] + 1 if "gt" in bounds else None,
+            max=bounds["le"] if "le" in bounds else bounds["lt"] - 1 if "lt" in bounds else None)
+    if kind is float and bounds:
+        return click.FloatRange(min=bounds.get("ge", bounds.get("gt")),
+                                max=bounds.get("le", bounds.get("lt")),
+                                min_open="gt" in bounds, max_open="lt" in bounds)
+    return kind
+
+
+def worker_options(command: Callable) -> Callable:
+    """Every :data:`~plimsoll.core.worker_config.SETTINGS` entry as a click option (and each
+    alias after its setting), named by the setting, in declaration order."""
+    for s in reversed(SETTINGS):
+        if (alias := s.spelling.alias) is not None:
+            command = click.option(alias.flag, f"{s.name}__alias",
+                                   type=click.Choice(list(alias.values)), help=alias.help)(command)
+        if s.info.annotation is bool:
+            command = click.option(s.flag, s.name, is_flag=True,
+                                   help=s.info.description)(command)
+            continue
+        required = s.info.is_required() and not s.spelling.filled
+        command = click.option(s.flag, s.name, type=_click_type(s), required=required,
+                               default=None if s.info.is_required() else s.info.default,
+                               show_default=True, help=s.info.description)(command)
+    return command
+
+
+def merge_aliases(options: dict[str, Any]) -> dict[str, Any]:
+    """The options with each alias given turned into its setting's value (an alias that
+    disagrees with its setting is a usage error)."""
+    values = dict(options)
+    for s in SETTINGS:
+        if (alias := s.spelling.alias) is None:
+            continue
+        if (given := values.pop(f"{s.name}__alias", None)) is not None:
+            means = alias.values[given]
+            if values[s.name] not in (None, means):
+                raise UsageFailure(f"{alias.flag} {given} and {s.flag} {values[s.name]} "
+                                   f"disagree; pass one of them ({alias.flag} {given} is "
+                                   f"{s.flag} {means})")
+            values[s.name] = means
+    return values
+
+
+def config_from_options(options: dict[str, Any], read_snapshot: Callable | None = None
+                        ) -> WorkerConfig:
+    """The configuration ``plimsoll worker``'s parsed options give: an alias merged into its
+    setting, what the command line may leave out filled (the name from the directory, the
+    output limits by :func:`~plimsoll.core.sizing.output_limit`, the memory figures from the
+    live probe), then validated (a bad figure is a usage error)."""
+    from pydantic import ValidationError
+
+    values = merge_aliases(options)
+    values["model_name"] = values["model_name"] or values["model_dir"].name
+    values["max_tokens"] = values["max_tokens"] or output_limit(values["context"])
+    values["default_max_tokens"] = default_output(values["max_tokens"],
+                                                  values["default_max_tokens"])
+    if values["ceiling_bytes"] is None or values["total_ram_bytes"] is None:
+        if read_snapshot is None:
+            from plimsoll.probes import read_snapshot
+        snap = read_snapshot()
+        values["ceiling_bytes"] = values["ceiling_bytes"] or snap.ceiling_bytes
+        values["total_ram_bytes"] = values["total_ram_bytes"] or snap.total_ram_bytes
+    if values["max_tokens"] >= values["context"]:
+        raise UsageFailure(f"--max-tokens {values['max_tokens']} must be below --context "
+                           f"{values['context']}")
+    try:
+        return WorkerConfig(**values)
+    except ValidationError as err:
+        raise UsageFailure(str(err)) from None
 
 
 @click.command("worker")
-@click.option("--model", "model_dir", required=True,
-              type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Local model directory (mlx-lm layout).")
-@click.option("--model-name", help="Name clients use (default: the directory's name).")
-@click.option("--max-cache-blocks", type=click.IntRange(min=1), required=True,
-              help="Hard cap on the global live KV pool, in blocks (all sequences + prefixes).")
-@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True,
-              max_open=True), required=True,
-              help="u: MLX allocation cap = u × ceiling; trip = min(u + 0.05, 0.99) × RAM.")
-@click.option("--cache-memory-mb", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Cap on the prefix cache, which lives inside the pool (MiB).")
-@click.option("--max-num-seqs", type=click.IntRange(min=1), required=True,
-              help="Full-context sequences admission fitted in the pool at once (the "
-              "load-time worst case; launch verifies it).")
-@click.option("--max-batch", type=click.IntRange(min=1),
-              help="Sequences running at once, a runtime bound of its own: shorter requests "
-              "fit many more than --max-num-seqs when their reservations fit "
-              "[default: max(64, --max-num-seqs)].")
-@click.option("--prefill-chunk", type=click.IntRange(min=1),
-              help="Prompt tokens computed per step over all prefills, beside every running "
-              "decode: a long prompt delays running streams by at most this chunk per step "
-              "[default: 2048 on a GPU (fused prefill attention), 512 on a CPU].")
-@click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32", "q8", "q4"]),
-              help="KV cache dtype (default: the model's); q8 / q4: quantized KV, 8 / 4 bits "
-              "in groups of 64 (mlx-lm's QuantizedKVCache format), batched.")
-@click.option("--kv-bits", type=click.Choice(["8", "4"]),
-              help="Quantized KV, as mlx_lm's --kv-bits: the same as --kv-dtype q8 / q4.")
-@click.option("--transient-bytes", type=click.IntRange(min=1),
-              help="Compute transient admission counted (its reserve less the MLX buffer "
-              "cache): the prefill chunk follows the context to stay under it, and a decode "
-              "batch grows only while it does [default: unbounded; --prefill-chunk only].")
-@click.option("--block-bytes", type=click.IntRange(min=1),
-              help="Bytes per KV block admission counted: the worker refuses to start if the "
-              "loaded engine's blocks differ (launch passes it).")
-@click.option("--context", type=click.IntRange(min=2), required=True,
-              help="Configured total context per sequence (prompt + output).")
-@click.option("--block-tokens", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), help="Largest output reservation.")
-@click.option("--default-max-tokens", type=click.IntRange(min=1),
-              help="Output reservation when a request names none.")
-@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
-              help="Requests that may wait for blocks; beyond it: 503.")
-@click.option("--max-wait", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="Seconds a request may wait for blocks before a 503.")
-@click.option("--ceiling-bytes", type=click.IntRange(min=1),
-              help="The ceiling admission used (default: the live probe).")
-@click.option("--total-ram-bytes", type=click.IntRange(min=1),
-              help="Total RAM admission used (default: the live probe).")
-@click.option("--trip-offset", type=click.FloatRange(0, 0.5), default=0.05, show_default=True)
-@click.option("--mlx-cache-mb", type=click.IntRange(min=0), default=256, show_default=True,
-              help="Cap on MLX's buffer cache (mx.set_cache_limit), MiB.")
-@click.option("--wired-limit-bytes", type=click.IntRange(min=0), default=0, show_default=True,
-              help="What to wire (Metal only): 0 wires nothing.")
-@click.option("--disk-cache-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Keep KV blocks leaving memory (eviction, the trip's clear, shutdown) in "
-              "this directory and read them back for prompts that match [default: off].")
-@click.option("--disk-cache-gb", type=click.FloatRange(min=0, min_open=True), default=10.0,
-              show_default=True, help="Cap on the disk tier's files for this model, GiB.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=8081, show_default=True)
-@click.option("--max-tokens-over-limit", type=click.Choice(["clamp", "refuse"]),
-              default="clamp", show_default=True,
-              help="A request's max_tokens over --max-tokens or what the context leaves: "
-                   "clamp it (the applied figure is sent in x-plimsoll-max-tokens) or refuse "
-                   "it with a 400.")
-@click.option("--drain-timeout", "drain_s", type=click.FloatRange(min=0), default=30.0,
-              show_default=True, help="Seconds running requests may finish after SIGTERM; "
-              "then they end with the protocol's error event.")
-@click.option("--quiet", is_flag=True, help="No access-log line per request.")
-def worker_command(model_dir, model_name, max_tokens, default_max_tokens, ceiling_bytes,
-                   total_ram_bytes, **flags) -> None:
+@worker_options
+def worker_command(**options: Any) -> None:
     """Serve one model (OpenAI-compatible) whose live KV is a bounded pool of blocks.
 
     Normally started by `plimsoll launch` (or the proxy), which derives every cap from
     live admission and verifies the worker applied them.
     """
-    from pydantic import ValidationError
-
     from plimsoll.core.capability import UnsupportedModel, require_supported
     from plimsoll.core.model_facts import ModelInspectionError, check_servable, inspect_model
-    from plimsoll.worker.config import WorkerConfig
 
-    if (bits := flags.pop("kv_bits")) is not None:
-        if flags["kv_dtype"] not in (None, f"q{bits}"):
-            raise UsageFailure(f"--kv-bits {bits} and --kv-dtype {flags['kv_dtype']} disagree; "
-                               f"pass one of them (--kv-bits {bits} is --kv-dtype q{bits})")
-        flags["kv_dtype"] = f"q{bits}"
+    values = merge_aliases(options)
     try:  # a broken download is a one-line error here, not an engine traceback at load
-        check_servable(model_dir)
-        require_supported(inspect_model(model_dir, kv_dtype=flags["kv_dtype"]), model_name)
+        check_servable(values["model_dir"])
+        require_supported(inspect_model(values["model_dir"], kv_dtype=values["kv_dtype"]),
+                          values["model_name"])
     except UnsupportedModel as err:
         click.echo(f"plimsoll worker: REFUSE: {err}", err=True)
         raise SystemExit(EXIT_REFUSED) from None
     except ModelInspectionError as err:
         raise UsageFailure(str(err)) from None
-    if ceiling_bytes is None or total_ram_bytes is None:
-        from plimsoll.probes import read_snapshot
-
-        snap = read_snapshot()
-        ceiling_bytes = ceiling_bytes or snap.ceiling_bytes
-        total_ram_bytes = total_ram_bytes or snap.total_ram_bytes
-    max_tokens = max_tokens or max(1, flags["context"] // 4)
-    try:
-        cfg = WorkerConfig(
-            model_dir=model_dir, model_name=model_name or model_dir.name,
-            max_tokens=max_tokens,
-            default_max_tokens=min(default_max_tokens or 512, max_tokens),
-            ceiling_bytes=ceiling_bytes, total_ram_bytes=total_ram_bytes,
-            max_wait_s=flags.pop("max_wait"), **flags)
-    except ValidationError as err:
-        raise UsageFailure(str(err)) from None
-    if cfg.max_tokens >= cfg.context:
-        raise UsageFailure(f"--max-tokens {cfg.max_tokens} must be below --context "
-                           f"{cfg.context}")
+    cfg = config_from_options(values)
     from plimsoll.worker.app import serve_worker
 
     serve_worker(cfg)
@@ -221,7 +224,7 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
                         disk_cache_gb=disk_cache_gb)
     # The worker runs in its own session, so signals to us don't reach it: forward them.
     # The handlers are in place before the worker exists (a SIGTERM right after the ready
-    # line used to kill us by the default action and leave the worker running). Until the
+    # line would otherwise kill us by the default action and leave the worker running). Until the
     # worker is ready a signal interrupts the start (start_worker stops what it started);
     # after that it only records, and stopping happens below, outside Popen.wait's lock.
     stop: list[bool] = []

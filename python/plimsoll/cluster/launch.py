@@ -9,7 +9,7 @@ when it is stopped (SIGTERM) or when any rank dies (then it exits non-zero: the 
 a worker crash and restarts it on the next request).
 
 The proxy's own accounting of the sharded worker is rank 0's share (its weights, its
-pool), as the issue allows: that is what the worker's process tree holds beyond the
+pool): that is what the worker's process tree holds beyond the
 other ranks, and on real hosts the only share that is local. Ranks given on the proxy's
 command line (``--cluster-rank CEILING_GIB[:TOTAL_GIB[:BUDGET_GIB]]``) all run on this
 host; ranks on other hosts use ``mlx.launch`` (README).
@@ -24,14 +24,14 @@ import threading
 import time
 from pathlib import Path
 
-from plimsoll.cluster import plan as cp
+from plimsoll.cluster import plan as cluster_plan
 from plimsoll.cluster.backend import Backend
 from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.core.policy import ModelEntry, Policy
 from plimsoll.core.sizing import blocks_for
+from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.launch.spawn import LaunchError, stop_worker, wait_ready, worker_env
-from plimsoll.worker.config import WorkerConfig
 
 GIB = 1 << 30
 RankFigures = tuple[int, int, int]  # ceiling, total RAM, clustered budget (bytes)
@@ -54,10 +54,10 @@ def parse_rank_figures(text: str) -> RankFigures:
 
 
 def sharded_request(entry: ModelEntry, policy: Policy, backend: Backend = "ring"
-                    ) -> cp.ClusterRequest:
+                    ) -> cluster_plan.ClusterRequest:
     """What every rank is asked: the entry's sizes, the policy's blocks and reserve, and the
     backend (resolved already: :func:`plimsoll.cluster.backend.choose`)."""
-    return cp.ClusterRequest(
+    return cluster_plan.ClusterRequest(
         concurrency=entry.concurrency, context=entry.context, max_tokens=entry.max_tokens,
         block_tokens=policy.block_tokens, transient_reserve=policy.transient_reserve,
         min_context=policy.min_context, backend=backend)
@@ -65,7 +65,7 @@ def sharded_request(entry: ModelEntry, policy: Policy, backend: Backend = "ring"
 
 def admit_sharded(model_dir: Path, entry: ModelEntry, policy: Policy,
                   ranks: tuple[RankFigures, ...], backend: Backend = "ring"
-                  ) -> tuple[ModelFacts, AdmissionDecision, cp.ClusterDecision]:
+                  ) -> tuple[ModelFacts, AdmissionDecision, cluster_plan.ClusterDecision]:
     """Every rank's plan and preflight (pure, from the header bytes), and the decision.
 
     Returns the model's facts, rank 0's admission with the cluster's committed concurrency
@@ -75,16 +75,17 @@ def admit_sharded(model_dir: Path, entry: ModelEntry, policy: Policy,
     from plimsoll.cluster.weights import read_config, tensor_bytes
 
     request = sharded_request(entry, policy, backend)
-    probes = [cp.RankProbe(rank=r, ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b,
+    probes = [cluster_plan.RankProbe(rank=r, ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b,
                            source="plimsoll serve --cluster-rank")
               for r, (c, t, b) in enumerate(ranks)]
     facts = inspect_model(model_dir)
-    plans = cp.plan_cluster(read_config(model_dir), facts, tensor_bytes(model_dir), probes,
-                            request)
-    answers = [cp.preflight(p, pr, facts, request) for p, pr in zip(plans, probes, strict=True)]
+    plans = cluster_plan.plan_cluster(read_config(model_dir), facts, tensor_bytes(model_dir),
+                                      probes, request)
+    answers = [cluster_plan.preflight(p, pr, facts, request)
+               for p, pr in zip(plans, probes, strict=True)]
     # a pure plan has nothing to reserve: an admitted rank counts as reserved
     answers = [a.model_copy(update={"reserved": a.admitted}) for a in answers]
-    decision = cp.decide(answers, len(ranks))
+    decision = cluster_plan.decide(answers, len(ranks))
     d0 = answers[0].decision
     if decision.action == "commit":
         d0 = d0.model_copy(update={
@@ -101,7 +102,7 @@ def admit_sharded(model_dir: Path, entry: ModelEntry, policy: Policy,
 
 
 def cluster_serve_argv(cfg: WorkerConfig, ranks: tuple[RankFigures, ...],
-                       request: cp.ClusterRequest) -> list[str]:
+                       request: cluster_plan.ClusterRequest) -> list[str]:
     """``plimsoll cluster serve`` for this worker: its port and name, every rank's figures."""
     argv = [sys.executable, "-m", "plimsoll.cli", "cluster", "serve", str(cfg.model_dir),
             "--host", cfg.host, "--port", str(cfg.port), "--model-name", cfg.model_name,
@@ -143,7 +144,7 @@ def _tee(stream, tail: collections.deque) -> None:
 
 
 def start_cluster_worker(cfg: WorkerConfig, timeout_s: float, stdout=None, *,
-                         ranks: tuple[RankFigures, ...], request: cp.ClusterRequest,
+                         ranks: tuple[RankFigures, ...], request: cluster_plan.ClusterRequest,
                          footprint_bytes: int | None = None,
                          env: dict[str, str] | None = None) -> tuple[subprocess.Popen, dict]:
     """Start ``plimsoll cluster serve``, wait for rank 0's status, check it; or stop it.

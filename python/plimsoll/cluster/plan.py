@@ -5,7 +5,7 @@ ceiling, total RAM and clustered budget, measured where it runs), the model's co
 its :class:`~plimsoll.core.model_facts.ModelFacts` and the per-tensor byte counts read from the
 safetensors headers (:mod:`plimsoll.cluster.weights`).
 
-The shape of the protocol (DESIGN.md invariant 5):
+The shape of the protocol (docs/DESIGN.md, "The invariants"):
 
 1. **Plan.** The layers are split into contiguous ranges, one per rank, in proportion to
    each rank's capacity ``min(budget, ceiling)`` (largest remainder, at least one layer each).

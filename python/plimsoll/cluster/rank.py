@@ -62,6 +62,7 @@ from plimsoll.cluster.exits import (
     emit,
 )
 from plimsoll.cluster.stage import Ring, load_stage
+from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS
 
 
 def _parent_watchdog(period: float = 0.5) -> None:
@@ -141,7 +142,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     s.add_argument("--serve-port", type=int, help="Rank 0 serves HTTP on this port.")
     s.add_argument("--serve-host", default="127.0.0.1")
     s.add_argument("--model-name", help="The name clients use (default: the directory name).")
-    s.add_argument("--default-max-tokens", type=int, default=512)
+    s.add_argument("--default-max-tokens", type=int, default=DEFAULT_OUTPUT_TOKENS)
     s.add_argument("--max-queue", type=int, default=64)
     s.add_argument("--max-wait", type=float, default=30.0)
     s.add_argument("--trip-offset", type=float, default=0.05)
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
-    from plimsoll.cluster import plan as cp
+    from plimsoll.cluster import plan as cluster_plan
     from plimsoll.cluster.weights import read_config, tensor_bytes
     from plimsoll.core.model_facts import inspect_model
 
@@ -202,25 +203,27 @@ def main(argv: list[str] | None = None) -> int:
     ring = Ring(mx, group, request.backend)
     try:
         probe = _own_probe(args, ring.rank)
-        probes = [cp.RankProbe.model_validate(x) for x in ring.all_gather_json(probe.model_dump())]
+        probes = [cluster_plan.RankProbe.model_validate(x)
+                  for x in ring.all_gather_json(probe.model_dump())]
         config, facts = read_config(args.model), inspect_model(args.model)
-        plans = cp.plan_cluster(config, facts, tensor_bytes(args.model), probes, request)
-        answer = cp.preflight(plans[ring.rank], probe, facts, request)
+        plans = cluster_plan.plan_cluster(config, facts, tensor_bytes(args.model), probes, request)
+        answer = cluster_plan.preflight(plans[ring.rank], probe, facts, request)
         previous_limit = None
         if answer.admitted:  # reserve: this rank may allocate no more than it was admitted
             previous_limit = mx.set_memory_limit(answer.decision.allocation_limit_bytes)
             answer = answer.model_copy(update={"reserved": True})
         emit("preflight", rank=ring.rank, answer=answer.model_dump())
-        answers = [cp.Preflight.model_validate(x)
+        answers = [cluster_plan.Preflight.model_validate(x)
                    for x in ring.all_gather_json(answer.model_dump())]
-        decision = cp.decide(answers, ring.size)
+        decision = cluster_plan.decide(answers, ring.size)
         emit("decision", rank=ring.rank, decision=decision.model_dump())
         if decision.action == "rollback":
             if previous_limit is not None:
                 mx.set_memory_limit(previous_limit)
             return EXIT_ROLLBACK
         # the MLX buffer cache is capped too (invariant 4): half the transient reserve
-        mx.set_cache_limit(cp.cache_limit_mib(answer.decision.transient_reserve_bytes) << 20)
+        reserve = answer.decision.transient_reserve_bytes
+        mx.set_cache_limit(cluster_plan.cache_limit_mib(reserve) << 20)
         plan, limit = plans[ring.rank], answer.decision.allocation_limit_bytes
         if request.stage == "engine":
             engine, check, loaded_bytes = _engine_rank(mx, ring, args.model, plan, request,

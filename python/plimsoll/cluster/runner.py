@@ -57,6 +57,7 @@ from plimsoll.cluster.exits import (
     ClusterRefused,
 )
 from plimsoll.cluster.plan import ClusterDecision, ClusterRequest
+from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS
 from plimsoll.web.serve import free_port
 
 
@@ -78,7 +79,7 @@ class ServeSpec:
     port: int
     host: str = "127.0.0.1"
     model_name: str | None = None
-    default_max_tokens: int = 512
+    default_max_tokens: int = DEFAULT_OUTPUT_TOKENS
     max_queue: int = 64
     max_wait_s: float = 30.0
 
@@ -160,7 +161,7 @@ class Cluster:
 
     def _guard_limits(self) -> list[int] | None:
         """Each rank's cgroup limit: its admitted footprint (the pure plan) + the margin."""
-        from plimsoll.cluster import plan as cp
+        from plimsoll.cluster import plan as cluster_plan
         from plimsoll.cluster.weights import read_config, tensor_bytes
         from plimsoll.core.model_facts import inspect_model
         from plimsoll.guard.process import guard_limit
@@ -169,13 +170,15 @@ class Cluster:
                for s in self.ranks):
             self.guard_note = "a rank reads its own probe: no figures to size its cgroup by"
             return None
-        probes = [cp.RankProbe(rank=r, ceiling_bytes=s.ceiling_bytes,
-                               total_ram_bytes=s.total_ram_bytes, budget_bytes=s.budget_bytes)
+        probes = [cluster_plan.RankProbe(rank=r, ceiling_bytes=s.ceiling_bytes,
+                                         total_ram_bytes=s.total_ram_bytes,
+                                         budget_bytes=s.budget_bytes)
                   for r, s in enumerate(self.ranks)]
         facts = inspect_model(self.model_dir)
-        plans = cp.plan_cluster(read_config(self.model_dir), facts,
-                                tensor_bytes(self.model_dir), probes, self.request)
-        return [guard_limit(cp.preflight(p, pr, facts, self.request).decision.footprint_bytes)
+        plans = cluster_plan.plan_cluster(read_config(self.model_dir), facts,
+                                          tensor_bytes(self.model_dir), probes, self.request)
+        return [guard_limit(
+                    cluster_plan.preflight(p, pr, facts, self.request).decision.footprint_bytes)
                 for p, pr in zip(plans, probes, strict=True)]
 
     def _make_guards(self) -> None:

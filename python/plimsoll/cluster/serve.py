@@ -41,10 +41,11 @@ from starlette.concurrency import run_in_threadpool
 
 from plimsoll.cluster.exits import EXIT_OK, EXIT_OTHER, RingFailure, emit
 from plimsoll.cluster.plan import cache_limit_mib
-from plimsoll.core.sizing import fixed_blocks
-from plimsoll.engine.pool import BlockPool
-from plimsoll.worker.config import WorkerConfig
-from plimsoll.worker.scheduler import Scheduler, SchedulerLimits
+from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS, default_output, fixed_blocks
+from plimsoll.core.worker_config import WorkerConfig
+from plimsoll.worker.events import SchedulerLimits
+from plimsoll.worker.pool import BlockPool
+from plimsoll.worker.scheduler import Scheduler
 
 log = logging.getLogger("plimsoll.cluster")
 PING_S = 2.0
@@ -235,7 +236,7 @@ class ClusterFacts:
 
 
 def ring_worker_config(cf: ClusterFacts, *, model_name: str | None, host: str, port: int,
-                       default_max_tokens: int = 512, max_queue: int = 64,
+                       default_max_tokens: int = DEFAULT_OUTPUT_TOKENS, max_queue: int = 64,
                        max_wait_s: float = 30.0, trip_offset: float = 0.05) -> WorkerConfig:
     """Rank 0's worker configuration: the committed concurrency and context, the ring's
     pool, rank 0's own allocation limit and trip (the memory it can see)."""
@@ -246,7 +247,7 @@ def ring_worker_config(cf: ClusterFacts, *, model_name: str | None, host: str, p
         max_cache_blocks=cf.pool_blocks, gpu_memory_utilization=d0.gpu_memory_utilization,
         cache_memory_mb=0, max_num_seqs=cf.decision.concurrency, context=cf.decision.context,
         block_tokens=cf.request.block_tokens, max_tokens=max_tokens,
-        default_max_tokens=min(default_max_tokens, max_tokens), max_queue=max_queue,
+        default_max_tokens=default_output(max_tokens, default_max_tokens), max_queue=max_queue,
         max_wait_s=max_wait_s, ceiling_bytes=d0.ceiling_bytes,
         total_ram_bytes=d0.total_ram_bytes, trip_offset=trip_offset,
         mlx_cache_mb=cache_limit_mib(d0.transient_reserve_bytes), host=host, port=port)

@@ -1,7 +1,9 @@
 """Load-time admission: from live memory figures and a model's architecture to a worker's caps.
 
-This is DESIGN.md's arithmetic as one pure function. It does no I/O: callers pass the
-ceiling and total RAM (from a probe or overrides), the mode budget and the model facts.
+This is the arithmetic of docs/DESIGN.md ("The arithmetic") as one pure function. It does
+no I/O: callers pass the ceiling and total RAM (from a probe or overrides), the mode budget
+and the model facts. :func:`admit_counting_transient` wraps it with the engine's least
+transient at the context counted in the reserve (the clamp launch and the proxy call).
 
 The two knobs and their two denominators:
     allocation_limit = u × ceiling                     (``--gpu-memory-utilization u``)
@@ -23,15 +25,26 @@ what to change, not an exception.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from plimsoll.core.sizing import blocks_for, context_for, fixed_blocks, pool_problem
+from plimsoll.core.sizing import (
+    blocks_for,
+    compute_transient_bytes,
+    context_for,
+    fixed_blocks,
+    largest_fitting,
+    pool_problem,
+)
+from plimsoll.core.transients import PREFILL_CHUNK, prefill_chunk, transient_floor
 from plimsoll.core.units import fmt_bytes
 
-__all__ = ["AdmissionDecision", "AdmissionRequest", "admit", "blocks_for", "fixed_blocks",
-           "trip_fraction"]
+if TYPE_CHECKING:  # pragma: no cover
+    from plimsoll.core.model_facts import ModelFacts
+
+__all__ = ["AdmissionDecision", "AdmissionRequest", "admit", "admit_counting_transient",
+           "blocks_for", "fixed_blocks", "trip_fraction"]
 
 Decision = Literal["admit", "clamp", "refuse"]
 TRIP_CAP = 0.99
@@ -249,3 +262,57 @@ def _refusal_remedies(
         "lower the transient reserve, lower max tokens or the minimum context, "
         "or use a smaller (or more quantized) model",
     ]
+
+
+# ------------------------------------------------ the transient at the context, counted
+
+
+def _chunk(facts: ModelFacts, d: AdmissionDecision, context: int) -> int:
+    return prefill_chunk(facts, context, compute_transient_bytes(d.transient_reserve_bytes),
+                         block_tokens=d.block_tokens,
+                         most=PREFILL_CHUNK)
+
+
+def _at(facts: ModelFacts, req: AdmissionRequest, context: int) -> AdmissionRequest:
+    """``req`` at ``context``, its transient floor counted at that context."""
+    ctx = min(context, req.native_max_context or context)
+    return req.model_copy(update={
+        "context": context, "transient_floor_bytes": transient_floor(facts, ctx, req.block_tokens)})
+
+
+def admit_counting_transient(facts: ModelFacts, req: AdmissionRequest) -> AdmissionDecision:
+    """Admission with the prefill transient at the context counted in the reserve.
+
+    The reserve grows to hold the engine's least transient at the context (taken from the
+    pool, which admission then fits as usual), so the chunk shrinks as the context grows
+    and the context is not cut to fit a fixed fraction. Only when the envelope cannot hold
+    that transient beside one sequence is the context clamped: to the longest whose own
+    transient fits (one search), else the refusal stands.
+    """
+    target = min(req.context, req.native_max_context or req.context)
+    d = admit(_at(facts, req, req.context))
+    if d.admitted and d.context == target and _chunk(facts, d, d.context) > 0:
+        return d
+    if not admit(req.model_copy(update={"transient_floor_bytes": 0})).admitted:
+        return d  # refused whatever the transient: admission's own reasons say why
+    floor = max(min(req.min_context, target), req.max_tokens + 1)
+
+    def fits(ctx: int) -> bool:  # admitted at ctx, its own transient counted, not cut further
+        got = admit(_at(facts, req, ctx))
+        return got.admitted and got.context == ctx
+
+    best = largest_fitting(floor, target - 1, fits, step=req.block_tokens)
+    need = transient_floor(facts, target, req.block_tokens)
+    why = (f"the prefill transient at context {target} (a reserve of {fmt_bytes(need)}: "
+           "the gather of the context and one block of queries) and one sequence of it do not "
+           "fit the envelope together")
+    if best is None and d.admitted:
+        return d  # admission's own clamp, its transient counted at the longer context
+    if best is not None:
+        again = admit(_at(facts, req, best))
+        return again.model_copy(update={"decision": "clamp", "requested_context": req.context,
+                                        "reasons": [*again.reasons, f"context clamped to "
+                                                    f"{again.context}: {why}"]})
+    return d.model_copy(update={"decision": "refuse", "reasons": [
+        *d.reasons, f"refused: {why}, nor at the minimum context {floor}: raise the budget, "
+        "or lower the context or the concurrency"]})

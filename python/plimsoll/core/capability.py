@@ -7,13 +7,14 @@ class for it) and what would serve it, so nobody learns it from a worker that ex
 reading gigabytes of weights.
 
 :data:`ENGINE_SUPPORT` is the one table of what the worker's engine serves. It describes the
-engine in ``plimsoll.engine`` today (the block-paged engine of issue 14, ``engine/core.py``):
+engine in ``plimsoll.engine`` (the block-paged engine, ``engine/core.py``):
 full-attention ``KVCache`` in blocks, MLA's latent + rope-key blocks (``engine/latent.py``),
 sparse-attention indexer keys, recurrent state of any slot count (``ArraysCache``, gated-delta /
 mamba2 layers beside full attention) per sequence, sliding windows (``RotatingKVCache`` with
 ``keep=0``: a ring of the window per sequence, ``engine/window.py``), and ``CacheList`` layers
-of those, each member in its own kind (``engine/composite.py``). Issue 15 adds the rest.
-Change the table, not the callers.
+of those, each member in its own kind (``engine/composite.py``). A refusal says what runs
+the model instead (mlx-lm's own server or generate, unbatched). Change the table, not the
+callers.
 """
 
 from __future__ import annotations
@@ -68,9 +69,6 @@ class UnsupportedModel(ModelInspectionError):
         self.refusal = refusal
 
 
-_SERVED_BY = "served by plimsoll once issue 15 lands"
-
-
 def check(facts: ModelFacts, name: str | None = None) -> Unsupported | None:
     """The first reason this engine cannot serve ``facts``' model, or None if it can."""
     who = f"{name} ({facts.model_type})" if name and name != facts.model_type \
@@ -80,14 +78,14 @@ def check(facts: ModelFacts, name: str | None = None) -> Unsupported | None:
         return Unsupported("state-only", (
             f"{who}: a pure state-space model (every layer holds recurrent state, "
             f"{facts.state_bytes_per_seq} B a sequence; no attention KV to page) is not "
-            f"served yet by this engine; mlx_lm.server or mlx_lm.generate run it; {_SERVED_BY}"))
+            f"served yet by this engine; mlx_lm.server or mlx_lm.generate run it"))
     for c in caches:
         support = ENGINE_SUPPORT[c.kind]
         if not support.served:
             return Unsupported(c.kind, (
                 f"{who}: {support.what} ({c.mlx_cache}, {len(c.layers)} of "
                 f"{facts.num_layers} layers) are not served yet by this engine: "
-                f"{support.unserved_reason}; {_SERVED_BY}"))
+                f"{support.unserved_reason}"))
         if c.kind == "window" and c.keep:
             return Unsupported("window", (
                 f"{who}: sliding-window layers that keep their first {c.keep} tokens forever "
@@ -96,19 +94,17 @@ def check(facts: ModelFacts, name: str | None = None) -> Unsupported | None:
         if c.mlx_cache.startswith("CacheList") and not SERVES_CACHE_LIST:
             return Unsupported("cache-list", (
                 f"{who}: layers holding several caches at once ({c.mlx_cache}) are not "
-                f"served yet by this engine; mlx_lm.server serves the model unbatched; "
-                f"{_SERVED_BY}"))
+                f"served yet by this engine; mlx_lm.server serves the model unbatched"))
         if c.kind == "state" and STATE_SLOTS is not None and c.state_slots not in STATE_SLOTS:
             return Unsupported("state", (
                 f"{who}: recurrent state of {c.state_slots} array(s) a layer "
                 f"(ArraysCache(size={c.state_slots}), {len(c.layers)} layers) is not served "
                 f"yet by this engine, which batches {sorted(STATE_SLOTS)}-array states; "
-                f"mlx_lm.server serves the model unbatched; served by the block-paged engine "
-                f"(issue 14)"))
+                f"mlx_lm.server serves the model unbatched"))
     if facts.kv_bits and not SERVES_QUANTIZED_KV:
         return Unsupported("quantized-kv", (
             f"{who}: quantized KV ({facts.kv_format}) is not served yet by this engine; "
-            f"set kvDtype to auto, float16 or bfloat16 (or drop --kv-dtype); {_SERVED_BY}"))
+            f"set kvDtype to auto, float16 or bfloat16 (or drop --kv-dtype)"))
     if facts.kv_bits and (other := sorted({c.kind for c in caches} - QUANTIZED_KINDS
                                           | {"CacheList" for c in caches
                                              if c.mlx_cache.startswith("CacheList")})):

@@ -5,7 +5,7 @@ the Nix modules (which write the file) and Python (which reads it). The schema i
 generated from these models (``plimsoll policy schema``) and a test fails when the
 committed copy drifts from them.
 
-Units: every ``…Gb`` field is GiB (``× 1024³``), as in DESIGN.md; fractions are
+Units: every ``…Gb`` field is GiB (``× 1024³``), as in docs/DESIGN.md; fractions are
 fractions of the mode's budget. Field names in the file are camelCase (Nix style).
 
 Invariants checked here (each error names the field):
@@ -32,6 +32,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from .sizing import DEFAULT_OUTPUT_TOKENS, default_output
 from .units import gib_to_bytes
 
 SCHEMA_VERSION = 1
@@ -120,7 +121,7 @@ class ModelEntry(_Strict):
         default=1, ge=1, le=1024, description="Requested concurrent sequences."
     )
     default_max_tokens: int = Field(
-        default=512, ge=1,
+        default=DEFAULT_OUTPUT_TOKENS, ge=1,
         description="Output reservation when a request names none (at most maxTokens).",
     )
     max_tokens: int = Field(default=4096, ge=1, description="Largest output reservation allowed.")
@@ -149,7 +150,7 @@ class ModelEntry(_Strict):
         """An omitted defaultMaxTokens never exceeds an explicit, smaller maxTokens."""
         max_tokens = data.get("maxTokens") if isinstance(data, dict) else None
         if isinstance(max_tokens, int) and "defaultMaxTokens" not in data:
-            data = {**data, "defaultMaxTokens": min(512, max_tokens)}
+            data = {**data, "defaultMaxTokens": default_output(max_tokens)}
         return data
 
     @model_validator(mode="after")

@@ -3,14 +3,14 @@ pool, the worker's start-up check, the cache and MLX buffer caps, the shared env
 release check. Admission, launch, the worker, the proxy and the cluster plan all call these,
 so no two of them can disagree about what a pool holds.
 
-**No headroom.** With a block-paged pool (:mod:`plimsoll.engine.pool`) nothing moves, so
+**No headroom.** With a block-paged pool (:mod:`plimsoll.worker.pool`) nothing moves, so
 a sequence of ``context`` tokens needs ``ceil(context / block_tokens)`` table blocks plus
 the fixed blocks of its recurrent state (or window), and ``concurrency`` of them fit when
 ``concurrency × blocks_per_seq ≤ pool``. Units: bytes and tokens.
 
-**Right-sized pools.** Admission's pool fills whatever the envelope leaves (DESIGN.md),
-which is right for one worker alone but means a single worker claims the whole
-envelope and nothing can ever be co-resident. The proxy therefore caps each worker's
+**Right-sized pools.** Admission's pool fills whatever the envelope leaves (docs/DESIGN.md,
+"Admission"), which is right for one worker alone but means a single worker claims the
+whole envelope and nothing can ever be co-resident. The proxy therefore caps each worker's
 pool at what its admitted concurrency and context can use at once,
 ``concurrency × blocks_per_seq`` (:func:`pool_for`, the figure the worker checks at start),
 and accounts co-resident workers by that smaller footprint. Admission still bounds the pool
@@ -60,8 +60,8 @@ def fixed_blocks(per_sequence_fixed_bytes: int, block_bytes: int) -> int:
 
 
 def blocks_for(tokens: int, block_tokens: int, fixed: int = 0) -> int:
-    """Blocks one sequence of ``tokens`` total context reserves (DESIGN: ceil(context /
-    block)), its fixed blocks included."""
+    """Blocks one sequence of ``tokens`` total context reserves (docs/DESIGN.md, "The
+    arithmetic": ceil(context / block)), its fixed blocks included."""
     return math.ceil(tokens / block_tokens) + fixed
 
 
@@ -137,6 +137,32 @@ def largest_fitting(low: int, high: int, fits, step: int = 1) -> int | None:
         else:
             hi = mid - 1
     return lo * step
+
+
+#: The output reservation of a request that names none (``--default-max-tokens``, a policy
+#: entry's ``defaultMaxTokens``), at most the largest the worker allows.
+DEFAULT_OUTPUT_TOKENS = 512
+#: The cap on the default output limit ``plimsoll launch`` / ``admit`` give a model whose
+#: policy entry and flags name none: a modest reservation for a general-purpose worker.
+LAUNCH_OUTPUT_CAP = 1024
+#: The cap on the output limit ``plimsoll serve`` sizes for coding clients (Claude Code,
+#: OpenCode and Codex ask for 32000 tokens; a larger request is clamped to the limit).
+CLIENT_OUTPUT_CAP = 32768
+
+
+def output_limit(context: int, cap: int | None = None) -> int:
+    """The largest output reservation when none is given: a quarter of the context, at most
+    ``cap`` (``None``: no cap, as ``plimsoll worker`` started by hand), at least one token,
+    always below the context. The one output-length rule: the worker, launch's admission
+    and ``plimsoll serve``'s sizing all call it, each with its cap."""
+    quarter = context // 4 if cap is None else min(cap, context // 4)
+    return max(1, min(quarter, context - 1))
+
+
+def default_output(max_tokens: int, given: int | None = None) -> int:
+    """The output reservation of a request that names none: ``given`` (else
+    :data:`DEFAULT_OUTPUT_TOKENS`), at most ``max_tokens``."""
+    return min(given or DEFAULT_OUTPUT_TOKENS, max_tokens)
 
 
 def default_max_batch(max_num_seqs: int) -> int:

@@ -1,21 +1,24 @@
 """The engine: an mlx-lm model over block-paged KV, driven one :class:`Step` at a time.
 
 Owns: :mod:`.work` (the pure contract between scheduler and engine: Sampling,
-TokenConstraint, Work, Step, and the transient arithmetic admission counts),
+TokenConstraint, Work, Step; the transients a step holds are counted in
+:mod:`plimsoll.core.transients`),
 :mod:`.core` (the Engine: steps, pipelining, recurrent state), :mod:`.paged` (the
 physical pools, one kind per cache layer), :mod:`.attention` (the cache views mlx-lm's
 models see and the routed attention), :mod:`.latent` (MLA's latent + rope-key blocks
 and view), :mod:`.composite` (mlx-lm ``CacheList`` layers, one kind per member),
 :mod:`.window` (sliding-window layers: a ring of the window per sequence), :mod:`.sampling`,
 :mod:`.state` (recurrent state of hybrid models), :mod:`.limits` (process-wide MLX limits),
-:mod:`.warmup` (a GPU backend's first-use compilation paid at load), :mod:`.pool` (the
-pure block pool) and :mod:`.drive` (an in-process driver for tests and benchmarks).
+:mod:`.warmup` (a GPU backend's first-use compilation paid at load) and :mod:`.drive` (an in-process
+driver for tests and benchmarks). Which block holds what
+is the scheduler's block pool (:mod:`plimsoll.worker.pool`); the engine writes where a
+table says.
 
 May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, latent,
 composite, window, sampling, state, limits, warmup and drive only).
 
 The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``
-and ``.pool`` import without mlx; ``from plimsoll.engine import Engine`` loads
+imports without mlx; ``from plimsoll.engine import Engine`` loads
 the mlx edge.
 """
 

@@ -57,7 +57,7 @@ def process_limits(memory_limit: int, cache_limit: int, wired_limit: int):
     the limits took effect. ``mx.set_memory_limit`` is not enforced by the CPU backend
     (an over-allocation dies with SIGSEGV): the pool and admission are the enforcement;
     this cap is a second line where the backend honours it. ``wired_limit`` 0 wires
-    nothing (never MLX's recommended maximum, the seed's first root cause).
+    nothing (never MLX's recommended maximum: wiring that much can panic the host).
     ``PLIMSOLL_FAULT_SKIP_MEMORY_LIMIT=1`` skips the memory cap (fault injection for the
     test that the launch wrapper notices a limit that did not take).
     """

@@ -24,7 +24,7 @@ reads and the growth are the same. Group size 64 (mlx-lm's ``kv_group_size`` def
     context into the model's dtype, then ``mx.fast.scaled_dot_product_attention``
     (``"causal"``) — 5 × faster than the quantized matmuls at 128-512 queries; the float
     copy of the context is counted in the prefill transient
-    (:func:`plimsoll.engine.work.prefill_transient_bytes`).
+    (:func:`plimsoll.core.transients.prefill_transient_bytes`).
 - A prefill chunk at position 0 attends to its own fresh (float) K/V, as mlx-lm's first
   prefill chunk does before ``maybe_quantize_kv_cache`` converts its cache.
 - MLX's CUDA paged-decode kernel (:mod:`plimsoll.engine.paged_cuda`) reads float pools
@@ -189,7 +189,7 @@ def _cuda() -> bool:
     """MLX's CUDA backend: its ``quantized_matmul`` has no kernel for the attention shapes a
     decode makes (measured on the H200: "No implementation for problem shape 1x195x128x32"
     at 8 and 4 bits), so reads there dequantize the gathered blocks first (the decode
-    transient counts that float copy: engine/work.py)."""
+    transient counts that float copy: core/transients.py)."""
     return mx.default_device().type == mx.DeviceType.gpu and not _metal()
 
 

@@ -1,12 +1,11 @@
 """Sliding-window layers (mlx-lm ``RotatingKVCache``) in the block-paged engine (imports mlx).
 
-**The design chosen** (issue 15, option (b)): a window layer's K/V live in a bounded
-per-sequence *ring* of exactly ``window`` slots, not in the shared block pool. Every
-window layer owns one ring region shaped ``(kv_heads, rows × window, dim)`` (a
-:class:`~plimsoll.engine.paged.FullAttention` whose "block" is one ring of ``window``
-tokens); a running sequence holds one row of it, the same row in every window layer
-(:class:`Rings`), and the token at position ``p`` lives in slot ``row × window + p % window``.
-So:
+**The design**: a window layer's K/V live in a bounded per-sequence *ring* of exactly
+``window`` slots, not in the shared block pool. Every window layer owns one ring region
+shaped ``(kv_heads, rows × window, dim)`` (a :class:`~plimsoll.engine.paged.FullAttention`
+whose "block" is one ring of ``window`` tokens); a running sequence holds one row of it, the
+same row in every window layer (:class:`Rings`), and the token at position ``p`` lives in
+slot ``row × window + p % window``. So:
 
 - memory for window layers is ``window`` tokens a sequence, whatever its length — exactly
   what model facts count as ``per_sequence_fixed_bytes`` (``RotatingKVCache`` at its cap),
@@ -20,10 +19,10 @@ So:
   ``fixed_blocks_per_seq`` under the cache cap, as recurrent state's are;
 - full-attention layers of the same model stay in the shared block pool, unchanged.
 
-Why not vLLM's separate block group (option (a)): it needs a second table per sequence in
-the pure pool and the scheduler (both changed by other work at the same time), and a
-prefix hit then needs the window group's last blocks before the hit to be still cached —
-a second eviction policy. The ring needs no change to the pool, the scheduler or
+Why a ring, not a separate block group for window layers (vLLM's way): a block group needs
+a second table per sequence in the pure pool and the scheduler, and a prefix hit then needs
+the window group's last blocks before the hit to be still cached — a second eviction
+policy. The ring needs no change to the pool, the scheduler or
 admission (which already counted windows at their cap), costs ``window`` tokens a live
 sequence (the same as mlx-lm's ``RotatingKVCache`` once it has wrapped) and one decode
 gather of ``rows × window`` per window layer — bounded, unlike a full layer's gather.

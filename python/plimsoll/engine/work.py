@@ -2,8 +2,9 @@
 
 The scheduler (the pool's owner) decides which tokens are written where; the engine
 only executes a :class:`Step` against physical blocks it is told about. Importing
-this module never imports mlx, so the scheduler, admission and their tests can use
-it without a model.
+this module never imports mlx, so the scheduler and its tests can use it without a
+model. What a step holds beside the pool (its transients) is counted in
+:mod:`plimsoll.core.transients`.
 
 Positions inside a block table: the token at position ``p`` lives in block
 ``block_table[p // block_tokens]`` at offset ``p % block_tokens``. A block may sit
@@ -18,12 +19,6 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy
-
-    from plimsoll.core.model_facts import ModelFacts
-
-# Activations and attention scores are counted at 4 bytes (float32) whatever the model's
-# dtype: mlx's CPU attention and softmax run in float32, and it is the upper bound.
-_ACT_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -84,113 +79,3 @@ class Step:
 
     decodes: tuple[Work, ...] = ()
     prefills: tuple[Work, ...] = ()
-
-
-# ---------------------------------------------------------------- the engine's transients
-
-
-def gather_transient_bytes(facts: ModelFacts, batch_tokens: int) -> int:
-    """Bytes of the gather one attention call reads through: K and V of ``batch_tokens``
-    slots of one layer, twice (the gather plus its cast to the queries' dtype when the pool
-    dtype differs; otherwise headroom for the next layer's gather in flight).
-
-    The engine gathers whole blocks: a decode batch reads ``rows × longest`` slots with
-    ``longest`` rounded up to a whole block, a prefill chunk its table's blocks up to
-    ``start + chunk``. A single table of consecutive blocks is read as a view and needs
-    none of this: the figure is an upper bound.
-    """
-    if facts.kv_layers == 0 or batch_tokens <= 0:
-        return 0
-    per_layer_token = facts.kv_bytes_per_token // facts.kv_layers  # K and V of one layer
-    return 2 * per_layer_token * batch_tokens
-
-
-def dequant_transient_bytes(facts: ModelFacts, tokens: int) -> int:
-    """Quantized KV only: the float copy of K and V of ``tokens`` slots of one layer that a
-    prefill chunk attends through (engine/quantized.py dequantizes its gathered context;
-    a decode on CUDA too, so a decode batch counts it on every backend); 0 for float pools."""
-    if not facts.kv_bits or tokens <= 0:
-        return 0
-    return 2 * facts.num_key_value_heads * facts.head_dim * facts.kv_dtype_bytes * tokens
-
-
-def _per_chunk_token_bytes(facts: ModelFacts, context: int, fused: bool = False) -> int:
-    """Transient bytes one more query token adds: its attention scores against
-    ``context`` keys and their softmax (mlx's unfused attention holds both; a fused kernel,
-    ``fused``, holds only tiles of them), and its activations in one layer."""
-    heads = facts.num_attention_heads or facts.num_key_value_heads
-    hidden = facts.hidden_size or heads * facts.head_dim
-    inter = facts.intermediate_size or 4 * hidden
-    # scores and softmax (none in a fused attention); MLA also holds its positional scores
-    # and their masked copy, the additive mask it hands the attention, fused or not
-    arrays = (0 if fused else 2) + (2 if facts.prefill_expand_per_token else 0)
-    scores = arrays * heads * context * _ACT_BYTES
-    acts = (4 * hidden + 3 * inter + 2 * heads * facts.head_dim) * _ACT_BYTES
-    return scores + acts
-
-
-def decode_transient_bytes(facts: ModelFacts, rows: int, longest: int,
-                           block_tokens: int = 16) -> int:
-    """Transient bytes of one batched decode step: the gather of ``rows × longest`` slots
-    (whole blocks; for quantized KV also their float copy, see
-    :func:`dequant_transient_bytes`) plus every row's scores and activations (one query
-    token each)."""
-    if rows <= 0:
-        return 0
-    slots = rows * _whole(longest, block_tokens)
-    return (gather_transient_bytes(facts, slots) + dequant_transient_bytes(facts, slots)
-            + rows * _per_chunk_token_bytes(facts, longest))
-
-
-def _whole(tokens: int, block_tokens: int) -> int:
-    return -(-tokens // block_tokens) * block_tokens
-
-
-def prefill_transient_bytes(facts: ModelFacts, chunk: int, context: int,
-                            block_tokens: int = 16, fused: bool = False) -> int:
-    """Transient bytes of one prefill chunk of ``chunk`` tokens ending at ``context``
-    (``fused``: the backend's prefill attention is a fused kernel, see
-    :func:`_per_chunk_token_bytes`)."""
-    if chunk <= 0:
-        return 0
-    context = max(context, chunk)
-    return (_context_transient_bytes(facts, _whole(context, block_tokens))
-            + chunk * _per_chunk_token_bytes(facts, context, fused))
-
-
-def _context_transient_bytes(facts: ModelFacts, tokens: int) -> int:
-    """A prefill chunk's transient that follows the context, not the chunk: the gather,
-    the float copy of a quantized context (:func:`dequant_transient_bytes`), and (MLA) the
-    per-head keys and values one layer expands the latent of every
-    context token into."""
-    return (gather_transient_bytes(facts, tokens) + dequant_transient_bytes(facts, tokens)
-            + tokens * facts.prefill_expand_per_token * _ACT_BYTES)
-
-
-def prefill_chunk_tokens(facts: ModelFacts, context: int, transient_bytes: int, *,
-                         multiple: int = 16, most: int = 2048, block_tokens: int = 16,
-                         fused: bool = False) -> int:
-    """The largest prefill chunk (a multiple of ``multiple``, at most ``most``; below
-    ``multiple`` any size) whose transient at ``context`` stays within ``transient_bytes``.
-
-    0 when not even one token fits (what follows the context alone passes the bound):
-    the caller refuses that context rather than exceed it.
-    """
-    if context <= 0:
-        raise ValueError("context must be positive")
-    room = transient_bytes - _context_transient_bytes(facts, _whole(context, block_tokens))
-    if room <= 0:
-        return 0
-    chunk = min(most, context, room // _per_chunk_token_bytes(facts, context, fused))
-    if chunk >= multiple:
-        chunk -= chunk % multiple
-    return int(chunk)
-
-
-def growth_transient_bytes(block_bytes: int, max_blocks: int, kv_layers: int) -> int:
-    """Bytes held twice while the pool grows by a slab: one array (one layer's K or V) at
-    its old size, at most the pool's final size over ``2 × kv_layers`` arrays (the engine
-    grows one array at a time and evaluates it before the next)."""
-    if kv_layers <= 0 or max_blocks <= 0:
-        return 0
-    return -(-block_bytes * max_blocks // (2 * kv_layers))

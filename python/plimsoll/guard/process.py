@@ -1,4 +1,4 @@
-"""The per-process total-memory guard (DESIGN.md invariant 1), Linux side.
+"""The per-process total-memory guard (docs/DESIGN.md, "The invariants"), Linux side.
 
 MLX's ``set_memory_limit`` bounds MLX's own buffers (and only on Metal); a worker's
 whole footprint also holds numpy copies, glibc arenas, tokenizer state and the page

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from plimsoll.core.paths import cache_dir
 from plimsoll.core.policy import SCHEMA_VERSION, Policy, parse_policy
+from plimsoll.core.sizing import CLIENT_OUTPUT_CAP, output_limit
 from plimsoll.core.units import GIB
 from plimsoll.probes.snapshot import MemorySnapshot
 
@@ -27,7 +28,6 @@ DEFAULT_PRESET = "tiny"
 DEFAULT_MODEL_NAME = "demo-tiny"
 DEFAULT_CONCURRENCY = 2
 FALLBACK_CONTEXT = 8192  # a model that states no native maximum
-MAX_OUTPUT = 32768  # the output limit's own cap, whatever the context
 
 
 #: The embedded demo's end-of-turn lead (:mod:`plimsoll.demo.model`): sampled answers end
@@ -78,7 +78,7 @@ def native_entry(model_dir: Path) -> dict:
     from plimsoll.core.model_facts import inspect_model
 
     context = inspect_model(model_dir).native_max_context or FALLBACK_CONTEXT
-    limit = max(1, min(MAX_OUTPUT, context // 4, context - 1))
+    limit = output_limit(context, CLIENT_OUTPUT_CAP)
     return {"path": str(model_dir), "context": context, "concurrency": DEFAULT_CONCURRENCY,
             "maxTokens": limit, "defaultMaxTokens": limit}
 

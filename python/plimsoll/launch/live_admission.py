@@ -1,8 +1,9 @@
 """Gather admission's inputs from the live machine (or overrides) and run it.
 
-This is the edge around the pure :func:`plimsoll.core.admission.admit`: it reads the
-memory probe (only when an override does not already give the figure), inspects
-the model directory (headers only) and picks per-model settings from the policy.
+This is the edge around the pure admission
+(:func:`plimsoll.core.admission.admit_counting_transient`): it reads the memory probe
+(only when an override does not already give the figure), inspects the model directory
+(headers only) and picks per-model settings from the policy.
 The launch wrapper and ``plimsoll admit`` share it, so both derive the same caps.
 """
 
@@ -12,18 +13,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from plimsoll.core.admission import AdmissionDecision, AdmissionRequest, admit
+from plimsoll.core.admission import (
+    AdmissionDecision,
+    AdmissionRequest,
+    admit_counting_transient,
+)
 from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.core.policy import Mode, ModelEntry, Policy
-from plimsoll.core.sizing import compute_transient_bytes, largest_fitting, reserve_for_compute
-from plimsoll.core.units import fmt_bytes, gib_to_bytes, mib_to_bytes
-from plimsoll.engine.work import prefill_transient_bytes
+from plimsoll.core.sizing import LAUNCH_OUTPUT_CAP, output_limit
+from plimsoll.core.units import gib_to_bytes, mib_to_bytes
 from plimsoll.launch.calibration import lookup, reserve_fraction
 from plimsoll.probes.snapshot import MemorySnapshot
-from plimsoll.worker.config import PREFILL_CHUNK, prefill_chunk
 
 DEFAULT_CONTEXT = 8192
-DEFAULT_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def plan(
         context = min(facts.native_max_context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
     max_tokens = wanted.max_tokens or (entry.max_tokens if entry else None)
     if max_tokens is None:
-        max_tokens = min(DEFAULT_MAX_TOKENS, context // 4)
+        max_tokens = output_limit(context, LAUNCH_OUTPUT_CAP)
 
     def knob(name: str):
         return getattr(policy, name) if policy else Policy.model_fields[name].default
@@ -163,63 +165,3 @@ def plan(
         min_context=knob("min_context"),
     )
     return facts, req, admit_counting_transient(facts, req)
-
-
-def transient_floor(facts: ModelFacts, context: int, block_tokens: int) -> int:
-    """The least transient reserve a worker of ``context`` needs: its compute share holds
-    a prefill chunk of one block at the full context (the gather of the context, and one
-    block of queries' scores and activations); at shorter prompts the chunk grows back
-    under the same bound (:func:`plimsoll.worker.config.prefill_chunk`)."""
-    return reserve_for_compute(prefill_transient_bytes(facts, block_tokens, context,
-                                                       block_tokens))
-
-
-def _chunk(facts: ModelFacts, d: AdmissionDecision, context: int) -> int:
-    return prefill_chunk(facts, context, compute_transient_bytes(d.transient_reserve_bytes),
-                         block_tokens=d.block_tokens,
-                         most=PREFILL_CHUNK)
-
-
-def _at(facts: ModelFacts, req: AdmissionRequest, context: int) -> AdmissionRequest:
-    """``req`` at ``context``, its transient floor counted at that context."""
-    ctx = min(context, req.native_max_context or context)
-    return req.model_copy(update={
-        "context": context, "transient_floor_bytes": transient_floor(facts, ctx, req.block_tokens)})
-
-
-def admit_counting_transient(facts: ModelFacts, req: AdmissionRequest) -> AdmissionDecision:
-    """Admission with the prefill transient at the context counted in the reserve.
-
-    The reserve grows to hold the engine's least transient at the context (taken from the
-    pool, which admission then fits as usual), so the chunk shrinks as the context grows
-    and the context is not cut to fit a fixed fraction. Only when the envelope cannot hold
-    that transient beside one sequence is the context clamped: to the longest whose own
-    transient fits (one search), else the refusal stands.
-    """
-    target = min(req.context, req.native_max_context or req.context)
-    d = admit(_at(facts, req, req.context))
-    if d.admitted and d.context == target and _chunk(facts, d, d.context) > 0:
-        return d
-    if not admit(req.model_copy(update={"transient_floor_bytes": 0})).admitted:
-        return d  # refused whatever the transient: admission's own reasons say why
-    floor = max(min(req.min_context, target), req.max_tokens + 1)
-
-    def fits(ctx: int) -> bool:  # admitted at ctx, its own transient counted, not cut further
-        got = admit(_at(facts, req, ctx))
-        return got.admitted and got.context == ctx
-
-    best = largest_fitting(floor, target - 1, fits, step=req.block_tokens)
-    need = transient_floor(facts, target, req.block_tokens)
-    why = (f"the prefill transient at context {target} (a reserve of {fmt_bytes(need)}: "
-           "the gather of the context and one block of queries) and one sequence of it do not "
-           "fit the envelope together")
-    if best is None and d.admitted:
-        return d  # admission's own clamp, its transient counted at the longer context
-    if best is not None:
-        again = admit(_at(facts, req, best))
-        return again.model_copy(update={"decision": "clamp", "requested_context": req.context,
-                                        "reasons": [*again.reasons, f"context clamped to "
-                                                    f"{again.context}: {why}"]})
-    return d.model_copy(update={"decision": "refuse", "reasons": [
-        *d.reasons, f"refused: {why}, nor at the minimum context {floor}: raise the budget, "
-        "or lower the context or the concurrency"]})

@@ -3,9 +3,9 @@
 The largest context up to the model's native maximum that this machine's budget admits at
 ``concurrency`` sequences (found by bisection over admission itself:
 :func:`~plimsoll.core.sizing.largest_fitting`, the one search admission's context clamps
-share), an output limit of a quarter of it (at most :data:`~.defaults.MAX_OUTPUT`; a
-larger request is clamped), unless ``--context`` / ``--concurrency`` / ``--max-tokens``
-say otherwise.
+share), an output limit of a quarter of it (:func:`~plimsoll.core.sizing.output_limit`, at
+most :data:`~plimsoll.core.sizing.CLIENT_OUTPUT_CAP`; a larger request is clamped), unless
+``--context`` / ``--concurrency`` / ``--max-tokens`` say otherwise.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from plimsoll.core.policy import parse_policy
-from plimsoll.core.sizing import largest_fitting
+from plimsoll.core.sizing import CLIENT_OUTPUT_CAP, largest_fitting, output_limit
 from plimsoll.probes.snapshot import MemorySnapshot
 
-from .defaults import DEFAULT_CONCURRENCY, FALLBACK_CONTEXT, MAX_OUTPUT, budgets
+from .defaults import DEFAULT_CONCURRENCY, FALLBACK_CONTEXT, budgets
 
 
 def model_entry(model_dir: Path, *, context: int | None = None, concurrency: int | None = None,
@@ -29,7 +29,7 @@ def model_entry(model_dir: Path, *, context: int | None = None, concurrency: int
         native = inspect_model(model_dir).native_max_context or FALLBACK_CONTEXT
         context = native if snapshot is None else largest_context(
             model_dir, native, concurrency, snapshot)
-    limit = max_tokens or max(1, min(MAX_OUTPUT, context // 4))
+    limit = max_tokens or output_limit(context, CLIENT_OUTPUT_CAP)
     limit = min(limit, context - 1)
     return {"path": str(model_dir), "context": context, "concurrency": concurrency,
             "maxTokens": limit, "defaultMaxTokens": limit}
@@ -47,7 +47,8 @@ def largest_context(model_dir: Path, native: int, concurrency: int,
                             budget_bytes=pol.budget_bytes("standalone"), source="live probe")
 
     def fits(ctx: int) -> bool:
-        _f, _r, dec = plan(model_dir, None, pol, figures, Wanted(concurrency, ctx, ctx // 4))
+        wanted = Wanted(concurrency, ctx, output_limit(ctx))
+        _f, _r, dec = plan(model_dir, None, pol, figures, wanted)
         return dec.admitted and dec.concurrency >= concurrency and dec.context >= ctx
 
     low, high = pol.min_context, max(native, pol.min_context)

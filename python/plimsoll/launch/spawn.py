@@ -19,13 +19,13 @@ from pathlib import Path
 
 import httpx
 
-from plimsoll.core import sizing as S
+from plimsoll.core import sizing
 from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.model_facts import ModelFacts
 from plimsoll.core.policy import ModelEntry, Policy
 from plimsoll.core.units import MIB
-from plimsoll.guard import process as G
-from plimsoll.worker.config import WorkerConfig
+from plimsoll.core.worker_config import WorkerConfig, worker_flags
+from plimsoll.guard.process import FOOTPRINT_ENV, WorkerGuard, guard_limit
 
 READY_TIMEOUT_S = 300.0
 #: A launched worker's own drain on SIGTERM: its launcher (the proxy) drains first, then
@@ -52,7 +52,6 @@ def worker_config(
     if not decision.admitted:
         raise ValueError("a refused decision has no worker configuration")
     wire = policy.wire if policy else Policy.model_fields["wire"].default
-    default_max = entry.default_max_tokens if entry else min(512, decision.output_reservation)
     disk = policy.disk_cache_for(entry) if policy else None
     if disk_cache_dir is None and disk is not None:
         disk_cache_dir = Path(disk.path).expanduser()
@@ -65,47 +64,26 @@ def worker_config(
                          else cache_memory_mb),
         max_num_seqs=decision.concurrency, context=decision.context,
         block_tokens=decision.block_tokens, max_tokens=decision.output_reservation,
-        default_max_tokens=min(default_max, decision.output_reservation),
+        default_max_tokens=sizing.default_output(decision.output_reservation,
+                                                 entry.default_max_tokens if entry else None),
         max_queue=max_queue, max_wait_s=max_wait_s,
         ceiling_bytes=decision.ceiling_bytes, total_ram_bytes=decision.total_ram_bytes,
         trip_offset=policy.trip_offset if policy else Policy.model_fields["trip_offset"].default,
-        mlx_cache_mb=S.mlx_cache_mb(decision.transient_reserve_bytes),
+        mlx_cache_mb=sizing.mlx_cache_mb(decision.transient_reserve_bytes),
         wired_limit_bytes=wired_bytes(wire, decision), host=host, port=port,
         kv_dtype=facts.kv_format, block_bytes=decision.block_bytes,
         disk_cache_dir=disk_cache_dir,
         **({"disk_cache_gb": disk_gb} if disk_gb else {}),
-        transient_bytes=S.compute_transient_bytes(decision.transient_reserve_bytes) or None,
+        transient_bytes=sizing.compute_transient_bytes(decision.transient_reserve_bytes) or None,
         max_tokens_over_limit=entry.max_tokens_over_limit if entry else "clamp",
         drain_s=drain_s, quiet=quiet,
     )
 
 
 def worker_argv(cfg: WorkerConfig) -> list[str]:
-    """``plimsoll worker`` with every cap as an explicit flag."""
-    return [
-        sys.executable, "-m", "plimsoll.cli", "worker",
-        "--model", str(cfg.model_dir), "--model-name", cfg.model_name,
-        "--max-cache-blocks", str(cfg.max_cache_blocks),
-        "--gpu-memory-utilization", repr(cfg.gpu_memory_utilization),
-        "--cache-memory-mb", str(cfg.cache_memory_mb),
-        "--max-num-seqs", str(cfg.max_num_seqs), "--context", str(cfg.context),
-        "--block-tokens", str(cfg.block_tokens), "--max-tokens", str(cfg.max_tokens),
-        "--default-max-tokens", str(cfg.default_max_tokens),
-        "--max-queue", str(cfg.max_queue), "--max-wait", repr(cfg.max_wait_s),
-        "--ceiling-bytes", str(cfg.ceiling_bytes), "--total-ram-bytes", str(cfg.total_ram_bytes),
-        "--trip-offset", repr(cfg.trip_offset), "--mlx-cache-mb", str(cfg.mlx_cache_mb),
-        "--wired-limit-bytes", str(cfg.wired_limit_bytes),
-        *(["--prefill-chunk", str(cfg.prefill_chunk)] if cfg.prefill_chunk else []),
-        *(["--max-batch", str(cfg.max_batch)] if cfg.max_batch else []),
-        *(["--kv-dtype", cfg.kv_dtype] if cfg.kv_dtype else []),
-        *(["--block-bytes", str(cfg.block_bytes)] if cfg.block_bytes else []),
-        *(["--disk-cache-dir", str(cfg.disk_cache_dir), "--disk-cache-gb",
-           repr(cfg.disk_cache_gb)] if cfg.disk_cache_dir is not None else []),
-        *(["--transient-bytes", str(cfg.transient_bytes)] if cfg.transient_bytes else []),
-        "--host", cfg.host, "--port", str(cfg.port),
-        "--max-tokens-over-limit", cfg.max_tokens_over_limit,
-        "--drain-timeout", repr(cfg.drain_s), *(["--quiet"] if cfg.quiet else []),
-    ]
+    """``plimsoll worker`` with every cap as an explicit flag (the contract's own spelling:
+    :func:`plimsoll.core.worker_config.worker_flags`)."""
+    return [sys.executable, "-m", "plimsoll.cli", "worker", *worker_flags(cfg)]
 
 
 #: Allocations at or above this go straight to mmap and back to the OS on free, instead of
@@ -150,7 +128,7 @@ class LaunchError(RuntimeError):
 
 def start_guard(cfg: WorkerConfig, footprint_bytes: int | None = None,
                 cgroup_parent: Path | None = None,
-                limit_bytes: int | None = None) -> tuple[G.WorkerGuard | None, dict[str, str]]:
+                limit_bytes: int | None = None) -> tuple[WorkerGuard | None, dict[str, str]]:
     """The worker's guard: its own memory cgroup (admitted footprint + margin) and no extra
     environment, or — where no cgroup can be made (macOS, no root) — no cgroup and the
     environment that makes the worker keep the same lines on its own footprint.
@@ -158,15 +136,15 @@ def start_guard(cfg: WorkerConfig, footprint_bytes: int | None = None,
     Without a footprint the allocation limit stands in (it bounds the footprint);
     ``limit_bytes`` sets the hard line outright (tests, ``plimsoll verify``)."""
     if limit_bytes is None:
-        limit_bytes = G.guard_limit(cfg.allocation_limit_bytes if footprint_bytes is None
-                                    else footprint_bytes)
-    guard, why = G.WorkerGuard.create(f"worker-{cfg.port}", limit_bytes, cgroup_parent)
+        limit_bytes = guard_limit(cfg.allocation_limit_bytes if footprint_bytes is None
+                                  else footprint_bytes)
+    guard, why = WorkerGuard.create(f"worker-{cfg.port}", limit_bytes, cgroup_parent)
     if guard is not None:
         log.info("memory guard for %s: %s", cfg.model_name, why)
         return guard, {}
     log.warning("memory guard for %s: no cgroup (%s); the worker guards its own footprint "
                 "with a hard line of %d B", cfg.model_name, why, limit_bytes)
-    return None, {G.FOOTPRINT_ENV: str(limit_bytes)}
+    return None, {FOOTPRINT_ENV: str(limit_bytes)}
 
 
 def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,

@@ -145,7 +145,8 @@ def default_wired_limit(memsize: int) -> tuple[int, str]:
     Apple does not document the heuristic. Measured recommendedMaxWorkingSetSize: 2/3 of
     RAM on a 16 GiB M4, ~74% on 24 GiB, ~84% on 128 GiB. We take 2/3 up to 36 GiB and
     3/4 above: at or below every measurement, because an estimate that errs low only
-    shrinks the pool, while one that errs high is the seed's panic.
+    shrinks the pool, while one that errs high can panic the host (wired memory past what
+    macOS allows).
     """
     if memsize > 36 * GIB:
         return memsize * 3 // 4, "3/4 of hw.memsize (>36 GiB host)"

@@ -3,7 +3,7 @@
 Why a cgroup: a Linux process has no separate wired ceiling. The hard line it must stay
 under is its memory cgroup's limit (an OOM kill inside the cgroup is the Linux analogue of
 the macOS panic), else physical RAM; so its whole memory world is
-``total_ram = ceiling = min(cgroup limit, MemTotal)`` (DESIGN.md, "Platforms").
+``total_ram = ceiling = min(cgroup limit, MemTotal)`` (docs/DESIGN.md, "The arithmetic").
 
 Shape (psutil's ``_pslinux``): ``parse_*`` are pure functions of file text, tested on
 fixtures; ``read_*`` do the I/O under a ``root`` prefix ("/" in production, a fixture tree

@@ -80,7 +80,7 @@ def context_overflow_message(native_max: int | None, configured_context: int,
                              prompt_tokens: int, output_reservation: int) -> str:
     """Why ``prompt + output reservation`` does not fit, with the five context figures.
 
-    The figures are kept apart (DESIGN.md): the model-native maximum, the worker's
+    The figures are kept apart (docs/DESIGN.md, "Admission"): the model-native maximum, the worker's
     configured total context, the actual prompt tokens, the output reservation
     (``max_tokens``, or the worker's default) and the actual total (prompt + reservation).
     """

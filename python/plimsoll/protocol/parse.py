@@ -123,7 +123,8 @@ def parse_request(kind: Literal["chat", "completion"], raw: bytes) -> Request | 
     """Parse a request body for ``/v1/chat/completions`` (``"chat"``) or ``/v1/completions``.
 
     Returns the validated request, or a :class:`ProtocolError` (400, or 413 over
-    :data:`MAX_BODY_BYTES`) whose message names the field and what to send instead.
+    :data:`~plimsoll.protocol.errors.MAX_BODY_BYTES`) whose message names the field and what
+    to send instead.
     """
     return validate_body(_MODELS[kind], raw)
 

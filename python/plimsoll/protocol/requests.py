@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from . import tool_choice as TC
+from . import tool_choice as tool_choices
 from .tolerated import drop_tolerated
 from .tool_choice import ToolChoice
 
@@ -242,7 +242,7 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice(cls, value: Any) -> Any:
-        return TC.from_openai(value)
+        return tool_choices.from_openai(value)
 
     @field_validator("logprobs")
     @classmethod
@@ -266,8 +266,8 @@ class ChatCompletionRequest(_Sampling):
     @field_validator("tool_choice")
     @classmethod
     def _choice_in_tools(cls, choice: ToolChoice, info: ValidationInfo) -> ToolChoice:
-        TC.check(choice, {t.function.name for t in info.data.get("tools") or []},
-                 f'"{choice.name or choice.mode}"')
+        tool_choices.check(choice, {t.function.name for t in info.data.get("tools") or []},
+                           f'"{choice.name or choice.mode}"')
         return choice
 
     @property
@@ -278,7 +278,7 @@ class ChatCompletionRequest(_Sampling):
     @property
     def active_tools(self) -> list[dict[str, Any]] | None:
         """Tools to render and parse, as plain dicts (None with ``tool_choice: "none"``)."""
-        tools = TC.chosen(self.tools, self.tool_choice, lambda t: t.function.name)
+        tools = tool_choices.chosen(self.tools, self.tool_choice, lambda t: t.function.name)
         return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
 
 

@@ -30,8 +30,8 @@ from pydantic import (
     model_validator,
 )
 
-from . import tolerated as T
-from . import tool_choice as TC
+from . import tolerated
+from . import tool_choice as tool_choices
 from .errors import ProtocolError
 from .parse import Untagged, from_validation, validate_body
 from .requests import _INT64, MAX_TOKENS_LIMIT, ChatCompletionRequest, _must_be, _Strict
@@ -163,7 +163,7 @@ class ResponsesRequest(_Strict):
     input: list[InputItem] = Field(min_length=1)
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: TC.ToolChoice | None = None
+    tool_choice: tool_choices.ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # echoed; several calls are always parsed
     max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     previous_response_id: str | None = None
@@ -198,10 +198,10 @@ class ResponsesRequest(_Strict):
         kept = []
         for i, tool in enumerate(value):
             kind = tool.get("type") if isinstance(tool, dict) else None
-            if T.left_out(TOOL_TYPES, kind):
+            if tolerated.left_out(TOOL_TYPES, kind):
                 continue
             if kind != "function":
-                left = ", ".join(T.names(TOOL_TYPES))
+                left = ", ".join(tolerated.names(TOOL_TYPES))
                 raise ValueError(f"tool {i} has type {kind!r}; only function tools are offered "
                                  f"to the model here (and {left} are left out)")
             kept.append(tool)
@@ -210,13 +210,14 @@ class ResponsesRequest(_Strict):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _choice(cls, value: Any) -> Any:
-        return TC.from_responses(value)
+        return tool_choices.from_responses(value)
 
     @field_validator("tool_choice")
     @classmethod
-    def _choice_in_tools(cls, choice: TC.ToolChoice, info: ValidationInfo) -> TC.ToolChoice:
-        TC.check(choice, {t.name for t in info.data.get("tools") or []},
-                 f'"{choice.name or choice.mode}"')
+    def _choice_in_tools(cls, choice: tool_choices.ToolChoice,
+                         info: ValidationInfo) -> tool_choices.ToolChoice:
+        tool_choices.check(choice, {t.name for t in info.data.get("tools") or []},
+                           f'"{choice.name or choice.mode}"')
         return choice
 
     @field_validator("background")

@@ -10,34 +10,34 @@ from __future__ import annotations
 
 from typing import Any
 
-from plimsoll import constrain as C
+from plimsoll import constrain
 
 from .errors import ProtocolError
 
 
-def _spec(build: Any, param: str) -> C.Spec:
+def _spec(build: Any, param: str) -> constrain.Spec:
     try:
         return build()
-    except C.SpecError as e:
+    except constrain.SpecError as e:
         raise ProtocolError(400, f"Invalid '{param}': {e}.", param=param,
                             code="invalid_schema") from e
 
 
-def forced_tools(tools: list[dict[str, Any]] | None, param: str = "tool_choice") -> C.Spec:
+def forced_tools(tools: list[dict[str, Any]] | None, param: str = "tool_choice") -> constrain.Spec:
     """One call among ``tools`` (function shape, already narrowed to a named choice)."""
-    return _spec(lambda: C.tool_call(tools or []), param)
+    return _spec(lambda: constrain.tool_call(tools or []), param)
 
 
-def json_format(kind: str, schema: dict[str, Any] | None, param: str) -> C.Spec | None:
+def json_format(kind: str, schema: dict[str, Any] | None, param: str) -> constrain.Spec | None:
     """``json_object`` / ``json_schema`` to a spec; ``text`` (or anything else) to None."""
     if kind == "json_object":
-        return C.json_value()
+        return constrain.json_value()
     if kind == "json_schema":
-        return _spec(lambda: C.json_value(schema or {"type": "object"}, param), param)
+        return _spec(lambda: constrain.json_value(schema or {"type": "object"}, param), param)
     return None
 
 
-def chat_spec(req: Any) -> C.Spec | None:
+def chat_spec(req: Any) -> constrain.Spec | None:
     """The spec of a :class:`~.requests.ChatCompletionRequest`, or None (free text)."""
     if req.tool_choice is not None and req.tool_choice.forced:
         return forced_tools(req.active_tools)
@@ -48,7 +48,7 @@ def chat_spec(req: Any) -> C.Spec | None:
     return json_format(fmt.type, schema, "response_format.json_schema.schema")
 
 
-def anthropic_spec(req: Any) -> C.Spec | None:
+def anthropic_spec(req: Any) -> constrain.Spec | None:
     """The spec of an Anthropic messages request: ``tool_choice`` ``any`` / ``tool``."""
     if req.tool_choice is not None and req.tool_choice.normal.forced:
         return forced_tools(req.active_tools)

@@ -10,14 +10,15 @@ Owns:
 - :mod:`.tripwire` — the memory-pressure backstop, acting through the narrow
   :class:`~.tripwire.Host` interface the supervisor implements;
 - :mod:`.events`, :mod:`.errors`, :mod:`.settings` — the event log, the refusals, the figures;
-- :mod:`.app` / :mod:`.admin` / :mod:`.metrics` / :mod:`.dashboard` — the HTTP edge
-  (Starlette app factory), the admin contract the link watcher calls, Prometheus metrics
-  and the dashboard.
+- :mod:`.app` / :mod:`.routing` / :mod:`.admin` / :mod:`.metrics` / :mod:`.metrics_edge` /
+  :mod:`.dashboard` — the HTTP edge (Starlette app factory and its relay), which served model
+  a body names, the admin contract the link watcher calls, Prometheus metrics (the observer
+  and ``GET /metrics``) and the dashboard.
 
 May import: :mod:`plimsoll.cluster` (to start a sharded model), :mod:`plimsoll.launch`,
-:mod:`plimsoll.worker.config` (the figures a worker starts with), :mod:`plimsoll.guard`,
-:mod:`plimsoll.web`, :mod:`plimsoll.protocol`, :mod:`plimsoll.probes`, :mod:`plimsoll.core`;
-never the engine (workers are processes it spawns).
+:mod:`plimsoll.guard`, :mod:`plimsoll.web`, :mod:`plimsoll.protocol`, :mod:`plimsoll.probes`,
+:mod:`plimsoll.core` (the worker's contract among it); never the engine (workers are
+processes it spawns).
 """
 
 from .app import make_app

@@ -11,10 +11,11 @@ otherwise). The proxy's own errors speak the route's protocol: Anthropic's shape
 elsewhere; both carry the machine-readable ``code`` the metrics count.
 
 A ``model`` the policy does not serve by that name is looked up in its aliases (and the
-default rule for names coding clients send, :mod:`..aliases`); the body is relayed with
-the served name. Every answer passes :class:`~..http_edge.Edge` (``Retry-After`` on each
-429/503, one access-log line); on SIGTERM, streams still relaying when the drain time is
-up end with their protocol's error event (:mod:`..graceful`).
+default rule for names coding clients send, :mod:`plimsoll.core.aliases`); the body is
+relayed with the served name. Every answer passes :class:`plimsoll.web.edge.Edge`
+(``Retry-After`` on each 429/503, one access-log line); on SIGTERM, streams still relaying
+when the drain time is up end with their protocol's error event
+(:mod:`plimsoll.web.graceful`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,23 +33,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from plimsoll.core.aliases import resolve
 from plimsoll.core.policy import Mode, Policy
 from plimsoll.web.body import read_body
 from plimsoll.web.edge import access
 from plimsoll.web.errors import error_body, is_anthropic, no_route_handler
 from plimsoll.web.graceful import Drain
 
-from .. import protocol as P
-from ..protocol import anthropic as A
-from ..protocol import ollama as O
-from ..protocol import responses_events as RE
+from .. import protocol
+from ..protocol import ProtocolError, responses_events
+from ..protocol import anthropic as anthropic_protocol
+from ..protocol import ollama as ollama_protocol
 from ..protocol.reservation import HEADER as MAX_TOKENS_HEADER
-from . import admin, catalog, ollama
-from . import dashboard as dash  # GET /, GET /dashboard.json
-from . import metrics as M  # the request/event observer
-from . import metrics_edge as ME  # GET /metrics, and the request path observed
+from . import admin, catalog, dashboard, metrics_edge, ollama
 from .errors import ProxyError
+from .metrics import Observer  # the request/event observer
+from .routing import route_model
 from .settings import Settings
 from .state import Lease, State, describe_exit
 from .supervisor import Supervisor
@@ -75,41 +73,10 @@ def proxy_error(err: ProxyError, *, anthropic: bool = False) -> JSONResponse:
                  extra=err.extra, anthropic=anthropic)
 
 
-def request_error(err: P.ProtocolError, *, anthropic: bool) -> JSONResponse:
+def request_error(err: ProtocolError, *, anthropic: bool) -> JSONResponse:
     """A body the proxy cannot route (too large, not a JSON object, a bad ``model``)."""
     return error(err.status, err.message, err.code or "invalid_request", param=err.param,
                  anthropic=anthropic)
-
-
-def route_model(raw: bytes, known: list[str], policy: Policy | None = None
-                ) -> tuple[str, bytes] | P.ProtocolError:
-    """The served model a body names (the only one when it names none; an alias of the
-    policy), and the body to relay (its ``model`` rewritten to the served name when it was
-    an alias), or why not.
-
-    The body is decoded as the worker decodes it (UTF-8, one JSON object, no NaN, bounded
-    depth), so a body the proxy passes on is one the worker can parse, and one it refuses
-    gets the same 400; the rest of the request is the worker's to check.
-    """
-    data = P.decode_json_body(raw)
-    if isinstance(data, P.ProtocolError):
-        return data
-    model = data.get("model")
-    if model is None and len(known) == 1:
-        return known[0], raw
-    if model is not None and not isinstance(model, str):
-        return P.ProtocolError(400, f"Invalid 'model': send the model's name as a string, got "
-                               f"{json.dumps(model)[:60]}; known models: "
-                               f"{', '.join(known) or '(none)'}", param="model",
-                               code="invalid_request")
-    if model in known:
-        return model, raw
-    served = resolve(model, policy) if policy is not None and model is not None else None
-    if served is None or served not in known:
-        return P.ProtocolError(404, f"the model {model!r} is not served here; known models: "
-                               f"{', '.join(known) or '(none)'} (or an alias of the policy's "
-                               "'aliases')", param="model", code="model_not_found")
-    return served, json.dumps({**data, "model": served}, ensure_ascii=False).encode()
 
 
 class PassThrough(StreamingResponse):
@@ -161,14 +128,14 @@ async def until_drained(task: asyncio.Future, drain: Drain | None) -> Any:
 def _stream_lost(message: str, code: str, anthropic: bool, status: int = 502,
                  responses: bool = False, ndjson: bool = False) -> list[bytes]:
     if ndjson:  # Ollama's streams: one {"error"} line
-        return [O.ndjson(O.error_body(message, code))]
+        return [ollama_protocol.ndjson(ollama_protocol.error_body(message, code))]
     body = error_body(status, message, code, anthropic=anthropic)
     if responses:  # the Responses API's typed error event; no [DONE]
-        return [RE.sse_event({"type": "error", "sequence_number": 0, "code": code,
-                              "message": body["error"]["message"], "param": None})]
+        return [responses_events.sse_event({"type": "error", "sequence_number": 0, "code": code,
+                                            "message": body["error"]["message"], "param": None})]
     if anthropic:  # Anthropic's streams end at the error event; no [DONE]
-        return [A.sse_event(body)]
-    return [P.sse(body), P.SSE_DONE]
+        return [anthropic_protocol.sse_event(body)]
+    return [protocol.sse(body), protocol.SSE_DONE]
 
 
 def _retrieved(task: asyncio.Future) -> None:
@@ -218,10 +185,10 @@ async def generate(request: Request) -> Response:
         return admin.unauthorized("API key")
     sup: Supervisor = request.app.state.supervisor
     raw = await read_body(request)
-    if isinstance(raw, P.ProtocolError):
+    if isinstance(raw, ProtocolError):
         return request_error(raw, anthropic=anthropic)
     routed = route_model(raw, sorted(sup.workers), sup.policy)
-    if isinstance(routed, P.ProtocolError):
+    if isinstance(routed, ProtocolError):
         return request_error(routed, anthropic=anthropic)
     model, raw = routed
     request.state.model = model  # metrics: the label of this request
@@ -254,10 +221,10 @@ async def generate(request: Request) -> Response:
                if k.lower() in ("retry-after", MAX_TOKENS_HEADER)}
     if (reserved := upstream.headers.get(MAX_TOKENS_HEADER, "")).isdigit():
         rec.reservation = int(reserved)
-    if ctype.startswith(("text/event-stream", O.NDJSON)):
+    if ctype.startswith(("text/event-stream", ollama_protocol.NDJSON)):
         return PassThrough(relay(upstream, lease, anthropic=anthropic, drain=drain,
                                  responses=request.url.path == "/v1/responses",
-                                 ndjson=ctype.startswith(O.NDJSON)),
+                                 ndjson=ctype.startswith(ollama_protocol.NDJSON)),
                            upstream.status_code, media_type=ctype,
                            headers={"Cache-Control": "no-cache", **headers})
     try:
@@ -279,7 +246,7 @@ async def models(request: Request) -> Response:
     created = int(request.app.state.started)
     data = []
     for name, w in sorted(sup.workers.items()):
-        card = P.model_card(name, created)
+        card = protocol.model_card(name, created)
         if (inc := w.current) is not None:
             dec = inc.decision
         else:
@@ -361,13 +328,13 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
              drain: Drain | None = None) -> Starlette:
     """The proxy app for ``policy``. Workers are spawned only when a request needs them.
 
-    ``drain`` is the shutdown state :func:`..graceful.serve` marks on SIGTERM (default: one
-    of ``settings.drain_s`` that nothing marks)."""
+    ``drain`` is the shutdown state :func:`plimsoll.web.graceful.serve` marks on SIGTERM
+    (default: one of ``settings.drain_s`` that nothing marks)."""
     drain = drain or Drain(settings.drain_s if settings else Settings().drain_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        obs = M.Observer(policy)  # metrics + dashboard: sees every event and request
+        obs = Observer(policy)  # metrics + dashboard: sees every event and request
         sup = Supervisor(policy, mode, settings, read_snapshot, events=obs.events)
         app.state.supervisor = sup
         app.state.observer = obs
@@ -388,14 +355,14 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
 
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", ME.observed(generate), methods=["POST"]),
-            Route("/v1/completions", ME.observed(generate), methods=["POST"]),
-            Route("/v1/responses", ME.observed(generate), methods=["POST"]),  # Responses API
-            Route("/v1/messages", ME.observed(generate), methods=["POST"]),  # Anthropic
+            Route("/v1/chat/completions", metrics_edge.observed(generate), methods=["POST"]),
+            Route("/v1/completions", metrics_edge.observed(generate), methods=["POST"]),
+            Route("/v1/responses", metrics_edge.observed(generate), methods=["POST"]),  # Responses
+            Route("/v1/messages", metrics_edge.observed(generate), methods=["POST"]),  # Anthropic
             Route("/v1/messages/count_tokens", generate, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", catalog.retrieve(models), methods=["GET"]),
-            *ollama.routes(policy, settings, ME.observed(generate)),  # Ollama's API, /api/*
+            *ollama.routes(policy, settings, metrics_edge.observed(generate)),  # /api/*
             Route("/health", health, methods=["GET"]),
             Route("/running", running, methods=["GET"]),
             Route("/unload", unload, methods=["POST"]),
@@ -403,9 +370,9 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
             Route("/admin/mode", admin.post_mode, methods=["POST"]),
             Route("/admin/mode", admin.get_mode, methods=["GET"]),
             Route("/admin/events", admin.get_events, methods=["GET"]),
-            Route("/metrics", ME.get_metrics, methods=["GET"]),
-            Route("/", dash.page, methods=["GET"]),
-            Route("/dashboard.json", dash.data, methods=["GET"]),
+            Route("/metrics", metrics_edge.get_metrics, methods=["GET"]),
+            Route("/", dashboard.page, methods=["GET"]),
+            Route("/dashboard.json", dashboard.data, methods=["GET"]),
         ],
         lifespan=lifespan,
         exception_handlers={404: NO_ROUTE, 405: NO_ROUTE},

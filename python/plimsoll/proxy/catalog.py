@@ -24,8 +24,8 @@ from plimsoll.core.aliases import resolve
 from plimsoll.core.model_facts import ModelFacts, inspect_model
 from plimsoll.core.safetensors_header import ModelInspectionError, load_json, weights_by_dtype
 
-from .. import protocol as P
-from ..protocol.ollama import catalog as OC
+from .. import protocol
+from ..protocol.ollama import catalog as ollama_catalog
 from ..protocol.ollama import timestamp
 from .supervisor import Supervisor
 
@@ -54,7 +54,7 @@ def retrieve(listing: Endpoint) -> Endpoint:
         cards = {c["id"]: c for c in json.loads(bytes(listed.body))["data"]}
         if served not in cards:
             known = ", ".join(sorted(cards)) or "(none)"
-            return JSONResponse(P.error_body(
+            return JSONResponse(protocol.error_body(
                 404, f"the model {asked!r} is not served here; known models: {known} (or an "
                 "alias of the policy's 'aliases')", param="model", code="model_not_found"), 404)
         card = cards[served]
@@ -129,7 +129,7 @@ def served_context(sup: Supervisor, name: str) -> int | None:
     return dec.context if dec.admitted else None
 
 
-def model_view(name: str, path: str, context: int | None) -> OC.ModelView:
+def model_view(name: str, path: str, context: int | None) -> ollama_catalog.ModelView:
     """Model ``name`` at ``path``, served with ``context``, as Ollama's listings show it
     (file reads: run it on a thread). A directory that cannot be read is shown with what is
     known."""
@@ -141,11 +141,12 @@ def model_view(name: str, path: str, context: int | None) -> OC.ModelView:
         template = chat_template(model_dir)
         params = _parameters(model_dir, config, facts)
     except (OSError, ModelInspectionError):
-        return OC.ModelView(name, str(model_dir), timestamp(datetime.fromtimestamp(0, UTC)),
-                            context=context)
+        return ollama_catalog.ModelView(name, str(model_dir),
+                                        timestamp(datetime.fromtimestamp(0, UTC)),
+                                        context=context)
     arch = {key: getattr(facts, attr) for key, attr in _ARCHITECTURE.items()
             if isinstance(getattr(facts, attr), int)}
-    return OC.ModelView(
+    return ollama_catalog.ModelView(
         name, str(model_dir), timestamp(modified), size=facts.weights_bytes,
         family=facts.model_type, parameter_count=params,
         quantization=_quantization(config, facts), context=context, template=template,

@@ -1,9 +1,9 @@
 """The eviction decision, pure: which running workers must stop so a target fits.
 
-Co-resident workers share one envelope (DESIGN.md): the sum of their footprints must
-fit. Each running worker counts for the larger of its admitted footprint and its
-observed process footprint (measured-peak accounting: what the process really holds
-counts even where admission's formula did not see it, such as the interpreter).
+Co-resident workers share one envelope (docs/DESIGN.md, "Admission"): the sum of their
+footprints must fit. Each running worker counts for the larger of its admitted footprint
+and its observed process footprint (measured-peak accounting: what the process really
+holds counts even where admission's formula did not see it, such as the interpreter).
 
 This function takes values and returns a value; it must not log, read a probe or
 touch a process (llama-swap's rule for its own eviction choice). The supervisor acts

@@ -36,9 +36,9 @@ from plimsoll.core.aliases import resolve
 from plimsoll.core.policy import Policy
 from plimsoll.web.body import read_body
 
-from .. import protocol as P
-from ..protocol import ollama as O
-from ..protocol.ollama import catalog as OC
+from .. import protocol
+from ..protocol import ollama as ollama_protocol
+from ..protocol.ollama import catalog as ollama_catalog
 from . import admin, catalog
 from .errors import ProxyError
 from .settings import Settings
@@ -68,7 +68,7 @@ def enabled(policy: Policy, settings: Settings | None) -> bool:
 
 def error(status: int, message: str, code: str, headers: dict[str, str] | None = None
           ) -> JSONResponse:
-    return JSONResponse(O.error_body(message, code), status, headers=headers)
+    return JSONResponse(ollama_protocol.error_body(message, code), status, headers=headers)
 
 
 def shaped(endpoint: Endpoint) -> Endpoint:
@@ -112,7 +112,7 @@ async def tags(request: Request) -> Response:
     entries = [(name, w.entry.path) for name, w in sorted(sup.workers.items())]
     views = await asyncio.to_thread(
         lambda: [catalog.model_view(name, path, None) for name, path in entries])
-    return JSONResponse(OC.tags(views))
+    return JSONResponse(ollama_catalog.tags(views))
 
 
 def _expires_at(sup: Supervisor, name: str) -> datetime:
@@ -134,7 +134,8 @@ async def ps(request: Request) -> Response:
     views = await asyncio.to_thread(
         lambda: [catalog.model_view(name, path, dec.context) for name, path, dec in loaded])
     return JSONResponse({"models": [
-        OC.running_entry(view, dec.footprint_bytes, O.timestamp(_expires_at(sup, name)))
+        ollama_catalog.running_entry(view, dec.footprint_bytes,
+                                     ollama_protocol.timestamp(_expires_at(sup, name)))
         for view, (name, _path, dec) in zip(views, loaded, strict=True)]})
 
 
@@ -144,8 +145,8 @@ async def show(request: Request) -> Response:
     if refused := _refused_key(request):
         return refused
     raw = await read_body(request)
-    req = O.parse_show(raw) if isinstance(raw, bytes) else raw
-    if isinstance(req, P.ProtocolError):
+    req = ollama_protocol.parse_show(raw) if isinstance(raw, bytes) else raw
+    if isinstance(req, protocol.ProtocolError):
         return error(req.status, req.message, req.code or "invalid_request")
     sup: Supervisor = request.app.state.supervisor
     name = resolve(req.target, sup.policy)
@@ -160,12 +161,12 @@ async def show(request: Request) -> Response:
         return error(err.status, err.message, err.code, headers)
     view = await asyncio.to_thread(catalog.model_view, name, sup.workers[name].entry.path,
                                    context)
-    return JSONResponse(OC.show(view))
+    return JSONResponse(ollama_catalog.show(view))
 
 
 async def version(request: Request) -> Response:
     """``GET /api/version``: the Ollama API version these routes follow (no key needed)."""
-    return JSONResponse(OC.version())
+    return JSONResponse(ollama_catalog.version())
 
 
 def _not_here(what: str) -> Endpoint:

@@ -4,7 +4,7 @@ Why a tripwire at all: admission sizes every worker so the host never reaches pr
 but other processes, a wrong measured peak or the OS itself can still push it there. When
 the OS starts fighting for memory (PSI stalls, macOS's pressure level, pages leaving RAM
 for disk), the proxy stops adding load before it pages, and gives memory back if it must.
-It is a backstop, never a substitute for admission (DESIGN.md, invariant 6).
+It is a backstop, never a substitute for admission (docs/DESIGN.md, "The invariants").
 
 Three steps, each a function of values (no probe, no clock, no process, no log):
 

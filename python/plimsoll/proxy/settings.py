@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from plimsoll.core.policy import ModelEntry
 
 
 @dataclass(frozen=True)
@@ -26,3 +30,14 @@ class Settings:
     cluster_backend: str = "ring"
     quiet: bool = False  # --quiet: workers write no access-log lines either
     ollama_api: bool = True  # False (--no-ollama-api): no /api/* routes, whatever the policy says
+
+    def idle_ttl(self, name: str, entry: ModelEntry) -> float:
+        """Model ``name``'s idle TTL: the command line's per-model TTL, else the policy
+        entry's ``idleTtlS`` when the entry sets it, else the command line's default. 0 means
+        never."""
+        for model, ttl in self.idle_ttl_s:
+            if model == name:
+                return ttl
+        if "idle_ttl_s" in entry.model_fields_set:
+            return entry.idle_ttl_s
+        return self.default_idle_ttl_s

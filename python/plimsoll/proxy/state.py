@@ -30,9 +30,9 @@ from typing import Any
 from plimsoll.core.admission import AdmissionDecision
 from plimsoll.core.policy import ModelEntry
 from plimsoll.core.sizing import ReleaseCheck, release_tolerance
+from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard.process import EXIT_FOOTPRINT
 from plimsoll.launch.spawn import release_guard, start_worker, stop_worker
-from plimsoll.worker.config import WorkerConfig
 
 from .events import EventLog
 

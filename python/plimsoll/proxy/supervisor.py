@@ -7,7 +7,7 @@ that model's queue (over ``max_waiting``: 429 with ``Retry-After``) and awaits o
 
 1. waits for every earlier release to be verified (refusing with 503 if one is not);
 2. admits the model alone with live inputs (503 with admission's reasons if refused),
-   right-sizes its pool (:func:`.sizing.right_size`);
+   right-sizes its pool (:func:`plimsoll.core.sizing.right_size`);
 3. asks the pure :func:`.evict.choose_evictions` which running workers must stop;
    each victim keeps its slot for ``swap_hold_s`` after its load while it is in use
    (so two clients alternating two models swap at most once per hold, not per request),
@@ -169,16 +169,6 @@ class Supervisor:
                              "model_unreadable") from None
         return facts, right_size(dec)
 
-    def idle_ttl(self, w: Worker) -> float:
-        """The command line's per-model TTL, else the policy entry's ``idleTtlS`` when the
-        entry sets it, else the command line's default. 0 means never."""
-        for name, ttl in self.settings.idle_ttl_s:
-            if name == w.name:
-                return ttl
-        if "idle_ttl_s" in w.entry.model_fields_set:
-            return w.entry.idle_ttl_s
-        return self.settings.default_idle_ttl_s
-
     # --- the request path -------------------------------------------------------------------
     async def acquire(self, name: str) -> Lease:
         """A lease on a ready worker for ``name``, loading it if needed (bounded wait)."""
@@ -334,7 +324,6 @@ class Supervisor:
     async def settle_releases(self) -> None:
         await self.releases.settle()
 
-
     # --- unload, idle TTL, shutdown ---------------------------------------------------------
     async def unload(self, names: list[str]) -> dict[str, Any]:
         """Stop the named workers (drained, verified). Pending checks are re-verified."""
@@ -363,7 +352,7 @@ class Supervisor:
 
     async def _reap_once(self) -> None:
         for w in self.workers.values():
-            inc, ttl = w.current, self.idle_ttl(w)
+            inc, ttl = w.current, self.settings.idle_ttl(w.name, w.entry)
             if (ttl <= 0 or w.state is not State.READY or inc is None or inc.inflight
                     or time.monotonic() - inc.last_used < ttl or self._transitions.busy):
                 continue

@@ -1,4 +1,5 @@
-"""Measured-peak calibration (DESIGN.md invariant 2): admit on what a first run really held.
+"""Measured-peak calibration: admit on what a first run really held (docs/DESIGN.md, "The
+invariants").
 
 The formula counts weights, the KV pool and a transient reserve; a real process also
 holds activations of a full-context prefill at full concurrency, MLX's buffer cache,
@@ -20,10 +21,10 @@ This module is the run; the records it writes, and their reading at admission, a
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import random
 import time
+from concurrent import futures
 from pathlib import Path
 
 from plimsoll.core.progress import Reporter
@@ -57,7 +58,7 @@ def first_requests(url: str, model_name: str, concurrency: int, prompt_tokens: i
                              "temperature": 0.0})
         return r.status_code
 
-    with cf.ThreadPoolExecutor(concurrency) as ex:
+    with futures.ThreadPoolExecutor(concurrency) as ex:
         return list(ex.map(one, range(concurrency)))
 
 
@@ -68,18 +69,20 @@ def calibrate(model_dir: Path, *, concurrency: int | None = None, context: int |
     """Load, run the first requests at full context and concurrency, record the peak."""
     import httpx
 
-    from plimsoll.launch import live_admission as LA
+    from plimsoll.launch import live_admission
     from plimsoll.launch.spawn import start_worker, stop_worker, worker_config
     from plimsoll.probes import read_snapshot
     from plimsoll.web.serve import free_port
 
     model_dir = Path(model_dir)
     if figures is None:
-        figures = LA.memory_figures(policy, "standalone", LA.MemoryOverrides(), read_snapshot)
+        figures = live_admission.memory_figures(policy, "standalone",
+                                                live_admission.MemoryOverrides(), read_snapshot)
     report("inspecting the model and admitting it on the formula")
-    facts, _, decision = LA.plan(model_dir, None, policy, figures,
-                                   LA.Wanted(concurrency=concurrency, context=context,
-                                             max_tokens=max_tokens), calibrated=False)
+    wanted = live_admission.Wanted(concurrency=concurrency, context=context,
+                                   max_tokens=max_tokens)
+    facts, _, decision = live_admission.plan(model_dir, None, policy, figures, wanted,
+                                             calibrated=False)
     if not decision.admitted:
         raise RuntimeError("admission refused the model on the formula alone: "
                            + "; ".join(decision.reasons))

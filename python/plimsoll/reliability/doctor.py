@@ -5,7 +5,7 @@ and, if asked, a proxy's ``/running``, then hands the values here. Tests build t
 values by hand, so every warning can be produced on a Linux CI host — including the
 macOS ones, from a snapshot whose platform is ``darwin``.
 
-What is checked (DESIGN.md, "The arithmetic"):
+What is checked (docs/DESIGN.md, "The arithmetic"):
 - the ceiling against the mode's budget. On macOS the watcher sets
   ``iogpu.wired_limit_mb`` to the budget (MiB, exact); unset, below or above it is a
   warning whose fix is the exact ``sysctl`` command (or the link watcher). On Linux the

@@ -6,7 +6,7 @@ again on each tick (the settled link, the ceiling read back from the OS, the mem
 use, the proxy's mode); the only remembered fact is the proxy's answer to the last
 ``POST /admin/mode`` of the current transition, and asking again is idempotent.
 
-The two orders (DESIGN.md, enforcement point one):
+The two orders (docs/DESIGN.md, "The process model": the mode's ceiling):
 
 - raising is always safe, so an upshift raises and verifies the ceiling *before* the
   proxy is told it may use the clustered envelope;

@@ -18,9 +18,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from plimsoll import protocol as P
-from plimsoll.protocol import anthropic as A
-from plimsoll.protocol import ollama as O
+from plimsoll import protocol
+from plimsoll.protocol import ollama
+from plimsoll.protocol.anthropic import error_body as anthropic_error_body
 
 OLLAMA_PREFIX = "/api/"
 
@@ -38,7 +38,7 @@ def is_ollama_path(path: str) -> bool:
 def error_body_for(path: str, status: int, message: str, code: str) -> dict[str, Any]:
     """:func:`error_body` in the protocol of the route at ``path``."""
     if is_ollama_path(path):
-        return O.error_body(message, code)
+        return ollama.error_body(message, code)
     return error_body(status, message, code, anthropic=path.startswith("/v1/messages"))
 
 
@@ -48,10 +48,10 @@ def error_body(status: int, message: str, code: str, *, anthropic: bool = False,
     """The error object in the route's protocol; ``code`` and ``extra`` ride inside
     ``error`` in both (Anthropic's clients ignore fields they do not know)."""
     if anthropic:
-        body = A.error_body(status, message)
+        body = anthropic_error_body(status, message)
         body["error"]["code"] = code
     else:
-        body = P.error_body(status, message, param=param, code=code)
+        body = protocol.error_body(status, message, param=param, code=code)
     body["error"].update(extra or {})
     return body
 

@@ -1,19 +1,20 @@
 """The worker's HTTP edge: a Starlette app over one scheduler (OpenAI-compatible).
 
-``make_app(cfg)`` is an app factory with a lifespan, as Starlette recommends: the
-lifespan opens a *backend* — by default :func:`local_backend`, which loads the model
-(engine edge), applies and later restores the process-wide MLX limits, builds the pool
-from the flags and starts the scheduler thread; in clustered mode rank 0 passes its ring
-scheduler instead (:mod:`plimsoll.cluster.serve`) and every route below is the same
-code. Routes read ``request.app.state`` — no globals. Running out arrives from the scheduler as a
+``make_app(cfg)`` is an app factory with a lifespan, as Starlette recommends: the lifespan
+opens a *backend* — by default :func:`~.backend.local_backend` (the engine, the process
+limits, the pool and the scheduler thread); in clustered mode rank 0 passes its ring
+scheduler instead (:mod:`plimsoll.cluster.serve`) and every route below is the same code.
+Routes read ``request.app.state`` — no globals. Running out arrives from the scheduler as a
 ``Refused`` event and leaves here as a 503 (with ``Retry-After``) in the OpenAI error
-shape; bad input is a 400 that says what to change.
+shape; bad input is a 400 that says what to change. This module holds the OpenAI routes,
+their streaming (:class:`TextSSE`, the per-token template) and the status report; the
+Anthropic and Responses routes are :mod:`.anthropic_routes` and :mod:`.responses_routes`.
 
 A ``max_tokens`` over what the worker reserves is clamped (or refused: the
-``max_tokens_over_limit`` flag; :mod:`.protocol.reservation`), the applied reservation
-sent back in ``x-plimsoll-max-tokens``. Every answer passes :class:`~.http_edge.Edge`
-(``Retry-After`` on each 429/503, a bound on requests in flight, one access-log line), and
-a SIGTERM drains as :mod:`.graceful` says.
+``max_tokens_over_limit`` setting; :mod:`plimsoll.protocol.reservation`), the applied
+reservation sent back in ``x-plimsoll-max-tokens``. Every answer passes
+:class:`plimsoll.web.edge.Edge` (``Retry-After`` on each 429/503, a bound on requests in
+flight, one access-log line), and a SIGTERM drains as :mod:`plimsoll.web.graceful` says.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
@@ -34,25 +34,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from plimsoll import protocol as P
-from plimsoll.core import sizing as S
-from plimsoll.engine.pool import BlockPool
-from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
+from plimsoll import protocol
+from plimsoll.core.worker_config import WorkerConfig
+from plimsoll.guard.process import SelfGuard
 from plimsoll.protocol import structured
 from plimsoll.web.access_log import set_quiet
 from plimsoll.web.body import read_body
 from plimsoll.web.edge import Edge, access
 from plimsoll.web.errors import no_route_handler
 from plimsoll.web.graceful import Drain
-from plimsoll.worker.config import WorkerConfig, default_prefill_chunk, prefill_chunk
 
 from . import anthropic_routes, ollama_routes, responses_routes
-from .scheduler import (
-    Refused,
-    Scheduler,
-    SchedulerLimits,
-    Started,
-)
+from .backend import Backend, local_backend
+from .events import Refused, Started
+from .scheduler import Scheduler
 from .submit import (
     EARLY_HEADERS_S,
     error,
@@ -73,30 +68,30 @@ NO_ROUTE = no_route_handler("this worker serves POST /v1/chat/completions, /v1/c
                             "/health, /v1/plimsoll/status")
 
 
-async def generate(request: Request, kind: P.Kind) -> Response:
+async def generate(request: Request, kind: protocol.Kind) -> Response:
     state = request.app.state
     cfg: WorkerConfig = state.cfg
     rec = access(request)
     raw = await read_body(request)
-    if isinstance(raw, P.ProtocolError):
+    if isinstance(raw, protocol.ProtocolError):
         return protocol_error(raw)
-    req = P.parse_request(kind, raw)
-    if isinstance(req, P.ProtocolError):
+    req = protocol.parse_request(kind, raw)
+    if isinstance(req, protocol.ProtocolError):
         return protocol_error(req)
     rec.model = req.model or cfg.model_name
-    if err := P.check_model(req.model, cfg.model_name):
+    if err := protocol.check_model(req.model, cfg.model_name):
         return protocol_error(err)
-    render = P.render_chat if kind == "chat" else P.render_completion
+    render = protocol.render_chat if kind == "chat" else protocol.render_completion
     try:
         prompt = await run_in_threadpool(render, state.tokenizer, req)
         spec = structured.chat_spec(req) if kind == "chat" else None
         constraint = await run_in_threadpool(make_constraint, state, spec)
-    except P.ProtocolError as err:
+    except protocol.ProtocolError as err:
         return protocol_error(err)
     rec.prompt = len(prompt)
     res = reservation(state, len(prompt), req.max_output_tokens,
                       "messages" if kind == "chat" else "prompt")
-    if isinstance(res, P.ProtocolError):
+    if isinstance(res, protocol.ProtocolError):
         return protocol_error(res)
     rec.reservation = res.max_tokens
     if refused := stopping(request):
@@ -110,9 +105,9 @@ async def generate(request: Request, kind: P.Kind) -> Response:
         return Response(status_code=499)
     if isinstance(first, Refused):
         return error(first.status, first.message, code=first.code, retry_after=first.retry_after)
-    assembler = P.TextAssembler.for_request(state.tokenizer, req, res.max_tokens,
-                                            P.markers_for(state.tokenizer, prompt))
-    meta = P.ResponseMeta.new(kind, cfg.model_name)
+    assembler = protocol.TextAssembler.for_request(state.tokenizer, req, res.max_tokens,
+                                                   protocol.markers_for(state.tokenizer, prompt))
+    meta = protocol.ResponseMeta.new(kind, cfg.model_name)
     if req.stream:
         return StreamingResponse(_sse(meta, req, (first, queue, request, gen), assembler),
                                  media_type="text/event-stream",
@@ -127,7 +122,7 @@ async def generate(request: Request, kind: P.Kind) -> Response:
     if not assembler.done:  # the client left
         return Response(status_code=499)
     rec.cached = first.cached_tokens
-    return JSONResponse(P.response(meta, assembler.result(), _usage(first, assembler)),
+    return JSONResponse(protocol.response(meta, assembler.result(), _usage(first, assembler)),
                         headers=reserved_headers(res))
 
 
@@ -138,9 +133,10 @@ class TextSSE:
     """``P.sse`` of the chunk of one text delta, byte for byte, without building and encoding
     the whole chunk per token: its bytes around the text are rendered once per response."""
 
-    def __init__(self, meta: P.ResponseMeta) -> None:
+    def __init__(self, meta: protocol.ResponseMeta) -> None:
         chat = meta.kind == "chat"
-        raw = P.sse(P.chat_chunk(meta, {"content": ""}) if chat else P.completion_chunk(meta, ""))
+        raw = protocol.sse(protocol.chat_chunk(meta, {"content": ""}) if chat
+                           else protocol.completion_chunk(meta, ""))
         marker = b'"content":""' if chat else b'"text":""'
         head, found, self._tail = raw.rpartition(marker)
         if not found:  # pragma: no cover - the chunk builders changed shape
@@ -150,33 +146,34 @@ class TextSSE:
     def __call__(self, text: str) -> bytes:
         return self._head + _JSON_STR(text).encode() + self._tail
 
-    def deltas(self, meta: P.ResponseMeta, deltas: list[P.Delta]) -> bytes:
+    def deltas(self, meta: protocol.ResponseMeta, deltas: list[protocol.Delta]) -> bytes:
         """Every delta's event, joined: text through the template, the rest as built."""
         out = []
         for d in deltas:
-            if type(d) is P.TextDelta:
+            if type(d) is protocol.TextDelta:
                 out.append(self(d.text))
             else:
-                out.extend(P.sse(c) for c in P.delta_chunks(meta, [d]))
+                out.extend(protocol.sse(c) for c in protocol.delta_chunks(meta, [d]))
         return b"".join(out)
 
 
-def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
-    return P.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
+def _usage(first: Started, assembler: protocol.TextAssembler) -> dict[str, Any]:
+    return protocol.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
 
 
-def _sse(meta: P.ResponseMeta, req: P.Request, waiting: tuple,
-         assembler: P.TextAssembler) -> AsyncIterator[bytes]:
+def _sse(meta: protocol.ResponseMeta, req: protocol.Request, waiting: tuple,
+         assembler: protocol.TextAssembler) -> AsyncIterator[bytes]:
     def refusal(refused: Refused) -> list[bytes]:
-        return [P.sse(P.error_body(refused.status, refused.message, code=refused.code)),
-                P.SSE_DONE]
+        body = protocol.error_body(refused.status, refused.message, code=refused.code)
+        return [protocol.sse(body), protocol.SSE_DONE]
 
     def closing(first: Started) -> list[bytes]:
         usage = _usage(first, assembler) if req.include_usage else None
-        return [*map(P.sse, P.final_chunks(meta, assembler.result(), usage)), P.SSE_DONE]
+        return [*map(protocol.sse, protocol.final_chunks(meta, assembler.result(), usage)),
+                protocol.SSE_DONE]
 
     text_sse = TextSSE(meta)
-    return sse_stream(waiting, assembler, opening=map(P.sse, P.first_chunks(meta)),
+    return sse_stream(waiting, assembler, opening=map(protocol.sse, protocol.first_chunks(meta)),
                       keepalive=b": keep-alive\n\n", refusal=refusal,
                       deltas=lambda item: [text_sse.deltas(meta, item)], closing=closing)
 
@@ -191,7 +188,7 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    return JSONResponse(P.models_list([request.app.state.cfg.model_name]))
+    return JSONResponse(protocol.models_list([request.app.state.cfg.model_name]))
 
 
 async def health(request: Request) -> Response:
@@ -238,119 +235,6 @@ def status_report(state: Any) -> dict[str, Any]:
         "uptime_s": round(time.monotonic() - state.started, 3),
         **(extra() if (extra := getattr(state, "status_extra", None)) else {}),
     }
-
-
-def make_pool(cfg: WorkerConfig, eng: Any, pool_cls: type[BlockPool] = BlockPool) -> BlockPool:
-    """The pool the flags describe, sized against the loaded engine's real figures; the
-    start-up check is admission's own (:func:`plimsoll.core.sizing.pool_problem`)."""
-    facts = eng.facts
-    if cfg.block_bytes is not None and eng.block_bytes != cfg.block_bytes:
-        raise SystemExit(
-            f"--block-bytes {cfg.block_bytes} (what admission counted per block) differs "
-            f"from the loaded engine's {eng.block_bytes} B per block of {cfg.block_tokens} "
-            f"tokens (KV dtype {facts.kv_format}): pass the --kv-dtype admission used")
-    fixed = S.fixed_blocks(facts.fixed_bytes(cfg.context), eng.block_bytes)  # windows ≤ context
-    if problem := S.pool_problem(cfg.max_cache_blocks, cfg.context, cfg.block_tokens, fixed):
-        raise SystemExit(problem)
-    return pool_cls(
-        total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
-        cache_cap_blocks=S.cache_cap_blocks(cfg.prefix_cache_bytes, eng.block_bytes,
-                                            cfg.max_cache_blocks),
-        fixed_blocks_per_seq=fixed, hybrid=eng.state_bytes_per_seq > 0,
-        extra_key=f"{cfg.model_dir.resolve()}|{facts.kv_format}".encode())
-
-
-def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
-    """The step's figures: the prefill chunk follows the context so its transient stays
-    under the bound admission counted, and a sequence joins the running batch only while
-    the decode step's transient stays under it too. The chunk's default and its transient
-    follow the backend (``eng.fused_prefill``: a fused prefill attention holds no scores)."""
-    from plimsoll.engine.work import decode_transient_bytes
-
-    fused = bool(getattr(eng, "fused_prefill", False))
-    most = cfg.prefill_chunk or default_prefill_chunk(fused)
-    if prefill_chunk(eng.facts, cfg.context, cfg.transient_bytes,
-                     block_tokens=cfg.block_tokens, most=most, fused=fused) <= 0:
-        raise SystemExit(
-            f"--transient-bytes {cfg.transient_bytes} cannot hold one prefill token at "
-            f"--context {cfg.context} (the gather of the context alone passes it): raise "
-            "the transient reserve or lower the context")
-    decode = chunk_for = None
-    if cfg.transient_bytes is not None:
-        def decode(rows: int, longest: int) -> int:
-            return decode_transient_bytes(eng.facts, rows, longest, cfg.block_tokens)
-
-        def chunk_for(prompt_tokens: int) -> int:  # short prompts take bigger chunks
-            return prefill_chunk(eng.facts, max(1, prompt_tokens), cfg.transient_bytes,
-                                 block_tokens=cfg.block_tokens, most=most, fused=fused)
-    return SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
-                           max_batch=cfg.batch_bound, prefill_tokens=most,
-                           transient_bytes=cfg.transient_bytes or 0, decode_bytes=decode,
-                           chunk_for=chunk_for)
-
-
-#: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
-#: block_bytes, kv_bytes_per_token, applied_limits, engine_memory, rss, guard, and
-#: optionally ``status_extra`` (a callable whose dict is merged into the status report).
-Backend = Callable[[WorkerConfig], AbstractAsyncContextManager[dict[str, Any]]]
-
-
-@contextlib.asynccontextmanager
-async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
-    """This process's own engine: load it on the scheduler thread, stop it at exit."""
-    import psutil
-
-    proc = psutil.Process()
-    loaded: dict[str, Any] = {}
-
-    def setup(stack: contextlib.ExitStack):
-        """On the scheduler thread: load, apply limits (restored at exit), size the pool."""
-        from plimsoll import engine as E  # the engine edge: the only place mlx is imported
-
-        eng = E.Engine.load(cfg.model_dir, block_tokens=cfg.block_tokens,
-                            max_blocks=cfg.max_cache_blocks, kv_dtype=cfg.kv_dtype,
-                            context=cfg.context)
-        loaded["applied"] = stack.enter_context(E.process_limits(
-            cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
-        loaded["active_memory"] = E.active_memory
-        if cfg.disk_cache_dir is None:
-            pool = make_pool(cfg, eng)
-        else:
-            from plimsoll.worker.disk_restore import SpillingPool, open_tier
-
-            pool = make_pool(cfg, eng, SpillingPool)
-            sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
-            sched.disk.attach(pool)
-        limits = scheduler_limits(cfg, eng)
-        if took := E.warm_up(eng):  # GPU backends only: see engine/warmup
-            log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
-        return eng, pool, limits
-
-    def memory_probe() -> dict[str, int]:
-        return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
-
-    self_guard = SelfGuard.find()  # the cgroup limit that binds us, if any
-    sched = Scheduler(setup, SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s,
-                                             cfg.trip_bytes),
-                      memory_probe_with_guard(memory_probe, self_guard))
-    sched.start()
-    await run_in_threadpool(sched.ready.wait)
-    if sched.setup_error is not None:
-        raise sched.setup_error
-    eng = sched.engine
-    try:
-        yield {"scheduler": sched, "tokenizer": eng.tokenizer,
-               "native_max_context": eng.facts.native_max_context,
-               "block_bytes": eng.block_bytes,
-               "kv_bytes_per_token": eng.block_bytes // cfg.block_tokens,
-               "kv_dtype": eng.facts.kv_format,  # q8 / q4 when quantized
-               "applied_limits": loaded["applied"], "engine_memory": eng.memory,
-               "rss": lambda: proc.memory_info().rss, "guard": self_guard,
-               "constrained_decoding": True}
-    finally:  # the disk tier's shutdown spill runs on the scheduler thread: give it time
-        await run_in_threadpool(sched.stop, 10.0 if sched.disk is None else 120.0)
-        if sched.disk is not None:
-            await run_in_threadpool(sched.disk.close)
 
 
 def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:

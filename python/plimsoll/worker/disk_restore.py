@@ -1,7 +1,7 @@
 """The disk tier between the block pool and the engine: spill on the way out, restore on
 the way in (the scheduler thread only; mlx only through :mod:`plimsoll.engine.block_io`).
 
-- **Spill.** :class:`SpillingPool` is the scheduler's :class:`~plimsoll.engine.pool.BlockPool`
+- **Spill.** :class:`SpillingPool` is the scheduler's :class:`~plimsoll.worker.pool.BlockPool`
   with one addition: a cached block is handed to :meth:`DiskTier.spill` the moment it
   leaves memory, before its id can be reused — the LRU eviction under pressure, the cache
   cap, the trip's clear (:meth:`BlockPool.drop_cached`), and at a clean shutdown
@@ -27,8 +27,8 @@ from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-from plimsoll.engine.pool import BlockPool
 from plimsoll.worker.disk_tier import DiskStore, tier_key
+from plimsoll.worker.pool import BlockPool
 
 log = logging.getLogger("plimsoll.worker.disk")
 

@@ -5,7 +5,7 @@ written here; a later prompt whose block hashes match reads them back instead of
 prefilling them (:mod:`plimsoll.worker.disk_restore` does the scheduler side,
 :mod:`plimsoll.engine.block_io` the engine side).
 
-- **Key.** A block hash is chained on its parents (:func:`plimsoll.engine.pool.block_hash`),
+- **Key.** A block hash is chained on its parents (:func:`plimsoll.worker.pool.block_hash`),
   so one hash names a whole prefix. What else makes KV reusable — the weights' hash, the
   KV dtype, the block size, the bytes per block and this format's version — is the
   *tier key*: files live in ``root/<tier key>/<block hash>.kvb``, so another model, dtype

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from plimsoll.core.transients import PREFILL_CHUNK
 from plimsoll.engine.work import TokenConstraint
 
 
@@ -64,7 +65,7 @@ class SchedulerLimits:
     trip_bytes: int
     retry_after_s: int = 1
     max_batch: int = 64       # sequences running (decoding or prefilling) at once
-    prefill_tokens: int = 512  # prompt tokens computed per step, over all prefills
+    prefill_tokens: int = PREFILL_CHUNK  # prompt tokens computed per step, over all prefills
     transient_bytes: int = 0   # the compute transient bound (decode_bytes must stay under)
     decode_bytes: Callable[[int, int], int] | None = None  # (rows, longest) → transient
     chunk_for: Callable[[int], int] | None = None  # a prompt's length → its largest chunk

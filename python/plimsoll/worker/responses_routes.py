@@ -22,15 +22,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from plimsoll import protocol as P
-from plimsoll.protocol import responses_events as E
-from plimsoll.protocol import responses_request as R
-from plimsoll.protocol import structured
+from plimsoll import protocol
+from plimsoll.protocol import ProtocolError, responses_events, responses_request, structured
 from plimsoll.web.body import read_body
 from plimsoll.web.edge import access
 
-from . import submit as W
-from .scheduler import Refused, Started
+from .events import Refused, Started
+from .submit import (
+    EARLY_HEADERS_S,
+    error,
+    events,
+    make_constraint,
+    protocol_error,
+    reservation,
+    reserved_headers,
+    sse_stream,
+    stopping,
+    submit,
+)
 
 STORE_CAP = 256
 """Responses kept for ``previous_response_id`` (their conversations; LRU beyond this)."""
@@ -38,13 +47,13 @@ STORE_BYTES = 64 << 20
 """…and their conversations' JSON bytes in all (a worker's store never holds more)."""
 
 
-def store(state: Any) -> E.ResponseStore:
+def store(state: Any) -> responses_events.ResponseStore:
     if getattr(state, "response_store", None) is None:
-        state.response_store = E.ResponseStore(STORE_CAP, STORE_BYTES)
+        state.response_store = responses_events.ResponseStore(STORE_CAP, STORE_BYTES)
     return state.response_store
 
 
-def _echo(req: R.ResponsesRequest, model: str, max_tokens: int) -> dict[str, Any]:
+def _echo(req: responses_request.ResponsesRequest, model: str, max_tokens: int) -> dict[str, Any]:
     fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) \
         if req.text and req.text.format else {"type": "text"}
     return {"model": model, "instructions": req.instructions,
@@ -57,7 +66,7 @@ def _echo(req: R.ResponsesRequest, model: str, max_tokens: int) -> dict[str, Any
             "reasoning": {"effort": None, "summary": None}, "user": None}
 
 
-def _prepare(state: Any, req: R.ResponsesRequest
+def _prepare(state: Any, req: responses_request.ResponsesRequest
              ) -> tuple[Any, list[int], Any, list[dict[str, Any]]]:
     """On a thread: the chat request, its prompt ids, its constraint and the conversation to
     store (or raise the 400/404)."""
@@ -65,101 +74,104 @@ def _prepare(state: Any, req: R.ResponsesRequest
     if req.previous_response_id is not None:
         found = store(state).get(req.previous_response_id)
         if found is None:
-            raise P.ProtocolError(404, f"Previous response with id {req.previous_response_id!r} "
-                                  f"not found (this worker keeps the last {STORE_CAP} stored "
-                                  f"responses, up to {STORE_BYTES >> 20} MiB, in memory, until "
-                                  "it restarts): send the whole conversation in input instead.",
-                                  param="previous_response_id",
-                                  code="previous_response_not_found",
-                                  type="invalid_request_error")
+            raise ProtocolError(404, f"Previous response with id {req.previous_response_id!r} "
+                                f"not found (this worker keeps the last {STORE_CAP} stored "
+                                f"responses, up to {STORE_BYTES >> 20} MiB, in memory, until "
+                                "it restarts): send the whole conversation in input instead.",
+                                param="previous_response_id",
+                                code="previous_response_not_found",
+                                type="invalid_request_error")
         history = found
-    chat = R.to_chat(req, history)
-    prompt = P.render_chat(state.tokenizer, chat)
+    chat = responses_request.to_chat(req, history)
+    prompt = protocol.render_chat(state.tokenizer, chat)
     try:
         spec = structured.chat_spec(chat)
-    except P.ProtocolError as err:
+    except ProtocolError as err:
         if err.param and err.param.startswith("response_format"):
             err.param = "text.format.schema"
             err.message = err.message.replace("response_format.json_schema.schema",
                                               "text.format.schema")
         raise
-    return chat, prompt, W.make_constraint(state, spec), R.conversation(req, history)
+    return chat, prompt, make_constraint(state, spec), responses_request.conversation(req, history)
 
 
 async def responses(request: Request) -> Response:
     state = request.app.state
     cfg = state.cfg
     raw = await read_body(request)
-    if isinstance(raw, P.ProtocolError):
-        return W.protocol_error(raw)
-    req = R.parse_responses(raw)
-    if isinstance(req, P.ProtocolError):
-        return W.protocol_error(req)
+    if isinstance(raw, ProtocolError):
+        return protocol_error(raw)
+    req = responses_request.parse_responses(raw)
+    if isinstance(req, ProtocolError):
+        return protocol_error(req)
     rec = access(request)
     rec.model = req.model or cfg.model_name
-    if err := P.check_model(req.model, cfg.model_name):
-        return W.protocol_error(err)
+    if err := protocol.check_model(req.model, cfg.model_name):
+        return protocol_error(err)
     try:
         chat, prompt, constraint, convo = await run_in_threadpool(_prepare, state, req)
-    except P.ProtocolError as err:
-        return W.protocol_error(err)
+    except ProtocolError as err:
+        return protocol_error(err)
     rec.prompt = len(prompt)
-    res = W.reservation(state, len(prompt), req.max_output_tokens, "input")
-    if isinstance(res, P.ProtocolError):
-        return W.protocol_error(res)
+    res = reservation(state, len(prompt), req.max_output_tokens, "input")
+    if isinstance(res, ProtocolError):
+        return protocol_error(res)
     max_tokens = rec.reservation = res.max_tokens
-    if refused := W.stopping(request):
-        return W.error(refused.status, refused.message, code=refused.code,
-                       retry_after=refused.retry_after)
-    first, queue, gen = await W.submit(request, prompt, max_tokens, temperature=req.temperature,
-                                       top_p=req.top_p, seed=req.seed, constraint=constraint,
-                                       wait_s=W.EARLY_HEADERS_S if req.stream else None)
+    if refused := stopping(request):
+        return error(refused.status, refused.message, code=refused.code,
+                     retry_after=refused.retry_after)
+    first, queue, gen = await submit(request, prompt, max_tokens, temperature=req.temperature,
+                                     top_p=req.top_p, seed=req.seed, constraint=constraint,
+                                     wait_s=EARLY_HEADERS_S if req.stream else None)
     if first is None:
         return Response(status_code=499)
     if isinstance(first, Refused):
-        return W.error(first.status, first.message, code=first.code,
-                       retry_after=first.retry_after)
-    assembler = P.TextAssembler.for_request(state.tokenizer, chat, max_tokens)
-    builder = E.ResponseBuilder(_echo(req, cfg.model_name, max_tokens))
+        return error(first.status, first.message, code=first.code,
+                     retry_after=first.retry_after)
+    assembler = protocol.TextAssembler.for_request(state.tokenizer, chat, max_tokens)
+    builder = responses_events.ResponseBuilder(_echo(req, cfg.model_name, max_tokens))
     if req.stream:
         return StreamingResponse(_sse(state, req, convo, (first, queue, request, gen),
                                       assembler, builder),
                                  media_type="text/event-stream",
-                                 headers=W.reserved_headers(res, {"Cache-Control": "no-cache"}))
-    async for item in W.events(queue, request, gen, assembler):
+                                 headers=reserved_headers(res, {"Cache-Control": "no-cache"}))
+    async for item in events(queue, request, gen, assembler):
         if isinstance(item, Refused):
-            return W.error(item.status, item.message, code=item.code)
+            return error(item.status, item.message, code=item.code)
         builder.feed(item)
     if not assembler.done:  # the client left
         return Response(status_code=499)
     result = assembler.result()
     _remember(state, req, convo, builder, result)
     return JSONResponse(builder.final(result, _usage(first, assembler)),
-                        headers=W.reserved_headers(res))
+                        headers=reserved_headers(res))
 
 
-def _usage(first: Started, assembler: P.TextAssembler) -> dict[str, Any]:
-    return E.usage(first.prompt_tokens, assembler.completion_tokens, first.cached_tokens)
+def _usage(first: Started, assembler: protocol.TextAssembler) -> dict[str, Any]:
+    return responses_events.usage(first.prompt_tokens, assembler.completion_tokens,
+                                  first.cached_tokens)
 
 
-def _remember(state: Any, req: R.ResponsesRequest, convo: list[dict[str, Any]],
-              builder: E.ResponseBuilder, result: P.Assembled) -> None:
+def _remember(state: Any, req: responses_request.ResponsesRequest, convo: list[dict[str, Any]],
+              builder: responses_events.ResponseBuilder, result: protocol.Assembled) -> None:
     if req.store:
-        store(state).put(builder.id, [*convo, E.assistant_message(result)])
+        store(state).put(builder.id, [*convo, responses_events.assistant_message(result)])
 
 
-def _sse(state: Any, req: R.ResponsesRequest, convo: list[dict[str, Any]], waiting: tuple,
-         assembler: P.TextAssembler, builder: E.ResponseBuilder) -> AsyncIterator[bytes]:
+def _sse(state: Any, req: responses_request.ResponsesRequest, convo: list[dict[str, Any]],
+         waiting: tuple, assembler: protocol.TextAssembler,
+         builder: responses_events.ResponseBuilder) -> AsyncIterator[bytes]:
     def closing(first: Started) -> Any:
         result = assembler.result()
         _remember(state, req, convo, builder, result)
-        return map(E.sse_event, builder.finish(result, _usage(first, assembler)))
+        return map(responses_events.sse_event, builder.finish(result, _usage(first, assembler)))
 
-    return W.sse_stream(
-        waiting, assembler, opening=map(E.sse_event, builder.start()),
+    return sse_stream(
+        waiting, assembler, opening=map(responses_events.sse_event, builder.start()),
         keepalive=b": keep-alive\n\n",
-        refusal=lambda refused: [E.sse_event(builder.fail(refused.code, refused.message))],
-        deltas=lambda item: map(E.sse_event, builder.feed(item)), closing=closing)
+        refusal=lambda refused: [
+            responses_events.sse_event(builder.fail(refused.code, refused.message))],
+        deltas=lambda item: map(responses_events.sse_event, builder.feed(item)), closing=closing)
 
 
 ROUTES = [Route("/v1/responses", responses, methods=["POST"])]

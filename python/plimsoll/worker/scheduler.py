@@ -1,9 +1,9 @@
 """The worker's scheduler: the one owner of the engine and the block pool.
 
-Why a thread: MLX compute blocks, so the engine runs on one dedicated thread and the
-HTTP side (asyncio) talks to it only through :meth:`Scheduler.submit` and per-request
-event sinks. Every engine call and every pool verb happens on that thread, so neither
-needs a lock; the only shared state is the submission inbox and a published stats dict.
+Why a thread: MLX compute blocks, so the engine runs on one thread and the HTTP side
+(asyncio) talks to it only through :meth:`Scheduler.submit` and per-request event sinks.
+Every engine call and pool verb happens on that thread, so neither needs a lock; the only
+shared state is the submission inbox and a published stats dict.
 
 Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
 
@@ -12,10 +12,9 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
 2. plan one :class:`~plimsoll.engine.work.Step`: a decode for every running sequence,
    then prompt chunks of prefilling sequences — and of waiters admitted now, FIFO, while
    ``max_batch`` and the pool allow — up to ``prefill_tokens`` per step. So a long prompt
-   delays running streams by at most one chunk per step. Admission maps every prompt
-   block already held or cached (a shared prefix: no copy, no recompute) and reserves
-   ``ceil((prompt + max_tokens) / block)`` blocks; physical blocks are taken as tokens
-   are written (:mod:`plimsoll.engine.pool`);
+   delays running streams by at most one chunk per step. Admission maps every prompt block
+   already held or cached (a shared prefix: no copy, no recompute) and reserves ``ceil((prompt
+   + max_tokens) / block)`` blocks; physical blocks are taken as tokens are written;
 3. submit it (``engine.run_async``) *before* reading the previous step's tokens, so graph
    building overlaps compute: a running sequence's decode names ``tokens=None`` ("the
    token you sampled last step"); the token a sequence that ended last step samples
@@ -26,23 +25,13 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
    EOS or a finished constraint. Their full blocks stay cached (hashes registered): no
    compaction, no moves.
 
-Hybrid models (recurrent state) cannot cut a state, so a prefix is reused only where the
-engine holds a snapshot of the state at the end of a block. The rule: whenever a submitted
-step leaves a sequence's written tokens on a block boundary (a prompt chunk — a hybrid
-prompt's chunks end on blocks, the last one stopping at the prompt's last block boundary
-first, so the same prompt again is a hit — or a decode that fills a block), its state is
-snapshotted if the pool has room (each snapshot is charged ``fixed_blocks_per_seq`` under the cache
-cap, reclaimable, LRU); it becomes a hit once that block's hash is registered, and a later
-prompt maps the blocks up to the last one with a snapshot and resumes from it.
-
 Running out is an event (``Refused``) for the HTTP edge to turn into a 503 with
-``Retry-After`` — never a crash, never growth past the pool.
-
-Per-step cost (every millisecond of Python here is decode time lost on a GPU, where a
-batched step computes in ~10 ms, and it shares the GIL with the HTTP side): the memory
-probe and the status snapshot run on a cadence (:mod:`.lines`), not every step; a
-sequence's full blocks are hashed only when a block fills; a sequence's ``Sampling`` is
-built once; the pool hands back the same table tuple until the table grows.
+``Retry-After`` — never a crash, never growth past the pool. This module is the thread and
+the loop; :mod:`.waiting` is admission's side (intake, expiry, what a waiter waits for),
+:mod:`.prefix` what a step leaves for later prompts, :mod:`.trip` the memory lines,
+:mod:`.stats` the published figures. Per step (Python here is decode time lost on a GPU):
+the memory probe and the status snapshot run on a cadence; full blocks are hashed only when
+a block fills; ``Sampling`` is built once; the pool hands back one table until it grows.
 """
 
 from __future__ import annotations
@@ -53,50 +42,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from plimsoll.engine.pool import BlockPool, Grant, Refusal
-from plimsoll.engine.work import Sampling, Step, Work
-from plimsoll.worker.events import (  # noqa: F401  (re-exported: the edge imports them here)
-    Event,
-    Finished,
-    GenRequest,
-    Refused,
-    SchedulerLimits,
-    Sink,
-    Started,
-    Token,
-)
-from plimsoll.worker.lines import StatsMixin, TripMixin
+from plimsoll.engine.work import Step, Work
+from plimsoll.worker.pool import BlockPool, Grant, Refusal
+
+from . import prefix
+from .events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
+from .stats import PUBLISH_INTERVAL_S, status_figures
+from .trip import MemoryLine
+from .waiting import Run, decode_fits, expire, intake, why_waiting
 
 log = logging.getLogger("plimsoll.worker")
 
 
-@dataclass
-class _Run:
-    """A running sequence: what is written, sampled, and still in flight."""
-
-    req: GenRequest
-    tokens: list[int]      # prompt, then every sampled token known
-    prompt_len: int
-    written: int           # positions whose KV a submitted step writes
-    cached_tokens: int
-    pending: int = 0       # sampled tokens not read yet (0 or 1)
-    generated: int = 0
-    full_committed: int = -1  # full blocks whose hashes were last registered
-    sampling: Sampling = field(default_factory=Sampling)
-
-    def __post_init__(self) -> None:
-        r = self.req
-        self.sampling = Sampling(r.temperature, r.top_p, r.seed)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.written < self.prompt_len
-
-
-class Scheduler(TripMixin, StatsMixin):
+class Scheduler:
     """Owns engine + pool on one thread; see the module docstring for the loop."""
 
     def __init__(self, setup: Callable[[contextlib.ExitStack], tuple[Any, BlockPool]],
@@ -106,7 +66,7 @@ class Scheduler(TripMixin, StatsMixin):
         ends) and returns the engine and its pool."""
         self._setup = setup
         self.limits = limits
-        self.memory_probe = memory_probe  # {"mlx_active": …, "rss": …}
+        self.line = MemoryLine(memory_probe)  # the trip and the guard's soft line
         self.engine: Any = None
         self.pool: BlockPool | None = None
         self.eos_ids: set[int] = set()
@@ -114,25 +74,27 @@ class Scheduler(TripMixin, StatsMixin):
         self.setup_error: BaseException | None = None
         self._inbox: collections.deque[GenRequest] = collections.deque()
         self._waiting: collections.deque[GenRequest] = collections.deque()
-        self._running: dict[int, _Run] = {}  # admission order
+        self._running: dict[int, Run] = {}  # admission order
         self._pending: tuple[Any, int] | None = None  # (Pending, step number)
         self._stale_states: list[tuple[int, int]] = []  # (seq_id, free after step n)
         self._steps = 0
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.tripped = ""  # why the worker is over a memory line; "" when it is not
         self.counters: collections.Counter[str] = collections.Counter()
         self.kv_bytes_peak = 0
         #: The last steps as planned: (step, decoded seq ids, {seq id: prefill tokens}).
         self.step_log: collections.deque[tuple[int, tuple[int, ...], dict[int, int]]] = (
             collections.deque(maxlen=4096))
         self.stats: dict[str, Any] = {}
-        self._published_at = 0.0  # monotonic time of the last snapshot (lines.StatsMixin)
+        self._published_at = 0.0  # monotonic time of the last snapshot
         self._dirty = True        # something a reader sees changed besides the step count
-        self._probed_at = 0.0     # monotonic time of the last memory probe (lines.TripMixin)
-        self._spiked = True       # the last step ran a prefill: probe memory at once
         self.disk: Any = None  # the tier under the pool (worker/disk_restore.DiskTier) or None
+
+    @property
+    def tripped(self) -> str:
+        """Why the worker is over a memory line; "" when it is not."""
+        return self.line.tripped
 
     # --- called from any thread ---------------------------------------------------------
     def start(self) -> None:
@@ -197,12 +159,12 @@ class Scheduler(TripMixin, StatsMixin):
     def iterate(self) -> None:
         """One step of the loop (public for pure tests that drive it with a fake engine)."""
         self._take_inbox()
-        if self._probe_due():
+        if self.line.due(bool(self._running)):
             self._check_trip()
         self._end_cancelled()
         step = self._plan()
         submitted = None
-        self._spiked = bool(step.prefills)  # a prefill's transient: probe next iteration
+        self.line.spiked = bool(step.prefills)  # a prefill's transient: probe next iteration
         if step.decodes or step.prefills:
             self._steps += 1
             submitted = (self.engine.run_async(step), self._steps)
@@ -220,51 +182,19 @@ class Scheduler(TripMixin, StatsMixin):
             self._inbox.clear()
         if new:
             self._dirty = True
-        for req in new:
-            if self.tripped:
-                self._refuse(req, 503, f"memory trip: {self.tripped}; the worker refuses new "
-                             "work until memory comes back", "memory_trip")
-            elif len(self._waiting) >= self.limits.max_queue:
-                self._refuse(req, 503, f"the waiting queue is full ({self.limits.max_queue} "
-                             "requests): retry later", "queue_full")
-            else:
-                self._waiting.append(req)
+        for req, message, code in intake(new, self._waiting, self.tripped, self.limits.max_queue):
+            self._refuse(req, 503, message, code)
 
     def _expire_waiting(self) -> None:
         if not self._waiting:
             return
-        now = time.monotonic()
-        kept: collections.deque[GenRequest] = collections.deque()
-        for req in self._waiting:
-            if req.cancelled.is_set():
-                self.counters["cancelled"] += 1
-            elif now >= req.deadline:
-                code, why = self._why_waiting(req)
-                self._refuse(req, 503, f"waited {self.limits.max_wait_s:g} s: {why}", code)
-            else:
-                kept.append(req)
-        self._waiting = kept
-
-    def _why_waiting(self, req: GenRequest) -> tuple[str, str]:
-        """What a waiter waits for, exactly: blocks, a decode slot, or other prefills."""
-        grant = self.pool.can_allocate(req.prompt, req.max_tokens, self._hashes(req))
-        if isinstance(grant, Refusal):
-            return "pool_exhausted", grant.message
-        if len(self._running) >= self.limits.max_batch:
-            return "batch_full", (f"all {self.limits.max_batch} decode slots (--max-batch) are "
-                                  "running sequences")
-        if self._running and not self._decode_fits(req):
-            return "batch_full", (f"{len(self._running)} running sequences: one more would take "
-                                  "the decode step's transient past its bound "
-                                  f"({self.limits.transient_bytes} B)")
-        ahead = [r for r in self._running.values() if r.prefilling]
-        left = sum(r.prompt_len - r.written for r in ahead)
-        if not ahead:
-            return "queue_timeout", ("the requests queued before it were admitted first "
-                                     "(or memory was near the trip line)")
-        return "prefill_busy", (f"waiting behind the prefill of {len(ahead)} prompt(s) "
-                                f"({left} tokens left at {self.limits.prefill_tokens} per "
-                                "step) and the requests queued before it")
+        self._waiting, cancelled, expired = expire(self._waiting, time.monotonic())
+        if cancelled:
+            self.counters["cancelled"] += cancelled
+        for req in expired:
+            grant = self.pool.can_allocate(req.prompt, req.max_tokens, self._hashes(req))
+            code, why = why_waiting(req, grant, self._running.values(), self.limits)
+            self._refuse(req, 503, f"waited {self.limits.max_wait_s:g} s: {why}", code)
 
     def _end_cancelled(self) -> None:
         for run in [r for r in self._running.values() if r.req.cancelled.is_set()]:
@@ -295,7 +225,7 @@ class Scheduler(TripMixin, StatsMixin):
                 budget -= self._chunk(run, budget, prefills, chunks)
         while budget > 0 and self._waiting and len(self._running) < self.limits.max_batch:
             req = self._waiting[0]
-            if self._running and not self._decode_fits(req):
+            if self._running and not decode_fits(self.limits, req, self._running.values()):
                 break
             grant = self.pool.can_allocate(req.prompt, req.max_tokens, self._hashes(req))
             if isinstance(grant, Refusal):
@@ -304,24 +234,14 @@ class Scheduler(TripMixin, StatsMixin):
                 self._waiting.popleft()
                 self._refuse(req, 503, grant.message, "pool_exhausted")
                 continue
-            if self._running and self._over_trip():  # each prefill can be a spike: a
-                break                                # fresh probe before every admission
+            if self._running and self.line.over(self.limits.trip_bytes):  # each prefill
+                break  # can be a spike: a fresh probe before every admission
             self._waiting.popleft()
             budget -= self._chunk(self._admit(req, grant), budget, prefills, chunks)
         self.step_log.append((self._steps + 1, tuple(w.seq_id for w in decodes), chunks))
         return Step(tuple(decodes), tuple(prefills))
 
-    def _decode_fits(self, req: GenRequest) -> bool:
-        """Whether the decode step's transient stays under its bound with ``req`` running
-        too (every row gathers the longest row's slots)."""
-        bytes_for = self.limits.decode_bytes
-        if bytes_for is None:
-            return True
-        longest = max([len(req.prompt) + req.max_tokens,
-                       *(r.prompt_len + r.req.max_tokens for r in self._running.values())])
-        return bytes_for(len(self._running) + 1, longest) <= self.limits.transient_bytes
-
-    def _admit(self, req: GenRequest, grant: Grant) -> _Run:
+    def _admit(self, req: GenRequest, grant: Grant) -> Run:
         """Map the hit blocks, count the reservation, restore a hybrid state snapshot."""
         self.pool.allocate(req.id, grant)
         if grant.snapshot is not None:
@@ -330,7 +250,7 @@ class Scheduler(TripMixin, StatsMixin):
         if self.disk is not None:  # the prompt's next blocks, read back from disk
             hit += self.disk.restore(self.pool, req.id, grant.hashes, grant.hit_count,
                                      len(req.prompt))
-        run = _Run(req, list(req.prompt), len(req.prompt), hit, hit)
+        run = Run(req, list(req.prompt), len(req.prompt), hit, hit)
         self._running[req.id] = run
         if self.disk is not None:
             self._commit(run)  # restored blocks are prefix hits for the next prompt at once
@@ -339,7 +259,7 @@ class Scheduler(TripMixin, StatsMixin):
         req.sink(Started(len(req.prompt), hit))
         return run
 
-    def _chunk(self, run: _Run, budget: int, prefills: list[Work],
+    def _chunk(self, run: Run, budget: int, prefills: list[Work],
                chunks: dict[int, int]) -> int:
         """The next chunk of ``run``'s prompt, at most ``budget`` tokens; returns its size."""
         n = min(run.prompt_len - run.written, budget)
@@ -365,36 +285,10 @@ class Scheduler(TripMixin, StatsMixin):
 
     # --- after a step -------------------------------------------------------------------
     def _after_submit(self, step: Step) -> None:
-        """Count what the submitted step writes and samples; register full blocks whose
-        tokens are known; snapshot hybrid state where a Work ends on a block."""
-        prefills = {w.seq_id for w in step.prefills}
-        for w in (*step.decodes, *step.prefills):
-            run = self._running[w.seq_id]
-            run.written += w.length
-            run.pending += 1 if w.sample else 0
-            if w.seq_id in prefills:
-                self.pool.count_prefill(w.length)
-                self.counters["prefill_tokens"] += w.length
-            self._commit(run)
-            if (self.pool.hybrid and run.written % self.pool.block_tokens == 0
-                    and self.pool.can_snapshot()):
-                key = ("snap", run.req.id, run.written)
-                self.engine.snapshot_state(run.req.id, key)
-                self.pool.add_snapshot(run.req.id, key)
-                self.pool.bind_snapshots(run.req.id)
-        self._drop_snapshots()
+        prefix.after_submit(self.pool, self.engine, self._running, step, self.counters)
 
-    def _commit(self, run: _Run) -> None:
-        """Register the full blocks of ``run`` whose every token is known (a call that
-        fills no new block changes nothing, so it is skipped: a block fills once per
-        ``block_tokens`` tokens)."""
-        full = min(run.written, len(run.tokens)) // self.pool.block_tokens
-        if full == run.full_committed and not self.pool.hybrid:
-            return
-        run.full_committed = full
-        self.pool.commit(run.req.id, run.tokens, run.written)
-        if self.pool.hybrid:
-            self.pool.bind_snapshots(run.req.id)
+    def _commit(self, run: Run) -> None:
+        prefix.commit(self.pool, run)
 
     def _read(self, pending: Any, step: int) -> None:
         """The tokens of step ``step``: emit them, end finished sequences. A token of a
@@ -417,12 +311,12 @@ class Scheduler(TripMixin, StatsMixin):
             else:
                 self._commit(run)
 
-    def _finish(self, run: _Run, reason: str) -> None:
+    def _finish(self, run: Run, reason: str) -> None:
         self._end(run, reason)
         self.counters[reason] += 1
         run.req.sink(Finished(reason, run.generated))
 
-    def _end(self, run: _Run, reason: str | None) -> None:
+    def _end(self, run: Run, reason: str | None) -> None:
         """Release a sequence: its full blocks stay cached (their tokens are all known
         now: every written position is a prompt token or a token already read)."""
         self._dirty = True
@@ -430,7 +324,7 @@ class Scheduler(TripMixin, StatsMixin):
         if reason is not None:
             self._commit(run)
         self.pool.free(run.req.id)
-        self._drop_snapshots()
+        prefix.drop_snapshots(self.pool, self.engine)
         # a submitted step may still write for it: drop its state once that step is read
         self._stale_states.append((run.req.id, self._steps))
 
@@ -443,10 +337,6 @@ class Scheduler(TripMixin, StatsMixin):
             else:
                 keep.append((seq_id, after))
         self._stale_states = keep
-
-    def _drop_snapshots(self) -> None:
-        for key in self.pool.take_dropped_snapshots():
-            self.engine.drop_snapshot(key)
 
     def _refuse(self, req: GenRequest, status: int, message: str, code: str) -> None:
         self._dirty = True
@@ -473,3 +363,38 @@ class Scheduler(TripMixin, StatsMixin):
         self._waiting.clear()
         for req in pending:
             req.sink(Refused(503, message, "worker_stopping", self.limits.retry_after_s))
+
+    # --- the memory lines and the published figures --------------------------------------
+    def _check_trip(self) -> None:
+        if self.line.check(self.limits.trip_bytes, self.pool, self.engine, self.counters):
+            self._dirty = True
+        if self.tripped:
+            self._shed(self.tripped)
+
+    def _shed(self, why: str) -> None:
+        """Still over after the clear: refuse everyone waiting and abort the newest running
+        request (one per iteration, so the oldest work finishes if that is enough)."""
+        message = f"memory trip: {why}; request aborted to keep the worker under its line"
+        while self._waiting:
+            self._refuse(self._waiting.popleft(), 503, message, "memory_trip")
+        if self._running:
+            run = self._running[max(self._running)]
+            self._end(run, None)
+            self.engine.clear_cache()
+            self._refuse(run.req, 503, message, "memory_trip")
+
+    def _maybe_publish(self) -> None:
+        """Publish if something a reader acts on changed, or the snapshot is stale."""
+        if self._dirty or time.monotonic() - self._published_at >= PUBLISH_INTERVAL_S:
+            self._publish()
+
+    def _publish(self) -> None:
+        """A consistent snapshot for /v1/plimsoll/status (read from other threads)."""
+        self._dirty = False
+        self._published_at = time.monotonic()
+        allocated = self.engine.kv_bytes_allocated()
+        self.kv_bytes_peak = max(self.kv_bytes_peak, allocated)
+        self.stats = status_figures(
+            self.pool, self.engine, self._running.values(),
+            len(self._waiting) + len(self._inbox), self.limits, self.counters, self._steps,
+            self.tripped, self.disk, allocated, self.kv_bytes_peak)

@@ -26,15 +26,16 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from plimsoll import protocol as P
+from plimsoll import protocol
+from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.engine.work import TokenConstraint
+from plimsoll.protocol import ProtocolError
 from plimsoll.protocol.reservation import HEADER as MAX_TOKENS_HEADER
 from plimsoll.protocol.reservation import Reservation, reserve
 from plimsoll.web.edge import access
 from plimsoll.web.graceful import Drain
-from plimsoll.worker.config import WorkerConfig
 
-from .scheduler import Finished, GenRequest, Refused, Started, Token
+from .events import Finished, GenRequest, Refused, Started, Token
 
 DISCONNECT_POLL_S = 0.25
 #: A stream not started (admitted and prefilled) within this many seconds gets its headers
@@ -92,7 +93,7 @@ PENDING = _Pending()
 
 
 def reservation(state: Any, prompt_tokens: int, asked: int | None,
-                prompt_param: str) -> Reservation | P.ProtocolError:
+                prompt_param: str) -> Reservation | ProtocolError:
     """The output reservation for this prompt (clamped, or refused by the worker's policy),
     or the 400 for a prompt that alone fills the context."""
     cfg: WorkerConfig = state.cfg
@@ -119,11 +120,11 @@ def error(status: int, message: str, *, code: str | None = None, param: str | No
           retry_after: int | None = None) -> JSONResponse:
     """An OpenAI-shaped error response (``Retry-After`` when given)."""
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(P.error_body(status, message, param=param, code=code), status,
+    return JSONResponse(protocol.error_body(status, message, param=param, code=code), status,
                         headers=headers)
 
 
-def protocol_error(err: P.ProtocolError) -> JSONResponse:
+def protocol_error(err: ProtocolError) -> JSONResponse:
     return JSONResponse(err.body(), err.status)
 
 
@@ -135,10 +136,10 @@ def make_constraint(state: Any, spec: Any) -> Any:
     if spec is None:
         return None
     if not getattr(state, "constrained_decoding", False):
-        raise P.ProtocolError(400, "Structured output and forced tool choices need constrained "
-                              "decoding, which this (clustered) worker does not run; drop "
-                              "response_format / the forced tool_choice.",
-                              code="constraint_unsupported")
+        raise ProtocolError(400, "Structured output and forced tool choices need constrained "
+                            "decoding, which this (clustered) worker does not run; drop "
+                            "response_format / the forced tool_choice.",
+                            code="constraint_unsupported")
     from plimsoll import constrain
 
     if getattr(state, "constrainer", None) is None:
@@ -148,7 +149,7 @@ def make_constraint(state: Any, spec: Any) -> Any:
     try:
         return state.constrainer.constraint(spec)
     except constrain.SpecError as e:
-        raise P.ProtocolError(400, f"{e}; simplify the schema.", code="invalid_schema") from e
+        raise ProtocolError(400, f"{e}; simplify the schema.", code="invalid_schema") from e
 
 
 async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
@@ -212,8 +213,8 @@ async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest,
 
 
 async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
-                 assembler: P.TextAssembler, idle_s: float | None = None
-                 ) -> AsyncIterator[list[P.Delta] | Refused | _Pending]:
+                 assembler: protocol.TextAssembler, idle_s: float | None = None
+                 ) -> AsyncIterator[list[protocol.Delta] | Refused | _Pending]:
     """Deltas until the assembler is done (then the sequence is cancelled), or a Refused;
     with ``idle_s``, :data:`PENDING` each time that passed before the first token (a long
     prefill: the stream's keep-alive).
@@ -230,7 +231,7 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
             if ev is PENDING:
                 yield ev
                 continue
-            deltas: list[P.Delta] = []
+            deltas: list[protocol.Delta] = []
             while True:
                 if isinstance(ev, Token):
                     waited = None
@@ -254,9 +255,9 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
             request.app.state.scheduler.wake()
 
 
-async def sse_stream(waiting: tuple, assembler: P.TextAssembler, *, opening: Iterable[bytes],
+async def sse_stream(waiting: tuple, assembler: protocol.TextAssembler, *, opening: Iterable[bytes],
                      keepalive: bytes, refusal: Callable[[Refused], Iterable[bytes]],
-                     deltas: Callable[[list[P.Delta]], Iterable[bytes]],
+                     deltas: Callable[[list[protocol.Delta]], Iterable[bytes]],
                      closing: Callable[[Started], Iterable[bytes]]) -> AsyncIterator[bytes]:
     """A streamed answer in any protocol: ``opening`` at once, then ``keepalive`` every
     :data:`KEEPALIVE_S` until the first token — while the request waits for admission

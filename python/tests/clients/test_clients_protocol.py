@@ -38,8 +38,9 @@ def test_every_table_entry_has_a_reason_and_a_model_that_uses_its_scope():
     from plimsoll.protocol import requests as R
     from plimsoll.protocol import responses_request as RR
     from plimsoll.protocol.anthropic import request as AR
+    from plimsoll.protocol.ollama import request as OR
 
-    scopes = {m.tolerated_scope for mod in (R, RR, AR) for m in vars(mod).values()
+    scopes = {m.tolerated_scope for mod in (R, RR, AR, OR) for m in vars(mod).values()
               if isinstance(m, type) and getattr(m, "tolerated_scope", None)}
     assert set(T.TOLERATED) == scopes | {RR.TOOL_TYPES}
     for scope, fields in T.TOLERATED.items():

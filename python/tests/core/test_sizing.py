@@ -27,10 +27,10 @@ from plimsoll.core.model_facts import facts_from_config
 from plimsoll.core.sizing import blocks_for, pool_for, pool_problem, right_size
 from plimsoll.core.units import GIB, KIB, MIB
 from plimsoll.demo.model import PRESETS
-from plimsoll.engine.pool import BlockPool, Grant
 from plimsoll.launch.spawn import mismatches, worker_config
 from plimsoll.probes.snapshot import MemorySnapshot
-from plimsoll.worker.app import make_pool
+from plimsoll.worker.backend import make_pool
+from plimsoll.worker.pool import BlockPool, Grant
 
 pytestmark = pytest.mark.pure
 
@@ -275,7 +275,8 @@ def test_largest_fitting_is_the_last_fit(low, high, limit, step):
 
 
 def _plan_tiny(context: int, budget_mib: int, concurrency: int = 4, max_tokens: int = 1024):
-    from plimsoll.launch.live_admission import admit_counting_transient, transient_floor
+    from plimsoll.core.admission import admit_counting_transient
+    from plimsoll.core.transients import transient_floor
 
     req = AdmissionRequest(
         ceiling_bytes=48 * GIB, total_ram_bytes=64 * GIB, budget_bytes=budget_mib * MIB,
@@ -290,8 +291,7 @@ def test_a_long_context_takes_its_transient_from_the_pool_not_a_third_of_its_con
     tokens because the gather of 32k tokens passed 5 % of the budget, while the pool had
     room to spare. Now the reserve holds the transient at 32k and the context stands."""
     from plimsoll.core.sizing import compute_transient_bytes
-    from plimsoll.engine.work import prefill_transient_bytes
-    from plimsoll.worker.config import prefill_chunk
+    from plimsoll.core.transients import prefill_chunk, prefill_transient_bytes
 
     d, floor = _plan_tiny(32768, 512)
     assert d.decision == "admit" and d.context == 32768 and d.concurrency == 4, d.reasons

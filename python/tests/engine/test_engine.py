@@ -12,10 +12,11 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
+from plimsoll.core.transients import growth_transient_bytes  # noqa: E402
 from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
 from plimsoll.engine.drive import Blocks, drive, reference, seqs_for, sharpen, text  # noqa: E402
-from plimsoll.engine.work import Sampling, Step, Work, growth_transient_bytes  # noqa: E402
+from plimsoll.engine.work import Sampling, Step, Work  # noqa: E402
 
 BLOCK = 16
 POOL = 64
@@ -193,7 +194,7 @@ def test_transients_stay_under_the_published_bounds(tiny_dir):
     the figures admission counts (engine.work), with scattered block ids (the gather path)."""
     import random
 
-    from plimsoll.engine.work import decode_transient_bytes, prefill_transient_bytes
+    from plimsoll.core.transients import decode_transient_bytes, prefill_transient_bytes
 
     eng = _fresh(tiny_dir, max_blocks=256, slab_blocks=256)
     ids = list(range(256))

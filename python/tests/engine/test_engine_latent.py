@@ -151,7 +151,7 @@ def test_mla_transients_stay_under_the_published_bounds(engines):
     peak is over what the bound would be without the MLA terms (so they are needed)."""
     import random
 
-    from plimsoll.engine.work import decode_transient_bytes, prefill_transient_bytes
+    from plimsoll.core.transients import decode_transient_bytes, prefill_transient_bytes
 
     eng = Engine.load(engines.family_dir("deepseek_v3_wide"), block_tokens=BLOCK,
                       max_blocks=256, slab_blocks=256)

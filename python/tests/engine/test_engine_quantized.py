@@ -17,10 +17,10 @@ mx = pytest.importorskip("mlx.core")
 from mlx_lm.generate import generate_step  # noqa: E402
 
 from plimsoll.core.model_facts import inspect_model  # noqa: E402
+from plimsoll.core.transients import dequant_transient_bytes, prefill_transient_bytes  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
 from plimsoll.engine.drive import Blocks, drive, seqs_for, text  # noqa: E402
 from plimsoll.engine.quantized import QuantizedAttention  # noqa: E402
-from plimsoll.engine.work import dequant_transient_bytes, prefill_transient_bytes  # noqa: E402
 
 BLOCK = 16
 POOL = 48

@@ -1,4 +1,5 @@
-"""The engine's pure contract: value types and transient arithmetic (no mlx)."""
+"""The engine's pure contract (value types) and the transient arithmetic of core.transients
+(no mlx)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plimsoll.core.model_facts import facts_from_config
-from plimsoll.demo.model import PRESETS
-from plimsoll.engine.work import (
-    Sampling,
-    Step,
-    Work,
+from plimsoll.core.transients import (
     gather_transient_bytes,
     prefill_chunk_tokens,
     prefill_transient_bytes,
 )
+from plimsoll.demo.model import PRESETS
+from plimsoll.engine.work import Sampling, Step, Work
 
 pytestmark = pytest.mark.pure
 
@@ -72,7 +71,7 @@ def test_prefill_chunk_shrinks_as_context_grows():
 
 
 def test_growth_transient_is_one_array_of_the_pool():
-    from plimsoll.engine.work import growth_transient_bytes
+    from plimsoll.core.transients import growth_transient_bytes
 
     assert growth_transient_bytes(32768, 100, 4) == 32768 * 100 // 8
     assert growth_transient_bytes(32768, 100, 0) == 0
@@ -94,7 +93,7 @@ def test_a_fused_prefill_holds_no_scores():
 
 
 def test_the_default_chunk_follows_the_backend():
-    from plimsoll.worker.config import PREFILL_CHUNK, PREFILL_CHUNK_FUSED, default_prefill_chunk
+    from plimsoll.core.transients import PREFILL_CHUNK, PREFILL_CHUNK_FUSED, default_prefill_chunk
 
     assert default_prefill_chunk(False) == PREFILL_CHUNK < default_prefill_chunk(True) == \
         PREFILL_CHUNK_FUSED

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from plimsoll.engine.pool import BlockPool, Grant, Refusal, block_hash, chain_hashes
+from plimsoll.worker.pool import BlockPool, Grant, Refusal, block_hash, chain_hashes
 
 pytestmark = pytest.mark.pure
 

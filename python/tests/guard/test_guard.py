@@ -20,10 +20,10 @@ import pytest
 from conftest import OPENBLAS, free_port
 
 from plimsoll.core.units import MIB
+from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard import cgroups
 from plimsoll.guard import process as G
 from plimsoll.launch.spawn import start_worker, stop_worker
-from plimsoll.worker.config import WorkerConfig
 
 
 @pytest.mark.pure

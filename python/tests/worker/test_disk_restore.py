@@ -15,7 +15,8 @@ from plimsoll.engine.block_io import export_block, import_block, supports
 from plimsoll.engine.drive import reference, text
 from plimsoll.engine.work import Step, Work
 from plimsoll.worker.disk_restore import DiskTier, SpillingPool
-from plimsoll.worker.scheduler import Scheduler, SchedulerLimits
+from plimsoll.worker.events import SchedulerLimits
+from plimsoll.worker.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,15 @@ engine's behaviour is tested in test_worker_paged.py."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 
-from plimsoll.engine.pool import BlockPool
 from plimsoll.engine.work import Step
-from plimsoll.worker.scheduler import (
-    Finished,
-    GenRequest,
-    Refused,
-    Scheduler,
-    SchedulerLimits,
-    Started,
-    Token,
-)
+from plimsoll.worker.events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
+from plimsoll.worker.pool import BlockPool
+from plimsoll.worker.scheduler import Scheduler
+from plimsoll.worker.trip import PROBE_INTERVAL_S
 
 pytestmark = pytest.mark.pure
 
@@ -308,3 +303,41 @@ def test_fail_all_releases_everything():
     with contextlib.suppress(Exception):
         s._fail_all("boom")
     assert pool.held == 0 and pool.committed == 0 and not s._running
+
+
+def test_over_the_trip_the_cache_goes_first_then_the_waiters_then_the_newest_running():
+    """The trip (worker.trip.MemoryLine, acted on by the scheduler): over the line, cached
+    blocks are dropped and memory probed again; still over, every waiter and then the
+    newest running request are refused ``memory_trip``, one running request an iteration;
+    back under, the worker takes work again."""
+    reading = {"mlx_active": 0}
+    pool = BlockPool(total=64, block_tokens=4, cache_cap_blocks=64)
+    eng = FakeEngine(pool)
+    limits = SchedulerLimits(max_num_seqs=1, max_queue=16, max_wait_s=30.0, trip_bytes=1000,
+                             max_batch=8, prefill_tokens=8)
+    s = Scheduler(lambda stack: (eng, pool), limits, lambda: dict(reading))
+    s.engine, s.pool, s.eos_ids = eng, pool, {EOS}
+    request(s, range(100, 110), 6)
+    drain(s)
+    assert pool.cached == 3 and not s.tripped
+    _, old = request(s, range(200, 210), 50)
+    _, new = request(s, range(300, 310), 50)
+    for _ in range(3):
+        s.iterate()
+    assert len(s._running) == 2
+    reading["mlx_active"] = 5000  # over the trip, and the clear cannot bring it down
+    _, waiter = request(s, range(400, 410), 4)
+    s.iterate()
+    assert s.counters["trips"] == 1  # the clear ran (there were cached blocks to drop)
+    assert "over the trip at 1000 B" in s.tripped and s.stats["tripped"]
+    assert [e.code for e in waiter if isinstance(e, Refused)] == ["memory_trip"]
+    assert [e.code for e in new if isinstance(e, Refused)] == ["memory_trip"]
+    assert not any(isinstance(e, Refused) for e in old)  # the oldest work may finish
+    reading["mlx_active"] = 0
+    time.sleep(PROBE_INTERVAL_S)  # decode-only steps probe on a cadence
+    s.iterate()
+    assert not s.tripped
+    _, again = request(s, range(100, 110), 4)  # its cached prefix went in the clear
+    _, later = request(s, range(500, 510), 4)
+    drain(s)
+    assert again[0].cached_tokens == 0 and later[-1] == Finished("length", 4)

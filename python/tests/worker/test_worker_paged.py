@@ -16,15 +16,9 @@ from plimsoll.core.sizing import fixed_blocks
 from plimsoll.demo.model import build_demo_model
 from plimsoll.engine.core import Engine
 from plimsoll.engine.drive import reference, sharpen, text
-from plimsoll.engine.pool import BlockPool
-from plimsoll.worker.scheduler import (
-    Finished,
-    GenRequest,
-    Scheduler,
-    SchedulerLimits,
-    Started,
-    Token,
-)
+from plimsoll.worker.events import Finished, GenRequest, SchedulerLimits, Started, Token
+from plimsoll.worker.pool import BlockPool
+from plimsoll.worker.scheduler import Scheduler
 
 BLOCK = 16
 

@@ -6,7 +6,7 @@ tolerated fields dropped, refusals in Anthropic's error shape) → :mod:`.prompt
 (:func:`render_messages`: the conversation through the model's chat template) →
 (admission, engine) → :mod:`.stream` (an :class:`AnthropicAssembler` and a
 :class:`BlockStream`: content blocks and stream events). Refusals are the OpenAI layer's
-:class:`ProtocolError` (its messages say what to change).
+:class:`~plimsoll.protocol.errors.ProtocolError` (its messages say what to change).
 """
 
 from .prompt import count_tokens_body, render_messages, template_messages

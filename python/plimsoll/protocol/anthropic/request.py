@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from .. import tool_choice as TC
+from .. import tool_choice as tool_choices
 from ..errors import ProtocolError
 from ..parse import Untagged, validate_body
 from ..requests import MAX_TOKENS_LIMIT, _Strict, text_parts
@@ -205,9 +205,9 @@ class ToolChoice(_Strict):
         return self
 
     @property
-    def normal(self) -> TC.ToolChoice:
+    def normal(self) -> tool_choices.ToolChoice:
         """This choice in the one normal form (:mod:`plimsoll.protocol.tool_choice`)."""
-        return TC.from_anthropic(self.type, self.name)
+        return tool_choices.from_anthropic(self.type, self.name)
 
 
 class Thinking(_Strict):
@@ -261,8 +261,8 @@ class _Conversation(_Strict):
     @field_validator("tool_choice")
     @classmethod
     def _choice_in_tools(cls, choice: ToolChoice, info: ValidationInfo) -> ToolChoice:
-        TC.check(choice.normal, {t.name for t in info.data.get("tools") or []},
-                 f'tool_choice {{"type": "{choice.type}"}}', "tool")
+        tool_choices.check(choice.normal, {t.name for t in info.data.get("tools") or []},
+                           f'tool_choice {{"type": "{choice.type}"}}', "tool")
         return choice
 
     @property
@@ -278,7 +278,7 @@ class _Conversation(_Strict):
         that tool) and enforced by constrained decoding (plimsoll.protocol.structured).
         """
         choice = self.tool_choice.normal if self.tool_choice else None
-        tools = TC.chosen(self.tools, choice, lambda t: t.name)
+        tools = tool_choices.chosen(self.tools, choice, lambda t: t.name)
         return None if tools is None else [t.as_function() for t in tools]
 
 

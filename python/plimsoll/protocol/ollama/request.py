@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
-from ... import constrain as C
+from ... import constrain
 from .. import structured
 from ..errors import ProtocolError
 from ..parse import from_validation, validate_body
@@ -338,7 +338,7 @@ def to_completion(req: GenerateRequest) -> CompletionRequest:
                       GenerateRequest)
 
 
-def format_spec(req: ChatRequest | GenerateRequest) -> C.Spec | None:
+def format_spec(req: ChatRequest | GenerateRequest) -> constrain.Spec | None:
     """The constrained-decoding spec of ``format`` (``"json"``: any JSON object; a JSON
     Schema: output that validates against it), or None for free text."""
     if req.format is None:

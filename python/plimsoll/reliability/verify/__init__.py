@@ -1,4 +1,4 @@
-"""``plimsoll verify``: the cap-comprehensiveness run (DESIGN.md invariant 7).
+"""``plimsoll verify``: the cap-comprehensiveness run (docs/DESIGN.md, "The invariants").
 
 :mod:`.run` runs it and writes the report; :mod:`.faults` holds the fault kinds (shared by
 every target and OS), :mod:`.probe` what is sampled per OS, :mod:`.target` what is driven

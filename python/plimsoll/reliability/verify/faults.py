@@ -19,9 +19,9 @@ The things they drive (prompts, workload, target, helpers, the scratch file) liv
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import time
 from collections import Counter
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,7 +176,7 @@ def phase_mmap_prefetch(t: Target, w: Workload) -> Phase:
             ph.notes.append(f"the prefetch helper did not start (exit {helper.proc.poll()})")
             return ph
         texts = [t.prompts.text(256, 400 + i) for i in range(w.concurrency)]
-        with cf.ThreadPoolExecutor(1) as ex:
+        with futures.ThreadPoolExecutor(1) as ex:
             during = ex.submit(t.burst, texts, 8)  # requests flow while the file is read
             helper.send("go")
             held = helper.expect("HELD", timeout_s=300)
@@ -271,7 +271,7 @@ def phase_together(t: Target, w: Workload, env: dict | None = None) -> Phase:
             ph.figures = {"working_set_before": t.working_set(), "limit_bytes": t.lines()[1]}
         n = w.concurrency + w.max_queue + 4
         texts = [t.prompts.text(512, 600 + i) for i in range(n)]
-        with cf.ThreadPoolExecutor(2) as ex:
+        with futures.ThreadPoolExecutor(2) as ex:
             over = ex.submit(t.burst, texts, w.max_tokens)
             long = ex.submit(t.post, t.prompts.text(_fill(w), 601), w.default_max_tokens)
             spike.send(str(mib))

@@ -1,4 +1,4 @@
-"""``plimsoll verify``: the cap-comprehensiveness run (DESIGN.md invariant 7).
+"""``plimsoll verify``: the cap-comprehensiveness run (docs/DESIGN.md, "The invariants").
 
 A real worker runs in its own memory cgroup whose hard limit stands in for the wired
 ceiling; each fault kind (:mod:`.faults`) is injected in turn, the last one
@@ -66,32 +66,32 @@ def run_verify(model_dir: Path, *, limit_bytes: int = 1024 * MIB, concurrency: i
                scratch_dir: Path | None = None, log_dir: Path | None = None) -> dict:
     """Start a guarded worker, inject each fault kind, then (``contrast``, default: when
     mlx_lm and a cgroup are available) replay it on mlx_lm.server; return the report."""
-    from plimsoll.guard import process as G
-    from plimsoll.launch import live_admission as LA
+    from plimsoll.guard.process import RUNTIME_RESERVE_BYTES
+    from plimsoll.launch import live_admission
     from plimsoll.launch.spawn import start_worker, stop_worker, worker_config
     from plimsoll.web.serve import free_port
 
-    from . import contrast as VC
+    from .contrast import run_contrast, unavailable_reason
 
     unknown = [k for k in kinds if k not in PHASES]
     if unknown:
         raise ValueError(f"unknown fault kind(s) {unknown}: choose from {list(FAULT_KINDS)}")
     model_dir = Path(model_dir)
-    budget = limit_bytes - G.RUNTIME_RESERVE_BYTES
+    budget = limit_bytes - RUNTIME_RESERVE_BYTES
     if budget <= 0:
-        raise ValueError(f"--limit-mib must exceed the {G.RUNTIME_RESERVE_BYTES // MIB} MiB "
+        raise ValueError(f"--limit-mib must exceed the {RUNTIME_RESERVE_BYTES // MIB} MiB "
                          "runtime reserve")
-    figures = LA.MemoryFigures(limit_bytes, limit_bytes, budget,
-                               "verify: the cgroup limit is the ceiling")
-    facts, _, decision = LA.plan(model_dir, None, None, figures,
-                                 LA.Wanted(concurrency=concurrency, context=context,
-                                           max_tokens=max_tokens))
+    figures = live_admission.MemoryFigures(limit_bytes, limit_bytes, budget,
+                                           "verify: the cgroup limit is the ceiling")
+    wanted = live_admission.Wanted(concurrency=concurrency, context=context,
+                                   max_tokens=max_tokens)
+    facts, _, decision = live_admission.plan(model_dir, None, None, figures, wanted)
     if not decision.admitted:
         raise RuntimeError("admission refused the model under this limit: "
                            + "; ".join(decision.reasons))
     cfg = worker_config(model_dir, model_dir.name, facts, decision, None, None,
                         port=free_port(), max_queue=4, max_wait_s=MAX_WAIT_S)
-    contrast_why = VC.unavailable_reason()
+    contrast_why = unavailable_reason()
     if contrast is None:
         contrast = contrast_why is None
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -116,7 +116,7 @@ def run_verify(model_dir: Path, *, limit_bytes: int = 1024 * MIB, concurrency: i
             if log_dir is not None:
                 log_dir.mkdir(parents=True, exist_ok=True)
             try:  # the contrast failing must not lose plimsoll's own figures
-                result["contrast"] = VC.run_contrast(
+                result["contrast"] = run_contrast(
                     work, prompts, limit_bytes, kinds, env=env, report=report,
                     log_path=(log_dir / "mlx_lm-server.log") if log_dir else None)
             except (OSError, RuntimeError, ValueError) as err:

@@ -12,7 +12,6 @@ cache, so whoever reads it next is charged for it.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
 import os
 import queue
@@ -22,6 +21,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,7 +103,7 @@ class Target:
         return f"{r.status_code} {code}".strip()
 
     def burst(self, texts: list[str], max_tokens: int) -> Counter:
-        with cf.ThreadPoolExecutor(max(1, len(texts))) as ex:
+        with futures.ThreadPoolExecutor(max(1, len(texts))) as ex:
             return Counter(ex.map(lambda t: self.post(t, max_tokens), texts))
 
     def alive(self) -> bool:

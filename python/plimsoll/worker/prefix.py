@@ -1,0 +1,66 @@
+"""What a step leaves for later prompts: full blocks registered as prefix hits, and the state
+snapshots of hybrid models (pure bookkeeping over the pool; the engine only snapshots).
+
+A full block's hash is registered once every token in it is known (a prompt token, or a
+token already read back), so a later prompt with the same leading blocks maps them.
+
+Hybrid models (recurrent state) cannot cut a state, so a prefix is reused only where the
+engine holds a snapshot of the state at the end of a block. The rule: whenever a submitted
+step leaves a sequence's written tokens on a block boundary (a prompt chunk — a hybrid
+prompt's chunks end on blocks, the last one stopping at the prompt's last block boundary
+first, so the same prompt again is a hit — or a decode that fills a block), its state is
+snapshotted if the pool has room (each snapshot is charged ``fixed_blocks_per_seq`` under
+the cache cap, reclaimable, LRU); it becomes a hit once that block's hash is registered,
+and a later prompt maps the blocks up to the last one with a snapshot and resumes from it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from plimsoll.engine.work import Step
+
+from .pool import BlockPool
+from .waiting import Run
+
+
+def commit(pool: BlockPool, run: Run) -> None:
+    """Register the full blocks of ``run`` whose every token is known (a call that fills
+    no new block changes nothing, so it is skipped: a block fills once per
+    ``block_tokens`` tokens)."""
+    full = min(run.written, len(run.tokens)) // pool.block_tokens
+    if full == run.full_committed and not pool.hybrid:
+        return
+    run.full_committed = full
+    pool.commit(run.req.id, run.tokens, run.written)
+    if pool.hybrid:
+        pool.bind_snapshots(run.req.id)
+
+
+def after_submit(pool: BlockPool, engine: Any, running: dict[int, Run], step: Step,
+                 counters: Counter[str]) -> None:
+    """Count what the submitted ``step`` writes and samples; register full blocks whose
+    tokens are known; snapshot hybrid state where a Work ends on a block."""
+    prefills = {w.seq_id for w in step.prefills}
+    for w in (*step.decodes, *step.prefills):
+        run = running[w.seq_id]
+        run.written += w.length
+        run.pending += 1 if w.sample else 0
+        if w.seq_id in prefills:
+            pool.count_prefill(w.length)
+            counters["prefill_tokens"] += w.length
+        commit(pool, run)
+        if (pool.hybrid and run.written % pool.block_tokens == 0
+                and pool.can_snapshot()):
+            key = ("snap", run.req.id, run.written)
+            engine.snapshot_state(run.req.id, key)
+            pool.add_snapshot(run.req.id, key)
+            pool.bind_snapshots(run.req.id)
+    drop_snapshots(pool, engine)
+
+
+def drop_snapshots(pool: BlockPool, engine: Any) -> None:
+    """Tell the engine which state snapshots the pool dropped."""
+    for key in pool.take_dropped_snapshots():
+        engine.drop_snapshot(key)
