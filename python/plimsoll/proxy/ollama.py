@@ -117,7 +117,7 @@ async def tags(request: Request) -> Response:
 
 def _expires_at(sup: Supervisor, name: str) -> datetime:
     w = sup.workers[name]
-    ttl = sup.idle_ttl(w)
+    ttl = sup.settings.idle_ttl(w.name, w.entry)
     if ttl <= 0 or w.current is None:
         return NEVER
     idle = 0.0 if w.current.inflight else time.monotonic() - w.current.last_used
