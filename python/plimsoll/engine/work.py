@@ -23,11 +23,15 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a sequence's next token is drawn: greedy at temperature 0."""
+    """How a sequence's next token is drawn: greedy at temperature 0; otherwise mlx-lm's
+    filters (``top_p`` 1.0, ``top_k`` 0 and ``min_p`` 0.0 are off) and a draw at
+    ``temperature``, from the sequence's own key when ``seed`` is given."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:

@@ -184,6 +184,12 @@ class _Sampling(_Strict):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     seed: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
+    top_k: int = Field(default=0, ge=-1, description=(
+        "An extension clients send (vLLM, llama.cpp): sample among the k most likely "
+        "tokens; 0 or -1 is off."))
+    min_p: float = Field(default=0.0, ge=0, le=1, description=(
+        "An extension clients send (vLLM, llama.cpp): drop tokens less likely than min_p "
+        "times the most likely one; 0 is off."))
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -204,6 +210,11 @@ class _Sampling(_Strict):
         if any(s == "" for s in value):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off(cls, value: int) -> int:
+        return max(value, 0)  # vLLM's -1 is off, as 0
 
     @field_validator("n")
     @classmethod

@@ -106,7 +106,7 @@ async def messages(request: Request) -> Response:
         return protocol_error(err)
     first, queue, gen = await submit(request, prompt, res.max_tokens,
                                      temperature=req.temperature, top_p=req.top_p,
-                                     constraint=constraint,
+                                     top_k=req.top_k, constraint=constraint,
                                      wait_s=EARLY_HEADERS_S if req.stream else None)
     if first is None:
         return Response(status_code=499)

@@ -99,7 +99,8 @@ async def generate(request: Request, kind: protocol.Kind) -> Response:
                      retry_after=refused.retry_after)
     first, queue, gen = await submit(request, prompt, res.max_tokens,
                                      temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                     constraint=constraint, ignore_eos=req.ignore_eos,
+                                     top_k=req.top_k, min_p=req.min_p, constraint=constraint,
+                                     ignore_eos=req.ignore_eos,
                                      wait_s=EARLY_HEADERS_S if req.stream else None)
     if first is None:
         return Response(status_code=499)

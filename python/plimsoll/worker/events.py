@@ -49,6 +49,8 @@ class GenRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0        # 0 is off
+    min_p: float = 0.0    # 0 is off
     constraint: TokenConstraint | None = None
     ignore_eos: bool = False  # only max_tokens (or the edge's stop strings) end it
     id: int = field(default_factory=itertools.count().__next__)

@@ -101,6 +101,7 @@ async def _answer(request: Request, kind: ollama.Kind) -> Response:
         return refused(stop)
     first, queue, gen = await submit.submit(request, prompt, res.max_tokens,
                                        temperature=target.temperature, top_p=target.top_p,
+                                       top_k=target.top_k, min_p=target.min_p,
                                        seed=target.seed, constraint=constraint,
                                        wait_s=submit.EARLY_HEADERS_S if req.stream else None)
     if first is None:

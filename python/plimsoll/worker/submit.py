@@ -153,7 +153,7 @@ def make_constraint(state: Any, spec: Any) -> Any:
 
 
 async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
-                 top_p: float, seed: int | None = None,
+                 top_p: float, seed: int | None = None, top_k: int = 0, min_p: float = 0.0,
                  constraint: TokenConstraint | None = None,
                  wait_s: float | None = None, ignore_eos: bool = False
                  ) -> tuple[Started | Refused | _Pending | None, asyncio.Queue, GenRequest]:
@@ -165,8 +165,8 @@ async def submit(request: Request, prompt: list[int], max_tokens: int, *, temper
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     gen = GenRequest(prompt=prompt, max_tokens=max_tokens, sink=mailbox(loop).sink(queue),
-                     temperature=temperature, top_p=top_p, seed=seed, constraint=constraint,
-                     ignore_eos=ignore_eos)
+                     temperature=temperature, top_p=top_p, seed=seed, top_k=top_k, min_p=min_p,
+                     constraint=constraint, ignore_eos=ignore_eos)
     request.app.state.scheduler.submit(gen)
     return await next_event(queue, request, gen, wait_s), queue, gen
 

@@ -35,7 +35,7 @@ class Run:
 
     def __post_init__(self) -> None:
         r = self.req
-        self.sampling = Sampling(r.temperature, r.top_p, r.seed)
+        self.sampling = Sampling(r.temperature, r.top_p, r.seed, r.top_k, r.min_p)
 
     @property
     def prefilling(self) -> bool:

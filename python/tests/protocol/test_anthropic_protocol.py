@@ -100,6 +100,7 @@ def test_request_accepts_the_documented_fields_and_normalises_them():
     assert [b.type for b in req.messages[1].content] == ["text", "tool_use"]  # thinking dropped
     assert req.messages[0].content[0].text == "Weather in Paris?"
     assert req.stop_sequences == ["END"] and req.temperature == 0 and req.stream
+    assert req.top_k == 40
     assert req.active_tools == [{"type": "function", "function": {
         "name": "get_weather", "description": "Current weather in a city.",
         "parameters": WEATHER["input_schema"]}}]

@@ -112,6 +112,9 @@ def test_chat_request_accepts_the_usual_fields_and_normalises_them():
     assert req.active_tools == [WEATHER]
     assert chat(temperature=None, stop=None).temperature == 1.0  # null means absent
     assert chat(logit_bias=None).n == 1  # ... even for a field we do not know
+    assert (req.top_k, req.min_p) == (0, 0.0)  # the extensions, off when absent
+    assert (chat(top_k=40, min_p=0.05).top_k, chat(min_p=0.05).min_p) == (40, 0.05)
+    assert chat(top_k=-1).top_k == 0  # vLLM's "off"
 
 
 def test_tool_choice_forms():
@@ -140,6 +143,9 @@ BAD_CHAT = [
     (body(messages=USER, temperature=True), "temperature", "valid number"),
     (body(messages=USER, temperature=2.5), "temperature", "less than or equal to 2"),
     (body(messages=USER, top_p=0), "top_p", "greater than 0"),
+    (body(messages=USER, top_k=-2), "top_k", "greater than or equal to -1"),
+    (body(messages=USER, top_k=4.0), "top_k", "valid integer"),
+    (body(messages=USER, min_p=1.5), "min_p", "less than or equal to 1"),
     (body(messages=USER, stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
     (body(messages=USER, stop=7), "stop", "list of up to 4 strings"),
     (body(messages=USER, stream="yes"), "stream", "valid boolean"),

@@ -40,6 +40,29 @@ def test_openai_client_round_trips(worker):
     assert streamed == comp.choices[0].text
 
 
+def test_top_k_and_min_p_reach_the_sampler(worker):
+    """top_k 1 or min_p 1 leaves only the most likely token: any temperature then answers as
+    greedy decoding does (OpenAI's extension fields and Anthropic's ``top_k``)."""
+    c = client(worker)
+    msgs = [{"role": "user", "content": "tell me a story"}]
+
+    def chat(**kw) -> str:
+        return c.chat.completions.create(model="tiny", max_tokens=12, messages=msgs,
+                                         **kw).choices[0].message.content
+
+    def anthropic(**kw) -> list:
+        r = httpx.post(worker.url + "/v1/messages", timeout=60, json={
+            "model": "tiny", "max_tokens": 12, "messages": msgs, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["content"]
+
+    greedy = chat(temperature=0)
+    assert chat(temperature=1.5, extra_body={"top_k": 1}) == greedy
+    assert chat(temperature=1.5, seed=3, extra_body={"min_p": 1.0}) == greedy
+    assert {chat(temperature=1.5, seed=s) for s in range(3)} != {greedy}  # they do sample
+    assert anthropic(temperature=1.0, top_k=1) == anthropic(temperature=0)
+
+
 def test_unknown_model_and_bad_input(worker):
     c = client(worker)
     with pytest.raises(openai.NotFoundError):

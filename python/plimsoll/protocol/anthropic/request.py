@@ -13,8 +13,8 @@ other unknown field is refused by name. ``system``-role messages inside ``messag
 (Claude Code sends them) are accepted, text only; :mod:`.prompt` places them. ``thinking``
 of any type is accepted (``enabled`` with a ``budget_tokens``, ``adaptive``, ``disabled``);
 the model thinks as its chat template lets it and its reasoning comes back as ``thinking``
-blocks. ``top_k`` is accepted and not applied (the sampler takes temperature and top-p;
-greedy decoding at ``temperature: 0`` is unaffected). ``thinking`` blocks in past
+blocks. ``top_k`` is applied as mlx-lm applies it (greedy decoding at ``temperature: 0``
+is unaffected). ``thinking`` blocks in past
 assistant turns are dropped, as Anthropic itself drops them from earlier turns. Refused
 by name: ``output_config.format``, images, documents, server tools, ``max_tokens: 0``
 (cache pre-warming), and any field not in the table.
@@ -289,7 +289,8 @@ class MessagesRequest(_Conversation):
     stop_sequences: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
     temperature: float = Field(default=1.0, ge=0, le=1)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0, description="Accepted, not applied.")
+    top_k: int = Field(default=0, ge=0, description="Sample among the k most likely tokens; "
+                       "0 (or absent) is off.")
     stream: bool = False
     output_config: OutputConfig | None = None
 

@@ -5,11 +5,10 @@ Strict as every route here: an unknown field is refused by name; fields Ollama's
 send that change nothing here (``keep_alive``, ``truncate``, llama.cpp's load-time
 ``options`` such as ``num_gpu``) are listed with their reasons in :mod:`..tolerated` and
 dropped first. ``options`` are mapped where they mean the same: ``temperature``,
-``top_p``, ``seed``, ``stop``, ``num_predict`` (the output reservation; 0 or negative: the
-worker's default), ``num_ctx`` (this request's context, checked against the one the model
-is served with); ``top_k`` is accepted and not applied (the sampler takes temperature and
-top-p, as on the Anthropic route). Sampling options that would change the output and are
-not implemented (``repeat_penalty``, ``presence_penalty``, ``mirostat``, ``min_p``, …) are
+``top_p``, ``top_k``, ``min_p``, ``seed``, ``stop``, ``num_predict`` (the output
+reservation; 0 or negative: the worker's default), ``num_ctx`` (this request's context,
+checked against the one the model is served with). Sampling options that would change the
+output and are not implemented (``repeat_penalty``, ``presence_penalty``, ``mirostat``, …) are
 accepted at their neutral value only. Absent, temperature and top-p take Ollama's own
 defaults (0.8, 0.9).
 
@@ -65,7 +64,7 @@ class Options(_Strict):
     tolerated_scope: ClassVar[str] = "ollama.options"
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0, description="Accepted, not applied.")
+    top_k: int | None = Field(default=None, ge=0, description="0: off.")
     seed: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP)
     num_predict: int | None = Field(default=None, le=MAX_TOKENS_LIMIT)
@@ -74,7 +73,7 @@ class Options(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     mirostat: int = 0
-    min_p: float = 0.0
+    min_p: float = Field(default=0.0, ge=0, le=1)
     typical_p: float = 1.0
     tfs_z: float = 1.0
 
@@ -91,7 +90,7 @@ class Options(_Strict):
     def _one_is_off(cls, value: float) -> float:
         return _must_be(value, 1, _NEUTRAL.format(value=1))
 
-    @field_validator("presence_penalty", "frequency_penalty", "mirostat", "min_p")
+    @field_validator("presence_penalty", "frequency_penalty", "mirostat")
     @classmethod
     def _zero_is_off(cls, value: float) -> float:
         return _must_be(value, 0, _NEUTRAL.format(value=0))
@@ -194,6 +193,7 @@ class _Generation(_Strict):
         return {"stream": self.stream, "stop": o.stop, "max_tokens": o.max_tokens,
                 "temperature": DEFAULT_TEMPERATURE if o.temperature is None else o.temperature,
                 "top_p": DEFAULT_TOP_P if o.top_p is None else o.top_p,
+                "top_k": o.top_k or 0, "min_p": o.min_p,
                 "seed": o.seed if o.seed is not None and o.seed >= 0 else None}
 
 
