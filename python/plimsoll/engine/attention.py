@@ -43,15 +43,15 @@ _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
 class Batch:
     """What every layer of one forward shares: where to write, what to read, mask, offset."""
 
-    __slots__ = ("attended", "lengths", "mask", "offset", "read", "select", "write")
+    __slots__ = ("attended", "lengths", "mask", "offset", "read", "tail", "write")
 
     def __init__(self, write: mx.array, read: Read | None, mask, offset,
-                 lengths: mx.array | None = None, select: mx.array | None = None):
+                 lengths: mx.array | None = None, tail: Read | None = None):
         self.write, self.read, self.mask, self.offset = write, read, mask, offset
         self.lengths = lengths  # decode rows' lengths (int32): the CUDA kernel's bound
-        # padded rows (a batched prefill): the flat (row × position) indices of the real
-        # tokens, the only ones written
-        self.select = select
+        # a chunk that samples, in an engine whose kinds attend its last token to the
+        # pool as mlx-lm's own last-token step does (quantized KV): positions 0 .. its end
+        self.tail = tail
         self.attended = 0
 
 
@@ -84,14 +84,7 @@ class PagedView(PoolCache):
         self._fresh: tuple[mx.array, mx.array] | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if self.batch.select is None:
-            self.pool.write(self.batch.write, keys, values)
-        else:  # padded rows: write the real tokens only (the pads' slots are nobody's)
-            b, h, n, _ = keys.shape
-            sel = self.batch.select
-            self.pool.write(self.batch.write,
-                            keys.transpose(1, 0, 2, 3).reshape(h, b * n, -1)[:, sel][None],
-                            values.transpose(1, 0, 2, 3).reshape(h, b * n, -1)[:, sel][None])
+        self.pool.write(self.batch.write, keys, values)
         self._fresh = (keys, values)
         return keys, values
 

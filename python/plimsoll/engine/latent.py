@@ -54,9 +54,6 @@ class LatentView(PoolCache):
         self.offset = batch.offset
 
     def update_and_fetch(self, latent: mx.array, rope_keys: mx.array):
-        if getattr(self.batch, "select", None) is not None:
-            raise RuntimeError("padded prefill rows (engine.batched_prefill) reach only "
-                               "plain full-attention models, not MLA")
         self.pool.write(self.batch.write, latent, rope_keys)
         if self.batch.read is None:  # a chunk at position 0: its history is itself
             return latent, rope_keys

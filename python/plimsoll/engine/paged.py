@@ -113,6 +113,15 @@ class FullAttention:
         self.keys[:, slots] = k
         self.values[:, slots] = v
 
+    def fence(self, after: list[mx.array]) -> None:
+        """The next write into this pool waits for ``after`` (the reads of the pool as it is
+        now). MLX updates a buffer in place only when nothing else still holds it; with
+        several writes of one pool in one graph (a step's groups, a ring read before its
+        chunk's write), this makes the order certain: every read of a version runs before
+        the write that replaces it, so that write donates the buffer (no pool copy)."""
+        if self.keys is not None:
+            self.keys, self.values = mx.depends([self.keys, self.values], after)
+
     def gather(self, read: Read) -> tuple[mx.array, mx.array]:
         """K and V of the positions ``read`` names, as (rows, heads, length, dim).
 

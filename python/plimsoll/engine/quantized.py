@@ -119,6 +119,12 @@ class QuantizedAttention(FullAttention):
             del old
         self.blocks = want
 
+    def fence(self, after: list[mx.array]) -> None:
+        """As :meth:`FullAttention.fence`, for the three arrays of K and of V."""
+        if self.keys is not None:
+            arrays = mx.depends([*self.keys, *self.values], after)
+            self.keys, self.values = tuple(arrays[:3]), tuple(arrays[3:])
+
     # ------------------------------------------------------------------ writes and reads
 
     def write(self, slots: mx.array | tuple[int, int], keys: mx.array,
@@ -161,20 +167,39 @@ class QuantizedAttention(FullAttention):
         return out[0], out[1]
 
     def attend_read(self, queries: mx.array, scale: float, sinks: mx.array | None, batch,
-               fresh: tuple[mx.array, mx.array] | None) -> mx.array:
-        """Attention of ``queries`` over this forward's read (see the module docstring)."""
-        if batch.read is None:  # a chunk at position 0: its own fresh K/V, unquantized
+                    fresh: tuple[mx.array, mx.array] | None) -> mx.array:
+        """Attention of ``queries`` over this forward's read (see the module docstring). A
+        chunk that samples (``batch.tail``) attends its last token to the quantized blocks
+        of the whole chunk, as mlx-lm's own step for a prompt's last token does."""
+        n = queries.shape[2]
+        if batch.tail is None or n == 1:
+            return self._attend(queries, scale, sinks, batch.read, batch.mask, fresh)
+        body = self._attend(queries[:, :, :-1], scale, sinks, batch.read, "causal",
+                            fresh, cut=1)
+        last = self._attend(queries[:, :, -1:], scale, sinks, batch.tail, None, None)
+        return mx.concatenate([body, last], axis=2)
+
+    def _attend(self, queries: mx.array, scale: float, sinks, read: Read | None, mask,
+                fresh, cut: int = 0) -> mx.array:
+        """``queries`` over ``read`` (None: the chunk's own ``fresh`` K/V), its last ``cut``
+        positions left out (a chunk's body without its sampled token)."""
+        if read is None:  # a chunk at position 0: its own fresh K/V, unquantized
             keys, values = fresh
+            if cut:
+                keys, values = keys[:, :, :-cut], values[:, :, :-cut]
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                        mask=batch.mask, sinks=sinks)
+                                                        mask=mask, sinks=sinks)
         if sinks is not None:
             raise NotImplementedError("quantized KV with attention sinks is not served "
                                       "(mlx-lm's quantized attention has no sinks either); "
                                       "use a float KV dtype for this model")
-        keys, values = self.gather(batch.read)
+        keys, values = self.gather(read)
+        if cut:
+            keys = tuple(a[:, :, :-cut] for a in keys)
+            values = tuple(a[:, :, :-cut] for a in values)
         if queries.shape[2] == 1 and not _cuda():  # decode rows: the quantized matmuls
             return quantized_scaled_dot_product_attention(
-                queries, keys, values, scale=scale, mask=batch.mask,
+                queries, keys, values, scale=scale, mask=mask,
                 group_size=self.group_size, bits=self.bits)
         # a prefill chunk past position 0 (and, on CUDA, every read): dequantize the gathered
         # context, then the fused op
@@ -182,7 +207,7 @@ class QuantizedAttention(FullAttention):
         keys = mx.dequantize(*keys, group_size=g, bits=b).astype(queries.dtype)
         values = mx.dequantize(*values, group_size=g, bits=b).astype(queries.dtype)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                    mask=batch.mask)
+                                                    mask=mask)
 
 
 def _cuda() -> bool:

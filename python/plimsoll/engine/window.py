@@ -232,6 +232,7 @@ class WindowView(PagedView):
             if old is not None:  # read before this chunk's write overwrites them
                 self._old = (mx.take(ring.keys, old, axis=1)[None],
                              mx.take(ring.values, old, axis=1)[None])
+                ring.fence(list(self._old))
             ring.write(write, keys[:, :, cut:], values[:, :, cut:])
         self._fresh = (keys, values)
         return keys, values
