@@ -40,6 +40,13 @@ def test_openai_client_round_trips(worker):
     assert streamed == comp.choices[0].text
 
 
+def test_status_reports_the_kernel_self_check(worker):
+    """The engine's custom kernels were checked at start; on the CPU none is used."""
+    (verdict,) = worker.status()["kernels"]
+    assert verdict["name"] == "paged_decode_cuda" and verdict["used"] is False
+    assert verdict["reason"] == "not this device: the engine runs on cpu"
+
+
 def test_unknown_model_and_bad_input(worker):
     c = client(worker)
     with pytest.raises(openai.NotFoundError):

@@ -41,7 +41,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import composite as cl
-from plimsoll.engine import forward, mixers
+from plimsoll.engine import forward, kernels, mixers
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import fused_prefill, route_attention
 from plimsoll.engine.decode_index import DecodeReads
@@ -142,6 +142,12 @@ class Engine:
             self.mixers = mixers.discover(model)
             #: the last layer's output cut to the sampled rows (the lm head sees only them)
             self.select_rows = mixers.rows_selectable(model)
+            #: the custom decode kernels checked on this device (used only if they agree
+            #: with the reference and are not slower; the verdicts go to the status)
+            self.kernels = kernels.select(
+                self._compute_dtype, facts.num_attention_heads,
+                sorted({(p.kv_heads, p.k_dim, p.v_dim) for p in self._pools
+                        if type(p) is FullAttention}))
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,

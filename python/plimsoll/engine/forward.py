@@ -68,7 +68,8 @@ def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
         mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]
                 < lengths_mx[:, None])[:, None, None, :]
     offset = starts[0] if len(works) == 1 else mx.array(starts, dtype=mx.int32)
-    batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx)
+    batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx,
+                  kernel=eng.kernels.decode)
     if eng._batched is not None and eng._batched[0] == ids:
         stacked = [st.cache_of(e) for e in eng._batched[1]]
     else:

@@ -58,6 +58,7 @@ class FullAttention:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.blocks = 0  # blocks allocated
+        self._after: list[mx.array] | None = None  # see fence()
 
     @property
     def block_bytes(self) -> int:
@@ -104,7 +105,7 @@ class FullAttention:
         else:
             k = keys.transpose(1, 0, 2, 3).reshape(h, b * n, self.k_dim)
             v = values.transpose(1, 0, 2, 3).reshape(h, b * n, self.v_dim)
-        k, v = k.astype(self.dtype), v.astype(self.dtype)
+        k, v = self._fenced(k.astype(self.dtype), v.astype(self.dtype))
         if isinstance(slots, tuple):  # a run of consecutive slots: a slice update, in place
             lo, hi = slots
             self.keys[:, lo:hi] = k
@@ -114,13 +115,21 @@ class FullAttention:
         self.values[:, slots] = v
 
     def fence(self, after: list[mx.array]) -> None:
-        """The next write into this pool waits for ``after`` (the reads of the pool as it is
-        now). MLX updates a buffer in place only when nothing else still holds it; with
-        several writes of one pool in one graph (a step's groups, a ring read before its
-        chunk's write), this makes the order certain: every read of a version runs before
-        the write that replaces it, so that write donates the buffer (no pool copy)."""
-        if self.keys is not None:
-            self.keys, self.values = mx.depends([self.keys, self.values], after)
+        """The next write into this pool waits for ``after`` (what the reads of the pool as
+        it is now produce). MLX updates a buffer in place only when nothing else still holds
+        it; with several writes of one pool in one graph (a step's groups, a ring read before
+        its chunk's write) this makes the order certain: every read of a version runs before
+        the write that replaces it, so that write donates the buffer (no pool copy). The
+        dependency goes on the written values, not on the pool: a pool passed through
+        ``mx.depends`` is a sibling output, which MLX never donates (measured: one layer's
+        array copied a mixed step)."""
+        self._after = list(after)
+
+    def _fenced(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        after, self._after = self._after, None
+        if after:
+            keys, values = mx.depends([keys, values], after)
+        return keys, values
 
     def gather(self, read: Read) -> tuple[mx.array, mx.array]:
         """K and V of the positions ``read`` names, as (rows, heads, length, dim).

@@ -40,6 +40,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
+from plimsoll.engine import backend
 from plimsoll.engine.paged import FullAttention, Read
 
 GROUP_SIZE = 64
@@ -119,12 +120,6 @@ class QuantizedAttention(FullAttention):
             del old
         self.blocks = want
 
-    def fence(self, after: list[mx.array]) -> None:
-        """As :meth:`FullAttention.fence`, for the three arrays of K and of V."""
-        if self.keys is not None:
-            arrays = mx.depends([*self.keys, *self.values], after)
-            self.keys, self.values = tuple(arrays[:3]), tuple(arrays[3:])
-
     # ------------------------------------------------------------------ writes and reads
 
     def write(self, slots: mx.array | tuple[int, int], keys: mx.array,
@@ -137,6 +132,7 @@ class QuantizedAttention(FullAttention):
         else:
             k = keys.transpose(1, 0, 2, 3).reshape(h, b * n, self.k_dim)
             v = values.transpose(1, 0, 2, 3).reshape(h, b * n, self.v_dim)
+        k, v = self._fenced(k, v)
         for pool, x in ((self.keys, k), (self.values, v)):
             parts = mx.quantize(x.astype(self.dtype), group_size=self.group_size,
                                 bits=self.bits)
@@ -197,11 +193,14 @@ class QuantizedAttention(FullAttention):
         if cut:
             keys = tuple(a[:, :, :-cut] for a in keys)
             values = tuple(a[:, :, :-cut] for a in values)
-        if queries.shape[2] == 1 and not _cuda():  # decode rows: the quantized matmuls
+        if queries.shape[2] == 1 and backend.name() != "cuda":  # decode: quantized matmuls
             return quantized_scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask=mask,
                 group_size=self.group_size, bits=self.bits)
-        # a prefill chunk past position 0 (and, on CUDA, every read): dequantize the gathered
+        # a prefill chunk past position 0 (and, on CUDA, every read: MLX's CUDA
+        # quantized_matmul has no kernel for the attention shapes a decode makes, measured on
+        # the H200: "No implementation for problem shape 1x195x128x32" at 8 and 4 bits; the
+        # decode transient counts that float copy, engine/work.py): dequantize the gathered
         # context, then the fused op
         g, b = self.group_size, self.bits
         keys = mx.dequantize(*keys, group_size=g, bits=b).astype(queries.dtype)
@@ -209,17 +208,3 @@ class QuantizedAttention(FullAttention):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                     mask=mask)
 
-
-def _cuda() -> bool:
-    """MLX's CUDA backend: its ``quantized_matmul`` has no kernel for the attention shapes a
-    decode makes (measured on the H200: "No implementation for problem shape 1x195x128x32"
-    at 8 and 4 bits), so reads there dequantize the gathered blocks first (the decode
-    transient counts that float copy: engine/work.py)."""
-    return mx.default_device().type == mx.DeviceType.gpu and not _metal()
-
-
-def _metal() -> bool:
-    try:
-        return mx.metal.is_available()
-    except AttributeError:
-        return False

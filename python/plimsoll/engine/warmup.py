@@ -18,8 +18,7 @@ from __future__ import annotations
 import math
 import time
 
-import mlx.core as mx
-
+from plimsoll.engine import backend
 from plimsoll.engine.work import Step, Work
 
 _A, _B, _C = -1, -2, -3  # sequence ids no scheduler hands out
@@ -28,7 +27,7 @@ _A, _B, _C = -1, -2, -3  # sequence ids no scheduler hands out
 def warm_up(engine, chunk: int = 128, *, force: bool = False) -> float:
     """Run the warm-up steps on a GPU backend (anywhere with ``force``); returns the seconds
     it took (0 when skipped)."""
-    if not force and mx.default_device().type != mx.DeviceType.gpu:
+    if not force and not backend.gpu():
         return 0.0
     bt = engine.block_tokens
     first = max(bt, min(chunk, 128) // bt * bt)  # on the block grid
