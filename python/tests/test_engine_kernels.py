@@ -80,6 +80,7 @@ def test_the_cpu_keeps_the_reference_path(tmp_path):
     (verdict,) = eng.kernels.report()
     assert verdict["name"] == "paged_decode_cuda" and not verdict["used"]
     assert verdict["reason"] == "not this device: the engine runs on cpu"
+    assert eng.decode_gathers  # admission charges the decode's gather
 
 
 def test_the_engine_uses_only_the_kernel_that_passes(tmp_path, monkeypatch):
@@ -90,6 +91,7 @@ def test_the_engine_uses_only_the_kernel_that_passes(tmp_path, monkeypatch):
     wrong, right = eng.kernels.verdicts
     assert not wrong.used and wrong.reason.startswith("disagrees")
     assert right.used and eng.kernels.decode is good
+    assert not eng.decode_gathers  # every attention layer is read by the kernel
     calls.clear()
     prompts = [text(eng.tokenizer, n, salt=n) for n in (20, 45)]
     got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=True)), chunk=64)

@@ -88,14 +88,18 @@ class PagedView(PoolCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self.pool.write(self.batch.write, keys, values)
+        if self.batch.read is None:  # attends to itself: the write must not wait till the end
+            keys, values = self.pool.tied(keys, values)
         self._fresh = (keys, values)
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         self.batch.attended += 1
-        read, pool = self.batch.read, self.pool
+        # the view lives until the step is submitted: it must not keep this layer's K/V
+        # buffers alive once they are evaluated
+        read, pool, fresh, self._fresh = self.batch.read, self.pool, self._fresh, None
         if hasattr(pool, "attend_read"):  # a kind that reads its own pool (quantized KV)
-            return pool.attend_read(queries, scale, sinks, self.batch, self._fresh)
+            return pool.attend_read(queries, scale, sinks, self.batch, fresh)
         kernel = self.batch.kernel
         if (kernel is not None and read is not None and read.index is not None
                 and self.batch.lengths is not None and sinks is None
@@ -103,7 +107,7 @@ class PagedView(PoolCache):
             return kernel.decode(queries, pool.keys, pool.values, read.index,
                                  self.batch.lengths, read.length, scale, pool.block_tokens)
         if self.batch.read is None:
-            keys, values = self._fresh
+            keys, values = fresh
         else:
             keys, values = self.pool.gather(self.batch.read)
             if keys.dtype != queries.dtype:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
@@ -148,6 +149,13 @@ class Engine:
                 self._compute_dtype, facts.num_attention_heads,
                 sorted({(p.kv_heads, p.k_dim, p.v_dim) for p in self._pools
                         if type(p) is FullAttention}))
+        #: does a decode step gather K/V into a transient? Not where the checked kernel
+        #: reads every attention layer in place: plain full-attention pools only (no window
+        #: rings, latents or quantized pools) and no attention sinks (the kernel has none)
+        self.decode_gathers = not (
+            self.kernels.decode is not None and flat
+            and all(type(k) in (FullAttention, RecurrentState) for k in flat)
+            and not any("sinks" in name for name, _ in tree_flatten(model.parameters())))
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,

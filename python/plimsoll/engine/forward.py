@@ -186,7 +186,7 @@ def run(eng, groups: list[Group]) -> tuple[tuple[Work, ...], mx.array] | None:
     tokens = sample(logits, works, eng._keys) if works else None
     for row, w in enumerate(works):
         eng._last[w.seq_id] = (tokens, row)
-    mx.async_eval(([] if tokens is None else [tokens]) + _arrays(eng, groups))
+    mx.async_eval(_arrays(eng, groups) + ([] if tokens is None else [tokens]))
     return (works, tokens) if works else None
 
 

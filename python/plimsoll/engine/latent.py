@@ -56,7 +56,7 @@ class LatentView(PoolCache):
     def update_and_fetch(self, latent: mx.array, rope_keys: mx.array):
         self.pool.write(self.batch.write, latent, rope_keys)
         if self.batch.read is None:  # a chunk at position 0: its history is itself
-            return latent, rope_keys
+            return self.pool.tied(latent, rope_keys)
         hist_latent, hist_rope = self.pool.gather(self.batch.read)
         if hist_latent.dtype != latent.dtype:
             hist_latent = hist_latent.astype(latent.dtype)

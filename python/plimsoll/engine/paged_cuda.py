@@ -24,8 +24,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from plimsoll.engine import backend
+from plimsoll.engine.work import DECODE_KERNEL_SPLIT
 
-CHUNK = 256  # tokens per thread block
+CHUNK = DECODE_KERNEL_SPLIT  # tokens per thread block (admission counts its partials)
 WARPS = 4
 
 _SOURCE = r"""

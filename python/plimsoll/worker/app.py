@@ -278,7 +278,8 @@ def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
     decode = chunk_for = None
     if cfg.transient_bytes is not None:
         def decode(rows: int, longest: int) -> int:
-            return decode_transient_bytes(eng.facts, rows, longest, cfg.block_tokens)
+            return decode_transient_bytes(eng.facts, rows, longest, cfg.block_tokens,
+                                          gathered=getattr(eng, "decode_gathers", True))
 
         def chunk_for(prompt_tokens: int) -> int:  # short prompts take bigger chunks
             return prefill_chunk(eng.facts, max(1, prompt_tokens), cfg.transient_bytes,
