@@ -42,7 +42,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import composite as cl
-from plimsoll.engine import forward, kernels, mixers
+from plimsoll.engine import forward, kernels, mixers, sampled_rows
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import fused_prefill, route_attention
 from plimsoll.engine.decode_index import DecodeReads
@@ -142,7 +142,7 @@ class Engine:
             #: one forward per group)
             self.mixers = mixers.discover(model)
             #: the last layer's output cut to the sampled rows (the lm head sees only them)
-            self.select_rows = mixers.rows_selectable(model)
+            self.select_rows = sampled_rows.rows_selectable(model)
             #: the custom decode kernels checked on this device (used only if they agree
             #: with the reference and are not slower; the verdicts go to the status)
             self.kernels = kernels.select(

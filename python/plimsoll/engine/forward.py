@@ -15,7 +15,7 @@ step then runs as ONE call of the model (:func:`run`):
 
 Logits are taken only at each sequence's last scheduled token that samples (a decode row,
 a chunk's last token): the last decoder layer's output is cut to those rows
-(:func:`plimsoll.engine.mixers.selecting`), so no forward runs for a sampled token alone
+(:mod:`plimsoll.engine.sampled_rows`), so no forward runs for a sampled token alone
 and the lm head sees only the sampled rows. A quantized pool's chunk that samples attends
 its last token to the quantized blocks as mlx-lm's own last-token step does
 (:attr:`Batch.tail`, :mod:`plimsoll.engine.quantized`).
@@ -26,7 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from plimsoll.engine import mixers
+from plimsoll.engine import mixers, sampled_rows
 from plimsoll.engine import state as st
 from plimsoll.engine.attention import Batch
 from plimsoll.engine.groups import Flat, Group, group_view
@@ -139,7 +139,7 @@ def _call(eng, inputs: mx.array, caches: list, rows: list[int]) -> mx.array | No
     else:
         pick = flat_pick
     if eng.select_rows:
-        with mixers.selecting(eng.model, pick):
+        with sampled_rows.selecting(eng.model, pick):
             logits = eng.model(inputs, cache=caches)
         return logits.reshape(len(rows), -1)
     logits = eng.model(inputs, cache=caches)

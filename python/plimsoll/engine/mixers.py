@@ -32,16 +32,11 @@ named ``*mask*`` gets the group view's own mask. A model whose modules do not fi
 an argument that changes shape in another way) is reported (:attr:`Mixers.reason`) and
 the engine runs one forward per group instead.
 
-**Logits only where sampled.** The last decoder layer's class is wrapped too
-(:func:`selecting`): during a step its output keeps only the rows that sample, so the
-final norm and the lm head run on those rows alone (vLLM's ``logits_indices``).
-:func:`rows_selectable` checks at load, on mlx-lm's own caches, that the model's logits of
-the selected rows equal its full logits' rows.
+Logits only where sampled: :mod:`plimsoll.engine.sampled_rows`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import sys
 from collections.abc import Callable
@@ -54,7 +49,6 @@ from plimsoll.engine import composite as cl
 
 _WRAPPED: dict[type, dict] = {}  # class -> {param name: spec}, "__out__": output spec
 _ORIGINAL: dict[type, Callable] = {}
-_SELECT: dict[int, Callable] = {}  # id(last decoder layer) -> row selection, during a step
 _B, _L = 3, 2  # the probes: (_B, 1) and (1, _L)
 
 
@@ -238,6 +232,12 @@ class Mixers:
     def ok(self) -> bool:
         return not self.reason
 
+    def report(self) -> dict:
+        """For the worker's status: the modules regrouped, or why a step runs one forward
+        per group."""
+        return {"regrouped": [f"{c.__module__}.{c.__name__}" for c in self.classes],
+                "reason": self.reason}
+
 
 def discover(model) -> Mixers:
     """Find and wrap the token-mixing modules of ``model`` (see the module docstring)."""
@@ -347,56 +347,3 @@ def _join(outs: list, groups, spec):
                              for i, s in enumerate(spec[1:]))
     parts = [g.give(o, spec[1], spec[2]) for g, o in zip(groups, outs, strict=True)]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=spec[1])
-
-
-# ------------------------------------------------------------------ logits where sampled
-
-
-def _last_layer(model):
-    layers = getattr(model, "layers", None)
-    return layers[-1] if layers else None
-
-
-def _wrap_select(cls: type) -> None:
-    if getattr(cls.__call__, "_plimsoll_select", False):
-        return
-    original = cls.__call__
-
-    def selected(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        pick = _SELECT.get(id(self))
-        return out if pick is None else pick(out)
-
-    selected._plimsoll_select = True
-    selected.__wrapped__ = original
-    cls.__call__ = selected
-
-
-@contextlib.contextmanager
-def selecting(model, pick: Callable | None):
-    """During the block, the last decoder layer's output is ``pick(output)`` (None: all)."""
-    last = _last_layer(model)
-    if pick is None or last is None:
-        yield
-        return
-    _SELECT[id(last)] = pick
-    try:
-        yield
-    finally:
-        _SELECT.pop(id(last), None)
-
-
-def rows_selectable(model) -> bool:
-    """Wrap the last decoder layer and check, on mlx-lm's own caches, that selecting rows of
-    its output gives the model's logits of those rows."""
-    last = _last_layer(model)
-    if last is None:
-        return False
-    _wrap_select(type(last))
-    inputs = mx.array([[1], [2], [3]], dtype=mx.uint32)
-    full = model(inputs, cache=make_prompt_cache(model))
-    with selecting(model, lambda h: h[2:3]):
-        some = model(inputs, cache=make_prompt_cache(model))
-    if not isinstance(some, mx.array) or some.shape[0] != 1:
-        return False
-    return bool(mx.allclose(some[0], full[2], rtol=1e-3, atol=1e-3).item())

@@ -348,7 +348,8 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
                "applied_limits": loaded["applied"], "engine_memory": eng.memory,
                "rss": lambda: proc.memory_info().rss, "guard": self_guard,
                "constrained_decoding": True,
-               "status_extra": lambda: {"kernels": eng.kernels.report()}}
+               "status_extra": lambda: {"kernels": eng.kernels.report(),
+                                        "one_forward": eng.mixers.report()}}
     finally:  # the disk tier's shutdown spill runs on the scheduler thread: give it time
         await run_in_threadpool(sched.stop, 10.0 if sched.disk is None else 120.0)
         if sched.disk is not None:
