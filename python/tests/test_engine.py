@@ -226,9 +226,9 @@ def test_transients_stay_under_the_published_bounds(tiny_dir):
 
 def test_a_prefill_chunk_holds_one_layer_in_flight_whatever_the_depth(tiny_dir, tmp_path):
     """A 512-token chunk holds one layer's transient at a time: its peak is the same for 4
-    layers and for 24, under the one-layer figure admission counts. (It grew by a layer's
-    K/V per layer while each layer's pool write waited for the end of the graph and the
-    views kept their fresh K/V: PagedView, FullAttention.tied.)"""
+    layers and for 24, under the one-layer figure admission counts. (Were a layer's pool
+    write left to the end of the graph, or its fresh K/V kept by its view, the peak would
+    grow by a layer's K/V per layer: FullAttention.tied, PagedView.attend.)"""
     import json
     import shutil
 

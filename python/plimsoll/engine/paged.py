@@ -122,8 +122,9 @@ class FullAttention:
         """``keys``/``values`` (just written) made to depend on the pool after the write.
         A forward that attends to its own fresh K/V (a chunk at position 0, a window chunk)
         reads nothing back, so MLX would run every layer's write at the end of the graph and
-        hold every layer's K/V until then (measured on the CPU: a 512-token chunk's peak grew
-        by one layer's K/V per layer); tied, each write runs before the next layer."""
+        hold every layer's K/V until then (measured on the CPU: untied, a 512-token chunk's
+        peak grows by one layer's K/V per layer); tied, each write runs before the next
+        layer."""
         keys, values = mx.depends([keys, values], self.arrays())
         return keys, values
 
@@ -134,8 +135,8 @@ class FullAttention:
         its chunk's write) this makes the order certain: every read of a version runs before
         the write that replaces it, so that write donates the buffer (no pool copy). The
         dependency goes on the written values, not on the pool: a pool passed through
-        ``mx.depends`` is a sibling output, which MLX never donates (measured: one layer's
-        array copied a mixed step)."""
+        ``mx.depends`` is a sibling output, which MLX never donates (measured: that copies
+        one layer's array in a mixed step)."""
         self._after = list(after)
 
     def _fenced(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
