@@ -122,6 +122,8 @@ def test_a_mixed_step_is_one_forward_with_mlx_lm_greedy_output(engines, name):
     eng = engines(name)
     assert check(inspect_model(engines.family_dir(name)), name) is None
     assert eng.mixers.ok, eng.mixers.reason  # no family falls back to one forward per group
+    # the engine's kinds are the served-kinds table's rows that model facts name
+    assert {k.table_kind for k in eng.flat_kinds} == set(eng.facts.cache_kinds)
     assert eng.select_rows
     prompts = mixed_prompts()
     want = [reference(eng.model, p, NEW) for p in prompts]

@@ -37,6 +37,7 @@ class Indexer(Latent):
     """The paged indexer keys of one sparse-attention (deepseek_v32) layer."""
 
     kind = "indexer"
+    table_kind = "indexer"
 
 
 class IndexerView(LatentView):

@@ -40,6 +40,7 @@ import mlx_lm
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from plimsoll.core.capability import ENGINE_SUPPORT
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.engine import composite as cl
 from plimsoll.engine import forward, kernels, mixers, sampled_rows
@@ -209,6 +210,13 @@ class Engine:
             wants = wants if len(wants) == len(parts) else [None] * len(parts)
             built = [kind_of(i, m, w) for m, w in zip(parts, wants, strict=True)]
             kinds.append(built[0] if parts[0] is c else cl.Composite(built))
+        for kind in cl.flatten(kinds):  # the one table of what is served says yes to each
+            support = ENGINE_SUPPORT.get(kind.table_kind)
+            if support is None or not support.served:
+                raise NotImplementedError(
+                    f"{type(model).__module__}: the engine built a {kind.table_kind!r} layer, "
+                    "which the served-kinds table (core/capability.ENGINE_SUPPORT) does not "
+                    "serve")
         del caches
         mx.clear_cache()
         return kinds

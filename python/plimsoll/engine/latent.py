@@ -42,6 +42,7 @@ class Latent(FullAttention):
     """The paged latent (K pool) and rope-key (V pool) blocks of one MLA layer."""
 
     kind = "latent"
+    table_kind = "latent"
 
 
 class LatentView(PoolCache):

@@ -49,6 +49,7 @@ class FullAttention:
     """The paged K/V pools of one full-attention layer."""
 
     kind = "full"
+    table_kind = "kv"  # its row of the served-kinds table (core/capability.ENGINE_SUPPORT)
 
     def __init__(self, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  block_tokens: int, max_blocks: int, slab_blocks: int):
@@ -173,6 +174,7 @@ class RecurrentState:
     """
 
     kind = "state"
+    table_kind = "state"
     block_bytes = 0
     nbytes = 0
 
