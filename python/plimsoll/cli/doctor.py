@@ -79,23 +79,36 @@ def ask_proxy(url: str) -> ProxyView:
 
 # Run in a child: mlx is imported only at the engine edge, and a broken build cannot take
 # the doctor down with it.
+# The kernels' self-check runs on a Qwen3-4B-like decode shape (the worker checks its own
+# model's at start and reports it in /v1/plimsoll/status).
 MLX_PROBE = """
 import json
 try:
     import mlx.core as mx
-    print(json.dumps({"version": getattr(mx, "__version__", "?"), "metal":
-        bool(mx.metal.is_available()), "device": str(mx.default_device().type).split(".")[-1]}))
+    out = {"version": getattr(mx, "__version__", "?"), "metal":
+           bool(mx.metal.is_available()), "device": str(mx.default_device().type).split(".")[-1]}
 except Exception as err:
     print(json.dumps({"error": f"{type(err).__name__}: {err}"}))
+else:
+    try:
+        from plimsoll.engine import backend, kernels
+        dtype = mx.bfloat16 if backend.gpu() else mx.float32
+        out["kernels"] = kernels.select(dtype, 32, [(8, 128, 128)]).report()
+    except Exception as err:
+        out["kernels"] = [{"name": "self-check", "device": "?", "used": False,
+                           "reason": f"failed: {type(err).__name__}: {err}"}]
+    print(json.dumps(out))
 """
 
 
 def read_mlx() -> MlxView:
-    """What this interpreter's MLX reports (version, Metal, default device)."""
+    """What this interpreter's MLX reports (version, Metal, default device) and the engine's
+    kernel self-check on it."""
     try:
         done = subprocess.run([sys.executable, "-c", MLX_PROBE], capture_output=True,
                               text=True, timeout=120)
-        return MlxView(**json.loads(done.stdout.strip().splitlines()[-1]))
+        seen = json.loads(done.stdout.strip().splitlines()[-1])
+        return MlxView(**{**seen, "kernels": tuple(seen.get("kernels", ()))})
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError, TypeError) as err:
         return MlxView(error=f"the MLX probe failed: {type(err).__name__}: {err}")
 

@@ -71,17 +71,38 @@ def _per_chunk_token_bytes(facts: ModelFacts, context: int, fused: bool = False)
     return scores + acts
 
 
+#: tokens of one split of the paged decode kernel (engine/paged_cuda.py): each split of a
+#: row's context leaves one partial result per query head
+DECODE_KERNEL_SPLIT = 256
+
+
 def decode_transient_bytes(facts: ModelFacts, rows: int, longest: int,
-                           block_tokens: int = 16) -> int:
+                           block_tokens: int = 16, gathered: bool = True) -> int:
     """Transient bytes of one batched decode step: the gather of ``rows × longest`` slots
     (whole blocks; for quantized KV also their float copy, see
     :func:`dequant_transient_bytes`) plus every row's scores and activations (one query
-    token each)."""
+    token each). ``gathered`` False: the decode reads the pools in place (a paged decode
+    kernel that passed its check, engine/kernels.py): no gather and no score matrix, only
+    the kernel's partial results (:func:`decode_kernel_partials_bytes`)."""
     if rows <= 0:
         return 0
+    if not gathered:
+        return (decode_kernel_partials_bytes(facts, rows, longest)
+                + rows * _per_chunk_token_bytes(facts, longest, fused=True))
     slots = rows * _whole(longest, block_tokens)
     return (gather_transient_bytes(facts, slots) + dequant_transient_bytes(facts, slots)
             + rows * _per_chunk_token_bytes(facts, longest))
+
+
+def decode_kernel_partials_bytes(facts: ModelFacts, rows: int, longest: int) -> int:
+    """The paged decode kernel's partial results: per row, query head and split of
+    :data:`DECODE_KERNEL_SPLIT` tokens, an accumulator of ``head_dim`` plus its max and sum,
+    in float32."""
+    if rows <= 0 or longest <= 0:
+        return 0
+    heads = facts.num_attention_heads or facts.num_key_value_heads
+    splits = -(-longest // DECODE_KERNEL_SPLIT)
+    return rows * heads * splits * (facts.head_dim + 2) * _ACT_BYTES
 
 
 def _whole(tokens: int, block_tokens: int) -> int:

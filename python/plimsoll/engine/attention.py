@@ -19,8 +19,9 @@ to mlx-lm's own function. So:
   offsets for a decode batch (as mlx-lm's ``BatchKVCache``).
 
 A kind with its own ``attend_read`` (quantized pools, :mod:`plimsoll.engine.quantized`) takes the
-whole read itself; the CUDA paged-decode kernel (:mod:`plimsoll.engine.paged_cuda`) serves
-float pools only.
+whole read itself; a decode kernel that passed its check on this device
+(:mod:`plimsoll.engine.kernels`: the CUDA one, :mod:`plimsoll.engine.paged_cuda`) serves the
+decode rows of float pools (:attr:`Batch.kernel`), the gather path everything else.
 
 ``Batch.attended`` counts the layers that went through :func:`sdpa`; the engine checks
 it after every forward, so a model whose attention bypasses mlx-lm's entry point is
@@ -34,7 +35,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
 
-from plimsoll.engine import paged_cuda
+from plimsoll.engine import backend
 from plimsoll.engine.paged import FullAttention, Read
 
 _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
@@ -43,15 +44,17 @@ _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
 class Batch:
     """What every layer of one forward shares: where to write, what to read, mask, offset."""
 
-    __slots__ = ("attended", "lengths", "mask", "offset", "read", "select", "write")
+    __slots__ = ("attended", "kernel", "lengths", "mask", "offset", "read", "tail", "write")
 
     def __init__(self, write: mx.array, read: Read | None, mask, offset,
-                 lengths: mx.array | None = None, select: mx.array | None = None):
+                 lengths: mx.array | None = None, tail: Read | None = None, kernel=None):
         self.write, self.read, self.mask, self.offset = write, read, mask, offset
-        self.lengths = lengths  # decode rows' lengths (int32): the CUDA kernel's bound
-        # padded rows (a batched prefill): the flat (row × position) indices of the real
-        # tokens, the only ones written
-        self.select = select
+        self.lengths = lengths  # decode rows' lengths (int32): a decode kernel's bound
+        # the decode kernel that passed its check on this device (engine/kernels.py), or None
+        self.kernel = kernel
+        # a chunk that samples, in an engine whose kinds attend its last token to the
+        # pool as mlx-lm's own last-token step does (quantized KV): positions 0 .. its end
+        self.tail = tail
         self.attended = 0
 
 
@@ -84,30 +87,27 @@ class PagedView(PoolCache):
         self._fresh: tuple[mx.array, mx.array] | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if self.batch.select is None:
-            self.pool.write(self.batch.write, keys, values)
-        else:  # padded rows: write the real tokens only (the pads' slots are nobody's)
-            b, h, n, _ = keys.shape
-            sel = self.batch.select
-            self.pool.write(self.batch.write,
-                            keys.transpose(1, 0, 2, 3).reshape(h, b * n, -1)[:, sel][None],
-                            values.transpose(1, 0, 2, 3).reshape(h, b * n, -1)[:, sel][None])
+        self.pool.write(self.batch.write, keys, values)
+        if self.batch.read is None:  # attends to itself: the write must not wait till the end
+            keys, values = self.pool.tied(keys, values)
         self._fresh = (keys, values)
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         self.batch.attended += 1
-        read, pool = self.batch.read, self.pool
+        # the view lives until the step is submitted: it must not keep this layer's K/V
+        # buffers alive once they are evaluated
+        read, pool, fresh, self._fresh = self.batch.read, self.pool, self._fresh, None
         if hasattr(pool, "attend_read"):  # a kind that reads its own pool (quantized KV)
-            return pool.attend_read(queries, scale, sinks, self.batch, self._fresh)
-        if (read is not None and read.index is not None and self.batch.lengths is not None
-                and sinks is None
-                and paged_cuda.usable(queries, pool.k_dim, pool.v_dim, pool.kv_heads)):
-            return paged_cuda.paged_decode(queries, pool.keys, pool.values, read.index,
-                                           self.batch.lengths, read.length, scale,
-                                           pool.block_tokens)
+            return pool.attend_read(queries, scale, sinks, self.batch, fresh)
+        kernel = self.batch.kernel
+        if (kernel is not None and read is not None and read.index is not None
+                and self.batch.lengths is not None and sinks is None
+                and kernel.serves(queries, pool.k_dim, pool.v_dim, pool.kv_heads)):
+            return kernel.decode(queries, pool.keys, pool.values, read.index,
+                                 self.batch.lengths, read.length, scale, pool.block_tokens)
         if self.batch.read is None:
-            keys, values = self._fresh
+            keys, values = fresh
         else:
             keys, values = self.pool.gather(self.batch.read)
             if keys.dtype != queries.dtype:
@@ -124,19 +124,12 @@ def fused_prefill(dtype: mx.Dtype, head_dims: set[int]) -> bool:
     held)? MLX's CUDA backend uses cuDNN for f16/bf16 with head dims that are multiples of 8
     up to 128; Metal's fused kernel takes head dims 64, 80 and 128; the CPU backend
     materialises the scores. Admission's transient and the default chunk follow it."""
-    if mx.default_device().type != mx.DeviceType.gpu or not head_dims:
+    if not backend.gpu() or not head_dims:
         return False
-    if _metal():
+    if backend.name() == "metal":
         return head_dims <= {64, 80, 128}
     return dtype in (mx.float16, mx.bfloat16) and all(d % 8 == 0 and d <= 128
                                                       for d in head_dims)
-
-
-def _metal() -> bool:
-    try:
-        return mx.metal.is_available()
-    except AttributeError:
-        return False
 
 
 def sdpa(queries, keys, values, cache, scale, mask, sinks=None):

@@ -37,6 +37,7 @@ class Indexer(Latent):
     """The paged indexer keys of one sparse-attention (deepseek_v32) layer."""
 
     kind = "indexer"
+    table_kind = "indexer"
 
 
 class IndexerView(LatentView):
@@ -81,6 +82,12 @@ class CompositeView:
         """deepseek_v32 passes the whole CacheList to the attention: its latent attends."""
         latent = next(c for c in self.caches if getattr(c, "attends_inputs", False))
         return latent.attend(queries, keys, values, scale, mask)
+
+    def make_mask(self, *args, **kwargs):
+        """The mask a module asks of the whole CacheList: its first member's (deepseek_v32's
+        latent; the model makes its own from that member too)."""
+        first = self.caches[0]
+        return first.make_mask(*args, **kwargs) if hasattr(first, "make_mask") else None
 
     @property
     def state(self):

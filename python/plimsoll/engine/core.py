@@ -4,24 +4,23 @@ The scheduler owns block ids, tables and reference counts; the engine only execu
 what a step names against physical pools (:mod:`plimsoll.engine.paged`), one kind
 object per cache layer of the model:
 
-- every decode of a step runs as ONE forward of shape (rows, 1): each layer scatters
-  the rows' new K/V into their slots and attends once for all rows over a gather of
-  their tables (:mod:`plimsoll.engine.attention`);
-- every prefill chunk runs as its own forward (1, L) against its table, causal from
-  ``start``; a chunk that samples runs its last token as a separate (1, 1) forward, as
-  mlx-lm's ``generate_step`` does, so the lm head never sees the whole chunk;
+- every step is ONE forward of the model (:mod:`plimsoll.engine.forward`): its decode rows
+  and its prefill chunks (at any start, several sequences) flattened into one batch whose
+  token-mixing modules run per group (:mod:`plimsoll.engine.mixers`); each layer scatters
+  the group's new K/V into its slots and attends over its tables
+  (:mod:`plimsoll.engine.attention`); logits only at the tokens that sample;
 - recurrent state (hybrid models) is held per sequence (:mod:`plimsoll.engine.state`);
-- an MLA layer's view hands the model the gathered latent history and the batch mask, and
-  the model's own attention math runs once for all rows (:mod:`plimsoll.engine.latent`);
+- an MLA layer's view hands the model the gathered latent history and the group's mask, and
+  the model's own attention math runs once for the group's rows (:mod:`plimsoll.engine.latent`);
   a ``CacheList`` layer gets one view per member (:mod:`plimsoll.engine.composite`).
 
 Pipelining (as mlx-lm's ``generate_step``): :meth:`Engine.run_async` builds a step and
 ``mx.async_eval`` s it; a decode ``Work`` with ``tokens=None`` feeds the token sampled
 for that sequence in the previous step, still lazy on the device, so the caller can
-submit step n+1 before it waits for step n. Each forward is submitted on its own, in
-order, so two forwards writing one pool run in sequence and every pool write donates
-its input buffer (written in place, no pool copy). A constrained row is never
-pipelined: its mask needs the previous token, so the engine first settles every
+submit step n+1 before it waits for step n. Within a layer of one forward every group's
+pool write waits for the previous group's reads (``FullAttention.fence``), so every pool
+write can donate its input buffer (written in place, no pool copy). A constrained row is
+never pipelined: its mask needs the previous token, so the engine first settles every
 earlier step (which also tells each constraint its token). On MLX's CPU backend
 ``async_eval`` blocks while too many tasks are queued (measured: a 400-op graph returns
 only when nearly done; a decode step is hundreds of ops), so the overlap is small there;
@@ -38,42 +37,28 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
-import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from plimsoll.core.capability import ENGINE_SUPPORT
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
-from plimsoll.engine import batched_prefill
 from plimsoll.engine import composite as cl
+from plimsoll.engine import forward, kernels, mixers, sampled_rows
 from plimsoll.engine import state as st
-from plimsoll.engine.attention import Batch, fused_prefill, route_attention
+from plimsoll.engine.attention import fused_prefill, route_attention
 from plimsoll.engine.decode_index import DecodeReads
+from plimsoll.engine.groups import state_index
 from plimsoll.engine.limits import backend_env_defaults
-from plimsoll.engine.paged import (
-    FullAttention,
-    RecurrentState,
-    mx_dtype,
-    read_of,
-    slots_of,
-    write_of,
-)
+from plimsoll.engine.paged import FullAttention, RecurrentState, mx_dtype
 from plimsoll.engine.quantized import QuantizedAttention
-from plimsoll.engine.sampling import Keys, sample
-from plimsoll.engine.window import Rings, WindowAttention, WindowView, window_kind
+from plimsoll.engine.sampling import Keys
+from plimsoll.engine.window import Rings, WindowAttention, window_kind
 from plimsoll.engine.work import Step, Work
 
 # Pool growth step: measured on the H200, a slab of max_blocks / 8 (10 GiB for a 4B model's
 # admitted pool) put the first request's peak at 2.3 x weights + KV; 256 MiB keeps the
 # excess to one slab while a 30k-token session grows in ~20 steps.
 SLAB_BYTES = 256 << 20
-
-
-class _At:
-    """A prefill piece's sequence and start, for the window rings."""
-
-    __slots__ = ("seq_id", "start")
-
-    def __init__(self, seq_id: int, start: int):
-        self.seq_id, self.start = seq_id, start
 
 
 class Pending:
@@ -149,9 +134,29 @@ class Engine:
         self._keys = Keys()
         self._unsettled: list[Pending] = []
         self._reads = DecodeReads(block_tokens)  # the decode's table index, kept across steps
-        self._prefill_reads = DecodeReads(block_tokens)  # that of batched prompts' last tokens
-        # several prompts' first chunks as one padded forward (engine/batched_prefill.py)
-        self.batch_prefill = all(type(k) is FullAttention for k in self.layers)
+        self.flat_kinds = flat
+        self._state_index = state_index(self.layers)
+        #: quantized pools attend a sampled chunk's last token to the quantized blocks
+        self.attends_tail = any(isinstance(k, QuantizedAttention) for k in flat)
+        with mx.stream(self._stream):
+            #: the token-mixing modules regrouped for one forward a step (or why not: then
+            #: one forward per group)
+            self.mixers = mixers.discover(model)
+            #: the last layer's output cut to the sampled rows (the lm head sees only them)
+            self.select_rows = sampled_rows.rows_selectable(model)
+            #: the custom decode kernels checked on this device (used only if they agree
+            #: with the reference and are not slower; the verdicts go to the status)
+            self.kernels = kernels.select(
+                self._compute_dtype, facts.num_attention_heads,
+                sorted({(p.kv_heads, p.k_dim, p.v_dim) for p in self._pools
+                        if type(p) is FullAttention}))
+        #: does a decode step gather K/V into a transient? Not where the checked kernel
+        #: reads every attention layer in place: plain full-attention pools only (no window
+        #: rings, latents or quantized pools) and no attention sinks (the kernel has none)
+        self.decode_gathers = not (
+            self.kernels.decode is not None and flat
+            and all(type(k) in (FullAttention, RecurrentState) for k in flat)
+            and not any("sinks" in name for name, _ in tree_flatten(model.parameters())))
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
@@ -205,6 +210,13 @@ class Engine:
             wants = wants if len(wants) == len(parts) else [None] * len(parts)
             built = [kind_of(i, m, w) for m, w in zip(parts, wants, strict=True)]
             kinds.append(built[0] if parts[0] is c else cl.Composite(built))
+        for kind in cl.flatten(kinds):  # the one table of what is served says yes to each
+            support = ENGINE_SUPPORT.get(kind.table_kind)
+            if support is None or not support.served:
+                raise NotImplementedError(
+                    f"{type(model).__module__}: the engine built a {kind.table_kind!r} layer, "
+                    "which the served-kinds table (core/capability.ENGINE_SUPPORT) does not "
+                    "serve")
         del caches
         mx.clear_cache()
         return kinds
@@ -241,7 +253,6 @@ class Engine:
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
         self._reads.forget(seq_id)
-        self._prefill_reads.forget(seq_id)
 
     def snapshot_state(self, seq_id: int, key) -> None:
         """Keep a copy of ``seq_id``'s state (after every step submitted so far) as ``key``."""
@@ -276,26 +287,15 @@ class Engine:
         return self.run_async(step).result()
 
     def run_async(self, step: Step) -> Pending:
-        """Build ``step`` and queue it (``mx.async_eval``); see the module docstring."""
+        """Build ``step`` as one forward and queue it (``mx.async_eval``); see
+        :mod:`plimsoll.engine.forward` and the module docstring."""
         with mx.stream(self._stream):
             self._check(step)
             if any(w.constraint is not None and w.tokens is None for w in step.decodes):
                 self._settle_until(None)
-            outs = []
-            if step.decodes:
-                outs.append(self._decode(step.decodes))
-            prefills = step.prefills
-            firsts = [w for w in prefills if w.start == 0]
-            if self.batch_prefill and len(firsts) > 1:
-                out = batched_prefill.run(self, firsts)
-                if out is not None:
-                    outs.append(out)
-                prefills = [w for w in prefills if w.start != 0]
-            for w in prefills:
-                out = self._prefill(w)
-                if out is not None:
-                    outs.append(out)
-            pending = Pending(self, outs)
+            out = forward.run(self, forward.groups_of(self, step)) \
+                if step.decodes or step.prefills else None
+            pending = Pending(self, [] if out is None else [out])
             self._unsettled.append(pending)
             if not self.pipeline:
                 pending.result()
@@ -334,110 +334,3 @@ class Engine:
         for w in step.prefills:
             if w.tokens is None:
                 raise ValueError(f"sequence {w.seq_id}: a prefill names its tokens")
-
-    def _ensure(self, works) -> None:
-        top = max(max(w.block_table[:(w.start + w.length - 1) // self.block_tokens + 1])
-                  for w in works)
-        for p in self._pools:
-            p.ensure(top)
-
-    def _decode_inputs(self, works: tuple[Work, ...]) -> mx.array:
-        if all(w.tokens is not None for w in works):
-            return mx.array([[w.tokens[0]] for w in works], dtype=mx.uint32)
-        lasts = [None if w.tokens is not None else self._last[w.seq_id] for w in works]
-        first = lasts[0]
-        if first is not None and all(last is not None and last[0] is first[0]
-                                     and last[1] == row for row, last in enumerate(lasts)) \
-                and first[0].shape[0] == len(works):
-            return first[0][:, None]
-        parts = [mx.array([w.tokens[0]], dtype=mx.uint32) if last is None
-                 else last[0][last[1]:last[1] + 1]
-                 for w, last in zip(works, lasts, strict=True)]
-        return mx.concatenate(parts)[:, None]
-
-    def _forward(self, inputs: mx.array, batch: Batch, states: list, works=()) -> mx.array:
-        """Run the model over ``inputs`` with paged views and the given state caches."""
-        it = iter(states)
-        rings = self._rings.batch([w.seq_id for w in works], [w.start for w in works],
-                                  inputs.shape[1]) if self._rings else None
-        caches = [WindowView(kind, batch, rings) if isinstance(kind, WindowAttention)
-                  else cl.view_of(kind, batch, it) for kind in self.layers]
-        logits = self.model(inputs, cache=caches)
-        if batch.attended != len(self._pools) + len(self._rings.layers):
-            raise RuntimeError(f"{type(self.model).__module__}: attention does not go through "
-                               "mlx_lm.models.base.scaled_dot_product_attention; the paged "
-                               "engine cannot serve this model")
-        return logits
-
-    def _submit(self, tokens: mx.array | None, state_arrays: list) -> None:
-        pools = [a for p in self._pools for a in (p.keys, p.values)] + self._rings.arrays()
-        mx.async_eval(([] if tokens is None else [tokens]) + pools + state_arrays)
-
-    def _decode(self, works: tuple[Work, ...], reads: DecodeReads | None = None
-                ) -> tuple[tuple[Work, ...], mx.array]:
-        bt = self.block_tokens
-        starts = [w.start for w in works]
-        lengths = [s + 1 for s in starts]
-        ids = tuple(w.seq_id for w in works)
-        # The tables' index is kept across steps (only new blocks are written into it); its
-        # highest id covers every block this step reads or writes.
-        read, top = (reads or self._reads).read(ids, [w.block_table for w in works], lengths)
-        for p in self._pools:
-            p.ensure(top)
-        write = np.array([w.block_table[s // bt] * bt + s % bt
-                          for w, s in zip(works, starts, strict=True)], dtype=np.int32)
-        lengths_mx = mx.array(lengths, dtype=mx.int32)
-        mask = None
-        if min(lengths) != max(lengths):  # built on the device, not row × context on the host
-            mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]
-                    < lengths_mx[:, None])[:, None, None, :]
-        offset = starts[0] if len(works) == 1 else mx.array(starts, dtype=mx.int32)
-        batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx)
-        if self._batched is not None and self._batched[0] == ids:
-            stacked = [st.cache_of(e) for e in self._batched[1]]
-        else:
-            rows = [self._states.get(w.seq_id) or self._fresh_state() for w in works]
-            stacked = [st.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
-        logits = self._forward(self._decode_inputs(works), batch, stacked, works)[:, -1, :]
-        for j, c in enumerate(stacked):
-            for w, entries in zip(works, st.split(c, len(works)), strict=True):
-                self._states.setdefault(w.seq_id, self._fresh_state())[j] = entries
-        self._batched = (ids, [list(c.cache) for c in stacked]) if stacked else None
-        tokens = sample(logits, works, self._keys)
-        for row, w in enumerate(works):
-            self._last[w.seq_id] = (tokens, row)
-        self._submit(tokens, [a for c in stacked for a in c.cache if a is not None])
-        return tuple(w for w in works if w.sample), self._pick(tokens, works)
-
-    @staticmethod
-    def _pick(tokens: mx.array, works: tuple[Work, ...]) -> mx.array:
-        rows = [i for i, w in enumerate(works) if w.sample]
-        return tokens if len(rows) == len(works) else tokens[mx.array(rows, dtype=mx.int32)]
-
-    def _prefill(self, w: Work) -> tuple[tuple[Work, ...], mx.array] | None:
-        self._ensure((w,))
-        toks = list(w.tokens)
-        pieces = [(toks, w.start, False)]
-        if w.sample and len(toks) > 1:
-            pieces = [(toks[:-1], w.start, False), (toks[-1:], w.start + len(toks) - 1, True)]
-        elif w.sample:
-            pieces = [(toks, w.start, True)]
-        entries = self._states.get(w.seq_id) or self._fresh_state()
-        tokens = None
-        for piece, start, sampled in pieces:
-            n, bt = len(piece), self.block_tokens
-            write = write_of(slots_of(w.block_table, start, start + n, bt))
-            read = None if start == 0 else read_of([w.block_table], [start + n], bt)
-            batch = Batch(write, read, "causal" if n > 1 else None, start)
-            caches = [st.cache_of(e) for e in entries]
-            logits = self._forward(mx.array(piece, dtype=mx.uint32)[None], batch, caches,
-                                   (_At(w.seq_id, start),))
-            entries = [c.cache for c in caches]
-            if sampled:
-                tokens = sample(logits[:, -1, :], (w,), self._keys)
-                self._last[w.seq_id] = (tokens, 0)
-            self._submit(tokens, st.arrays(entries))
-        if any(isinstance(k, RecurrentState) for k in cl.flatten(self.layers)):
-            self._states[w.seq_id] = entries
-            self._touched(w.seq_id)
-        return None if tokens is None else ((w,), tokens)

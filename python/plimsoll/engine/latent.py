@@ -42,6 +42,7 @@ class Latent(FullAttention):
     """The paged latent (K pool) and rope-key (V pool) blocks of one MLA layer."""
 
     kind = "latent"
+    table_kind = "latent"
 
 
 class LatentView(PoolCache):
@@ -54,12 +55,9 @@ class LatentView(PoolCache):
         self.offset = batch.offset
 
     def update_and_fetch(self, latent: mx.array, rope_keys: mx.array):
-        if getattr(self.batch, "select", None) is not None:
-            raise RuntimeError("padded prefill rows (engine.batched_prefill) reach only "
-                               "plain full-attention models, not MLA")
         self.pool.write(self.batch.write, latent, rope_keys)
         if self.batch.read is None:  # a chunk at position 0: its history is itself
-            return latent, rope_keys
+            return self.pool.tied(latent, rope_keys)
         hist_latent, hist_rope = self.pool.gather(self.batch.read)
         if hist_latent.dtype != latent.dtype:
             hist_latent = hist_latent.astype(latent.dtype)

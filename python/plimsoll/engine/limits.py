@@ -10,6 +10,8 @@ import os
 
 import mlx.core as mx
 
+from plimsoll.engine import backend
+
 #: MLX's CUDA backend keeps cuDNN attention plans and CUDA graphs in LRU caches keyed by
 #: shape (or topology) whose *lifetime* miss count is a fuse: past twice the capacity every
 #: further miss throws, leaving the stream's encoder unusable — the worker's requests then
@@ -42,13 +44,6 @@ def clear_buffer_cache() -> None:
     mx.clear_cache()
 
 
-def _metal() -> bool:
-    try:
-        return mx.metal.is_available()
-    except AttributeError:  # builds without the metal module (CPU/CUDA)
-        return False
-
-
 @contextlib.contextmanager
 def process_limits(memory_limit: int, cache_limit: int, wired_limit: int):
     """Set MLX's allocation cap, buffer-cache cap and (on Metal) wired limit; restore on exit.
@@ -65,7 +60,7 @@ def process_limits(memory_limit: int, cache_limit: int, wired_limit: int):
     prev_memory = None if skip else mx.set_memory_limit(memory_limit)
     prev_cache = mx.set_cache_limit(cache_limit)
     applied_cache = mx.set_cache_limit(cache_limit)  # returns what the first call set
-    wired = _metal() and wired_limit > 0
+    wired = backend.metal_available() and wired_limit > 0
     prev_wired = mx.set_wired_limit(wired_limit) if wired else None
     try:
         yield {

@@ -49,6 +49,7 @@ class FullAttention:
     """The paged K/V pools of one full-attention layer."""
 
     kind = "full"
+    table_kind = "kv"  # its row of the served-kinds table (core/capability.ENGINE_SUPPORT)
 
     def __init__(self, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  block_tokens: int, max_blocks: int, slab_blocks: int):
@@ -58,6 +59,7 @@ class FullAttention:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.blocks = 0  # blocks allocated
+        self._after: list[mx.array] | None = None  # see fence()
 
     @property
     def block_bytes(self) -> int:
@@ -104,7 +106,7 @@ class FullAttention:
         else:
             k = keys.transpose(1, 0, 2, 3).reshape(h, b * n, self.k_dim)
             v = values.transpose(1, 0, 2, 3).reshape(h, b * n, self.v_dim)
-        k, v = k.astype(self.dtype), v.astype(self.dtype)
+        k, v = self._fenced(k.astype(self.dtype), v.astype(self.dtype))
         if isinstance(slots, tuple):  # a run of consecutive slots: a slice update, in place
             lo, hi = slots
             self.keys[:, lo:hi] = k
@@ -112,6 +114,37 @@ class FullAttention:
             return
         self.keys[:, slots] = k
         self.values[:, slots] = v
+
+    def arrays(self) -> list[mx.array]:
+        """Every pool array (K then V), as they are now."""
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def tied(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """``keys``/``values`` (just written) made to depend on the pool after the write.
+        A forward that attends to its own fresh K/V (a chunk at position 0, a window chunk)
+        reads nothing back, so MLX would run every layer's write at the end of the graph and
+        hold every layer's K/V until then (measured on the CPU: untied, a 512-token chunk's
+        peak grows by one layer's K/V per layer); tied, each write runs before the next
+        layer."""
+        keys, values = mx.depends([keys, values], self.arrays())
+        return keys, values
+
+    def fence(self, after: list[mx.array]) -> None:
+        """The next write into this pool waits for ``after`` (what the reads of the pool as
+        it is now produce). MLX updates a buffer in place only when nothing else still holds
+        it; with several writes of one pool in one graph (a step's groups, a ring read before
+        its chunk's write) this makes the order certain: every read of a version runs before
+        the write that replaces it, so that write donates the buffer (no pool copy). The
+        dependency goes on the written values, not on the pool: a pool passed through
+        ``mx.depends`` is a sibling output, which MLX never donates (measured: that copies
+        one layer's array in a mixed step)."""
+        self._after = list(after)
+
+    def _fenced(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        after, self._after = self._after, None
+        if after:
+            keys, values = mx.depends([keys, values], after)
+        return keys, values
 
     def gather(self, read: Read) -> tuple[mx.array, mx.array]:
         """K and V of the positions ``read`` names, as (rows, heads, length, dim).
@@ -141,6 +174,7 @@ class RecurrentState:
     """
 
     kind = "state"
+    table_kind = "state"
     block_bytes = 0
     nbytes = 0
 

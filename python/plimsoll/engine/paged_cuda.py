@@ -14,14 +14,19 @@ group, so each K/V row is read once per group. The blocks write partial results
 
 Pool layout (:class:`plimsoll.engine.paged.FullAttention`): (kv_heads, slots, dim),
 slot = table[p // B] * B + p % B. Used for decode rows (one query each) without
-attention sinks and with equal K and V head sizes; anything else takes the gather path.
+attention sinks and with equal K and V head sizes, and only after it checked itself on this
+device against the gather path (:mod:`plimsoll.engine.kernels`); anything else takes the
+gather path.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-CHUNK = 256  # tokens per thread block
+from plimsoll.core.transients import DECODE_KERNEL_SPLIT
+from plimsoll.engine import backend
+
+CHUNK = DECODE_KERNEL_SPLIT  # tokens per thread block (admission counts its partials)
 WARPS = 4
 
 _SOURCE = r"""
@@ -92,25 +97,21 @@ _SOURCE = r"""
 _kernel = None
 
 
-_available: bool | None = None
-
-
 def available() -> bool:
     """Whether this process runs MLX's CUDA backend (the kernel's only home)."""
-    global _available
-    if _available is None:
-        try:
-            _available = bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
-        except AttributeError:  # builds without the cuda module (CPU, Metal)
-            _available = False
-    return _available
+    return backend.name() == "cuda"
+
+
+def serves(queries: mx.array, k_dim: int, v_dim: int, kv_heads: int) -> bool:
+    """Whether :func:`paged_decode` computes this attention: one query per row, equal K and
+    V head sizes that are a multiple of the warp, whole query-head groups."""
+    return (queries.shape[2] == 1 and k_dim == v_dim and k_dim % 32 == 0
+            and queries.shape[1] % kv_heads == 0)
 
 
 def usable(queries: mx.array, k_dim: int, v_dim: int, kv_heads: int) -> bool:
-    """Whether :func:`paged_decode` serves this attention: CUDA, one query per row, equal
-    K and V head sizes that are a multiple of the warp, whole query-head groups."""
-    return (queries.shape[2] == 1 and k_dim == v_dim and k_dim % 32 == 0
-            and queries.shape[1] % kv_heads == 0 and available())
+    """:func:`serves` on MLX's CUDA backend."""
+    return serves(queries, k_dim, v_dim, kv_heads) and available()
 
 
 def _get():

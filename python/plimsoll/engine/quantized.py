@@ -40,6 +40,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
+from plimsoll.engine import backend
 from plimsoll.engine.paged import FullAttention, Read
 
 GROUP_SIZE = 64
@@ -131,6 +132,7 @@ class QuantizedAttention(FullAttention):
         else:
             k = keys.transpose(1, 0, 2, 3).reshape(h, b * n, self.k_dim)
             v = values.transpose(1, 0, 2, 3).reshape(h, b * n, self.v_dim)
+        k, v = self._fenced(k, v)
         for pool, x in ((self.keys, k), (self.values, v)):
             parts = mx.quantize(x.astype(self.dtype), group_size=self.group_size,
                                 bits=self.bits)
@@ -161,40 +163,48 @@ class QuantizedAttention(FullAttention):
         return out[0], out[1]
 
     def attend_read(self, queries: mx.array, scale: float, sinks: mx.array | None, batch,
-               fresh: tuple[mx.array, mx.array] | None) -> mx.array:
-        """Attention of ``queries`` over this forward's read (see the module docstring)."""
-        if batch.read is None:  # a chunk at position 0: its own fresh K/V, unquantized
+                    fresh: tuple[mx.array, mx.array] | None) -> mx.array:
+        """Attention of ``queries`` over this forward's read (see the module docstring). A
+        chunk that samples (``batch.tail``) attends its last token to the quantized blocks
+        of the whole chunk, as mlx-lm's own step for a prompt's last token does."""
+        n = queries.shape[2]
+        if batch.tail is None or n == 1:
+            return self._attend(queries, scale, sinks, batch.read, batch.mask, fresh)
+        body = self._attend(queries[:, :, :-1], scale, sinks, batch.read, "causal",
+                            fresh, cut=1)
+        last = self._attend(queries[:, :, -1:], scale, sinks, batch.tail, None, None)
+        return mx.concatenate([body, last], axis=2)
+
+    def _attend(self, queries: mx.array, scale: float, sinks, read: Read | None, mask,
+                fresh, cut: int = 0) -> mx.array:
+        """``queries`` over ``read`` (None: the chunk's own ``fresh`` K/V), its last ``cut``
+        positions left out (a chunk's body without its sampled token)."""
+        if read is None:  # a chunk at position 0: its own fresh K/V, unquantized
             keys, values = fresh
+            if cut:
+                keys, values = keys[:, :, :-cut], values[:, :, :-cut]
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                        mask=batch.mask, sinks=sinks)
+                                                        mask=mask, sinks=sinks)
         if sinks is not None:
             raise NotImplementedError("quantized KV with attention sinks is not served "
                                       "(mlx-lm's quantized attention has no sinks either); "
                                       "use a float KV dtype for this model")
-        keys, values = self.gather(batch.read)
-        if queries.shape[2] == 1 and not _cuda():  # decode rows: the quantized matmuls
+        keys, values = self.gather(read)
+        if cut:
+            keys = tuple(a[:, :, :-cut] for a in keys)
+            values = tuple(a[:, :, :-cut] for a in values)
+        if queries.shape[2] == 1 and backend.name() != "cuda":  # decode: quantized matmuls
             return quantized_scaled_dot_product_attention(
-                queries, keys, values, scale=scale, mask=batch.mask,
+                queries, keys, values, scale=scale, mask=mask,
                 group_size=self.group_size, bits=self.bits)
-        # a prefill chunk past position 0 (and, on CUDA, every read): dequantize the gathered
+        # a prefill chunk past position 0 (and, on CUDA, every read: MLX's CUDA
+        # quantized_matmul has no kernel for the attention shapes a decode makes, measured on
+        # the H200: "No implementation for problem shape 1x195x128x32" at 8 and 4 bits; the
+        # decode transient counts that float copy, engine/work.py): dequantize the gathered
         # context, then the fused op
         g, b = self.group_size, self.bits
         keys = mx.dequantize(*keys, group_size=g, bits=b).astype(queries.dtype)
         values = mx.dequantize(*values, group_size=g, bits=b).astype(queries.dtype)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                    mask=batch.mask)
+                                                    mask=mask)
 
-
-def _cuda() -> bool:
-    """MLX's CUDA backend: its ``quantized_matmul`` has no kernel for the attention shapes a
-    decode makes (measured on the H200: "No implementation for problem shape 1x195x128x32"
-    at 8 and 4 bits), so reads there dequantize the gathered blocks first (the decode
-    transient counts that float copy: core/transients.py)."""
-    return mx.default_device().type == mx.DeviceType.gpu and not _metal()
-
-
-def _metal() -> bool:
-    try:
-        return mx.metal.is_available()
-    except AttributeError:
-        return False

@@ -6,8 +6,8 @@ another ~2.5 s (its causal variant), a key length off the 64-token grid ~0.5 s o
 agentic benchmark's turn 2 paid 3.15 s where later turns took 0.6-1.3 s. Metal compiles its
 shaders on first use too. So a worker on a GPU runs a few tiny steps through the same paths
 before it says ready: a chunk from position 0, a chunk at a prefix with an off-grid length
-that samples beside two first chunks batched (engine/batched_prefill.py), pipelined decodes
-of one row and of two rows of different lengths. They write
+that samples beside two first chunks in the same forward (engine/forward.py), pipelined
+decodes of one row and of two rows of different lengths. They write
 the first blocks of the pool (the pool's first slab, which the first request allocates
 anyway; the scheduler has handed out no block yet, and a block is always written before it
 is read) and leave no state behind. The CPU backend compiles nothing: no warm-up there.
@@ -18,8 +18,7 @@ from __future__ import annotations
 import math
 import time
 
-import mlx.core as mx
-
+from plimsoll.engine import backend
 from plimsoll.engine.work import Step, Work
 
 _A, _B, _C = -1, -2, -3  # sequence ids no scheduler hands out
@@ -28,7 +27,7 @@ _A, _B, _C = -1, -2, -3  # sequence ids no scheduler hands out
 def warm_up(engine, chunk: int = 128, *, force: bool = False) -> float:
     """Run the warm-up steps on a GPU backend (anywhere with ``force``); returns the seconds
     it took (0 when skipped)."""
-    if not force and mx.default_device().type != mx.DeviceType.gpu:
+    if not force and not backend.gpu():
         return 0.0
     bt = engine.block_tokens
     first = max(bt, min(chunk, 128) // bt * bt)  # on the block grid

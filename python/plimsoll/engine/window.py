@@ -60,6 +60,7 @@ class WindowAttention:
     the engine's context is shorter, the context (a ring that never wraps)."""
 
     kind = "window"
+    table_kind = "window"
     block_bytes = 0  # nothing in the shared block pool
 
     def __init__(self, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype, window: int,
@@ -231,21 +232,24 @@ class WindowView(PagedView):
             if old is not None:  # read before this chunk's write overwrites them
                 self._old = (mx.take(ring.keys, old, axis=1)[None],
                              mx.take(ring.values, old, axis=1)[None])
+                ring.fence(list(self._old))
             ring.write(write, keys[:, :, cut:], values[:, :, cut:])
+            keys, values = ring.tied(keys, values)
         self._fresh = (keys, values)
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
         self.batch.attended += 1
         plan = self.wbatch.plan(self.kind.window, self.kind.size)
+        fresh, old, self._fresh, self._old = self._fresh, self._old, None, None  # see PagedView
         if self.wbatch.length == 1:
             _, read, mask = plan
             keys, values = self.kind.ring.gather(read)
         else:
             mask = plan[3]
-            keys, values = self._fresh
-            if self._old is not None:
-                ok, ov = self._old
+            keys, values = fresh
+            if old is not None:
+                ok, ov = old
                 keys = mx.concatenate([ok.astype(keys.dtype), keys], axis=2)
                 values = mx.concatenate([ov.astype(values.dtype), values], axis=2)
         if keys.dtype != queries.dtype:

@@ -79,7 +79,8 @@ class Work:
 
 @dataclass(frozen=True)
 class Step:
-    """Everything one engine step runs: decodes batched as ONE forward, prefills each alone."""
+    """Everything one engine step runs, as ONE forward of the model: every decode (one token)
+    and every prefill chunk, at any start (engine/forward.py)."""
 
     decodes: tuple[Work, ...] = ()
     prefills: tuple[Work, ...] = ()

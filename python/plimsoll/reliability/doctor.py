@@ -116,6 +116,8 @@ class MlxView:
     metal: bool = False
     device: str | None = None
     error: str | None = None
+    #: the engine's custom-kernel verdicts on this device (plimsoll.engine.kernels), as dicts
+    kernels: tuple = ()
 
 
 def mlx_lines(mlx: MlxView, platform: str) -> list[Line]:
@@ -133,7 +135,22 @@ def mlx_lines(mlx: MlxView, platform: str) -> list[Line]:
                               "nixpkgs' mlx is built with Metal off — use plimsoll's package "
                               "(the official Metal wheels) or pip's mlx")]
     backend = "Metal GPU" if mlx.metal else "no Metal"
-    return [Line("ok", f"MLX {mlx.version}: default device {mlx.device} ({backend})")]
+    return [Line("ok", f"MLX {mlx.version}: default device {mlx.device} ({backend})"),
+            *(kernel_line(k) for k in mlx.kernels)]
+
+
+def kernel_line(verdict: Mapping[str, Any]) -> Line:
+    """One custom kernel's self-check on this host: used, or why the reference path serves
+    (a kernel that disagrees with the reference or fails is a warning: report it)."""
+    head = f"kernel {verdict.get('name')} ({verdict.get('device')})"
+    reason = str(verdict.get("reason", ""))
+    if verdict.get("used"):
+        return Line("ok", f"{head}: used, {reason} ({verdict.get('kernel_ms')} ms against the "
+                          f"reference's {verdict.get('reference_ms')} ms)")
+    broken = reason.startswith(("disagrees", "failed"))
+    return Line("warn" if broken else "ok",
+                f"{head}: not used, {reason}; the reference path serves"
+                + ("; report this line with the MLX version" if broken else ""))
 
 
 def cluster_backend_lines(policy: Policy, available: Availability) -> list[Line]:

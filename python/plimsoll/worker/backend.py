@@ -68,7 +68,8 @@ def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
     decode = chunk_for = None
     if cfg.transient_bytes is not None:
         def decode(rows: int, longest: int) -> int:
-            return decode_transient_bytes(eng.facts, rows, longest, cfg.block_tokens)
+            return decode_transient_bytes(eng.facts, rows, longest, cfg.block_tokens,
+                                          gathered=getattr(eng, "decode_gathers", True))
 
         def chunk_for(prompt_tokens: int) -> int:  # short prompts take bigger chunks
             return prefill_chunk(eng.facts, max(1, prompt_tokens), cfg.transient_bytes,
@@ -136,7 +137,9 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
                "kv_dtype": eng.facts.kv_format,  # q8 / q4 when quantized
                "applied_limits": loaded["applied"], "engine_memory": eng.memory,
                "rss": lambda: proc.memory_info().rss, "guard": self_guard,
-               "constrained_decoding": True}
+               "constrained_decoding": True,
+               "status_extra": lambda: {"kernels": eng.kernels.report(),
+                                        "one_forward": eng.mixers.report()}}
     finally:  # the disk tier's shutdown spill runs on the scheduler thread: give it time
         await run_in_threadpool(sched.stop, 10.0 if sched.disk is None else 120.0)
         if sched.disk is not None:

@@ -222,3 +222,41 @@ def test_transients_stay_under_the_published_bounds(tiny_dir):
     bound = decode_transient_bytes(eng.facts, 8, max(lengths) + 1)
     assert mx.get_peak_memory() > 0
     assert mx.get_peak_memory() - before <= bound
+
+
+def test_a_prefill_chunk_holds_one_layer_in_flight_whatever_the_depth(tiny_dir, tmp_path):
+    """A 512-token chunk holds one layer's transient at a time: its peak is the same for 4
+    layers and for 24, under the one-layer figure admission counts. (Were a layer's pool
+    write left to the end of the graph, or its fresh K/V kept by its view, the peak would
+    grow by a layer's K/V per layer: FullAttention.tied, PagedView.attend.)"""
+    import json
+    import shutil
+
+    import mlx_lm.utils as mlu
+
+    from plimsoll.core.transients import prefill_transient_bytes
+
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config["num_hidden_layers"] = 24
+    model_class, args_class = mlu._get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(mx.float32)
+    mlu.save_model(deep, model)
+    mlu.save_config(config, deep / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tiny_dir / name, deep / name)
+    peaks = []
+    for path in (tiny_dir, deep):
+        eng = Engine.load(path, block_tokens=BLOCK, max_blocks=64, slab_blocks=64)
+        eng.run(Step(prefills=(Work(0, (1,), 0, (0,), True),)))  # the pools exist
+        eng.free_state(0)
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        eng.run(Step(prefills=(Work(1, tuple(range(3, 515)), 0, tuple(range(32, 64)), True),)))
+        mx.synchronize()
+        peaks.append(mx.get_peak_memory() - before)
+        assert peaks[-1] <= prefill_transient_bytes(eng.facts, 512, 512)
+    assert peaks[1] < 1.1 * peaks[0], peaks

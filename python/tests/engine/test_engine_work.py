@@ -97,3 +97,23 @@ def test_the_default_chunk_follows_the_backend():
 
     assert default_prefill_chunk(False) == PREFILL_CHUNK < default_prefill_chunk(True) == \
         PREFILL_CHUNK_FUSED
+
+
+def test_a_decode_read_in_place_charges_no_gather():
+    """With the checked paged decode kernel the rows read the pool in place: the decode's
+    transient is the kernel's partial results and the rows' activations, no gather copy and
+    no score matrix (both of which the gathered read charges)."""
+    from plimsoll.core.transients import (
+        DECODE_KERNEL_SPLIT,
+        decode_kernel_partials_bytes,
+        decode_transient_bytes,
+    )
+
+    rows, longest = 32, 16_000
+    gathered = decode_transient_bytes(FACTS, rows, longest)
+    in_place = decode_transient_bytes(FACTS, rows, longest, gathered=False)
+    splits = -(-longest // DECODE_KERNEL_SPLIT)
+    partials = rows * FACTS.num_attention_heads * splits * (FACTS.head_dim + 2) * 4
+    assert decode_kernel_partials_bytes(FACTS, rows, longest) == partials
+    assert in_place < gathered - gather_transient_bytes(FACTS, rows * longest)
+    assert decode_transient_bytes(FACTS, 0, longest, gathered=False) == 0

@@ -63,6 +63,17 @@ def test_top_k_and_min_p_reach_the_sampler(worker):
     assert anthropic(temperature=1.0, top_k=1) == anthropic(temperature=0)
 
 
+def test_status_reports_the_kernel_self_check(worker):
+    """The engine's custom kernels were checked at start (on the CPU none is used), and it
+    says how it runs a step."""
+    st = worker.status()
+    (verdict,) = st["kernels"]
+    assert verdict["name"] == "paged_decode_cuda" and verdict["used"] is False
+    assert verdict["reason"] == "not this device: the engine runs on cpu"
+    # and every step is one forward: the model's attention modules are regrouped
+    assert st["one_forward"] == {"regrouped": ["mlx_lm.models.qwen3.Attention"], "reason": ""}
+
+
 def test_unknown_model_and_bad_input(worker):
     c = client(worker)
     with pytest.raises(openai.NotFoundError):

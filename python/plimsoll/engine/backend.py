@@ -1,0 +1,35 @@
+"""Which MLX backend this process computes on: one probe for the whole engine (imports mlx).
+
+:func:`name` is ``"cuda"`` (MLX's CUDA backend: the default device is a GPU that is not
+Metal), ``"metal"`` (the Apple GPU) or ``"cpu"`` (the default device is the CPU, whatever
+else the build has). Every backend-dependent choice of the engine reads it: the fused
+prefill attention, the quantized decode path, the custom kernels' device
+(:mod:`plimsoll.engine.kernels`), the warm-up. Read once: the default device does not change
+after the engine starts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+
+@functools.cache
+def name() -> str:
+    """``"cuda"``, ``"metal"`` or ``"cpu"``: where this process's arrays are computed."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return "cpu"
+    return "metal" if metal_available() else "cuda"
+
+
+def gpu() -> bool:
+    return name() != "cpu"
+
+
+def metal_available() -> bool:
+    """Whether this build of MLX has a Metal GPU (the wired limit is Metal's alone)."""
+    try:
+        return bool(mx.metal.is_available())
+    except AttributeError:  # builds without the metal module (CPU, CUDA)
+        return False

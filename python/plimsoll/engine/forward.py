@@ -1,0 +1,205 @@
+"""The one forward of a step: its groups, one model call, sampling where it samples (imports mlx).
+
+:func:`groups_of` cuts a :class:`~plimsoll.engine.work.Step` into groups
+(:mod:`plimsoll.engine.groups`): every decode row as one group, then each prefill chunk at
+any start (a first chunk, a chunk after a prefix hit, a later chunk of a long prompt). The
+step then runs as ONE call of the model (:func:`run`):
+
+- one group: in its own layout, ``(rows, 1)`` decode rows or a ``(1, n)`` chunk, each layer
+  handed the group's views directly (nothing is regrouped);
+- several groups: the ``(T, 1)`` layout of :mod:`plimsoll.engine.mixers`, each layer a
+  :class:`~plimsoll.engine.mixers.StepView` that the model's token-mixing modules split
+  into the groups' own calls;
+- a model whose mixing modules could not be found (:attr:`Engine.mixers`'s reason) runs
+  one forward per group instead, each submitted on its own.
+
+Logits are taken only at each sequence's last scheduled token that samples (a decode row,
+a chunk's last token): the last decoder layer's output is cut to those rows
+(:mod:`plimsoll.engine.sampled_rows`), so no forward runs for a sampled token alone
+and the lm head sees only the sampled rows. A quantized pool's chunk that samples attends
+its last token to the quantized blocks as mlx-lm's own last-token step does
+(:attr:`Batch.tail`, :mod:`plimsoll.engine.quantized`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from plimsoll.engine import mixers, sampled_rows
+from plimsoll.engine import state as st
+from plimsoll.engine.attention import Batch
+from plimsoll.engine.groups import Flat, Group, group_view
+from plimsoll.engine.paged import RecurrentState, read_of, slots_of, write_of
+from plimsoll.engine.sampling import sample
+from plimsoll.engine.work import Step, Work
+
+
+def groups_of(eng, step: Step) -> list[Group]:
+    """The step's groups, pools grown to every block they read or write."""
+    groups, top, lo = [], 0, 0
+    if step.decodes:
+        g, top = _decode_group(eng, step.decodes)
+        groups.append(g)
+        lo = g.hi
+    for w in step.prefills:
+        g = _chunk_group(eng, w, lo)
+        groups.append(g)
+        lo = g.hi
+        top = max(top, max(w.block_table[:(w.start + w.length - 1) // eng.block_tokens + 1]))
+    for p in eng._pools:
+        p.ensure(top)
+    return groups
+
+
+def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
+    bt = eng.block_tokens
+    starts = [w.start for w in works]
+    lengths = [s + 1 for s in starts]
+    ids = tuple(w.seq_id for w in works)
+    # The tables' index is kept across steps (only new blocks are written into it); its
+    # highest id covers every block the decodes read or write.
+    read, top = eng._reads.read(ids, [w.block_table for w in works], lengths)
+    write = np.array([w.block_table[s // bt] * bt + s % bt
+                      for w, s in zip(works, starts, strict=True)], dtype=np.int32)
+    lengths_mx = mx.array(lengths, dtype=mx.int32)
+    mask = None
+    if min(lengths) != max(lengths):  # built on the device, not row × context on the host
+        mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]
+                < lengths_mx[:, None])[:, None, None, :]
+    offset = starts[0] if len(works) == 1 else mx.array(starts, dtype=mx.int32)
+    batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx,
+                  kernel=eng.kernels.decode)
+    if eng._batched is not None and eng._batched[0] == ids:
+        stacked = [st.cache_of(e) for e in eng._batched[1]]
+    else:
+        rows = [eng._states.get(w.seq_id) or eng._fresh_state() for w in works]
+        stacked = [st.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
+    rings = eng._rings.batch(list(ids), starts, 1) if eng._rings else None
+    return Group(works, 0, True, batch, rings, stacked), top
+
+
+def _chunk_group(eng, w: Work, lo: int) -> Group:
+    n, bt = w.length, eng.block_tokens
+    write = write_of(slots_of(w.block_table, w.start, w.start + n, bt))
+    read = None if w.start == 0 else read_of([w.block_table], [w.start + n], bt)
+    tail = None
+    if w.sample and eng.attends_tail:
+        tail = read if read is not None else read_of([w.block_table], [w.start + n], bt)
+    batch = Batch(write, read, "causal" if n > 1 else None, w.start, tail=tail)
+    entries = eng._states.get(w.seq_id) or eng._fresh_state()
+    rings = eng._rings.batch([w.seq_id], [w.start], n) if eng._rings else None
+    return Group((w,), lo, False, batch, rings, [st.cache_of(e) for e in entries])
+
+
+def decode_inputs(eng, works: tuple[Work, ...]) -> mx.array:
+    """The decode rows' tokens, (rows,): given ones, or those sampled last step (lazy)."""
+    if all(w.tokens is not None for w in works):
+        return mx.array([w.tokens[0] for w in works], dtype=mx.uint32)
+    lasts = [None if w.tokens is not None else eng._last[w.seq_id] for w in works]
+    first = lasts[0]
+    if first is not None and all(last is not None and last[0] is first[0]
+                                 and last[1] == row for row, last in enumerate(lasts)) \
+            and first[0].shape[0] == len(works):
+        return first[0]
+    parts = [mx.array([w.tokens[0]], dtype=mx.uint32) if last is None
+             else last[0][last[1]:last[1] + 1]
+             for w, last in zip(works, lasts, strict=True)]
+    return mx.concatenate(parts)
+
+
+def _inputs(eng, g: Group) -> mx.array:
+    if g.decode:
+        return decode_inputs(eng, g.works)
+    return mx.array(g.works[0].tokens, dtype=mx.uint32)
+
+
+def _pick(rows: list[int], total: int):
+    """The row selection of the last layer's output (None: every row is sampled)."""
+    if len(rows) == total:
+        return None
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        lo, hi = rows[0], rows[0] + len(rows)
+        return lambda h: h[lo:hi]
+    idx = mx.array(rows, dtype=mx.int32)
+    return lambda h: h[idx]
+
+
+def _call(eng, inputs: mx.array, caches: list, rows: list[int]) -> mx.array | None:
+    """The model on ``inputs`` (rows on axis 0 or, for one chunk, positions on axis 1); the
+    logits (sampled, vocab) of ``rows`` (indices on the flattened rows), or None."""
+    total = inputs.shape[0] * inputs.shape[1]
+    if not rows:
+        eng.model(inputs, cache=caches)  # no logits evaluated: the lm head never runs
+        return None
+    chunk = inputs.shape[0] == 1 and inputs.shape[1] > 1
+    flat_pick = _pick(rows, total)
+    if chunk:  # (1, n): the rows are positions
+        pick = None if flat_pick is None else (lambda h: flat_pick(h.swapaxes(0, 1)))
+    else:
+        pick = flat_pick
+    if eng.select_rows:
+        with sampled_rows.selecting(eng.model, pick):
+            logits = eng.model(inputs, cache=caches)
+        return logits.reshape(len(rows), -1)
+    logits = eng.model(inputs, cache=caches)
+    logits = logits.reshape(total, -1)
+    return logits if flat_pick is None else flat_pick(logits)
+
+
+def _check(eng, groups: list[Group]) -> None:
+    want = len(eng._pools) + len(eng._rings.layers)
+    if any(g.batch.attended != want for g in groups):
+        raise RuntimeError(f"{type(eng.model).__module__}: attention does not go through "
+                           "mlx_lm.models.base.scaled_dot_product_attention; the paged "
+                           "engine cannot serve this model")
+
+
+def _arrays(eng, groups: list[Group]) -> list:
+    pools = [a for p in eng._pools for a in (p.keys, p.values)] + eng._rings.arrays()
+    return pools + [a for g in groups for c in g.states for a in c.cache if a is not None]
+
+
+def run(eng, groups: list[Group]) -> tuple[tuple[Work, ...], mx.array] | None:
+    """Run ``groups`` as one forward (see the module docstring) and queue it; the sampled
+    works and their tokens (lazy), or None when nothing samples."""
+    works = tuple(w for g in groups for w in g.works if w.sample)
+    if len(groups) == 1 or not eng.mixers.ok:
+        parts = []
+        for g in groups:
+            inputs = _inputs(eng, g)
+            inputs = inputs[:, None] if g.decode else inputs[None]
+            caches = [group_view(k, g, eng._state_index) for k in eng.layers]
+            logits = _call(eng, inputs, caches, [r - g.lo for r in g.sampled()])
+            if logits is not None:
+                parts.append(logits)
+            if len(groups) > 1:  # forwards writing one pool are submitted in order
+                mx.async_eval(_arrays(eng, [g]))
+        logits = (parts[0] if len(parts) == 1 else mx.concatenate(parts)) if parts else None
+    else:
+        flat = Flat(groups, eng._state_index)
+        inputs = mx.concatenate([_inputs(eng, g) for g in groups])[:, None]
+        caches = [mixers.step_view(k, flat) for k in eng.layers]
+        logits = _call(eng, inputs, caches, [r for g in groups for r in g.sampled()])
+    _check(eng, groups)
+    _keep_states(eng, groups)
+    tokens = sample(logits, works, eng._keys) if works else None
+    for row, w in enumerate(works):
+        eng._last[w.seq_id] = (tokens, row)
+    mx.async_eval(_arrays(eng, groups) + ([] if tokens is None else [tokens]))
+    return (works, tokens) if works else None
+
+
+def _keep_states(eng, groups: list[Group]) -> None:
+    hybrid = any(isinstance(k, RecurrentState) for k in eng.flat_kinds)
+    for g in groups:
+        if g.decode:
+            for j, c in enumerate(g.states):
+                for w, entries in zip(g.works, st.split(c, len(g.works)), strict=True):
+                    eng._states.setdefault(w.seq_id, eng._fresh_state())[j] = entries
+            ids = tuple(w.seq_id for w in g.works)
+            eng._batched = (ids, [list(c.cache) for c in g.states]) if g.states else None
+        elif hybrid:
+            w = g.works[0]
+            eng._states[w.seq_id] = [c.cache for c in g.states]
+            eng._touched(w.seq_id)

@@ -1,0 +1,192 @@
+"""Custom attention kernels, each checked on the device it will run on before use (imports mlx).
+
+A kernel here computes what the reference path computes, faster: the paged decode
+attention (rows of one query each over their block tables, K/V read in place from the
+pool) — today :mod:`plimsoll.engine.paged_cuda` on MLX's CUDA backend. No kernel is trusted
+on its word (neither this project's machines nor CI run every backend), so at engine start
+:func:`select` takes each kernel registered (:data:`REGISTRY`) for the running backend
+(:func:`plimsoll.engine.backend.name`) and, for the model's attention shape and dtype:
+
+1. runs it on a few small random problems (scattered tables, rows of different lengths)
+   against the reference — the tables' blocks gathered
+   (:meth:`~plimsoll.engine.paged.FullAttention.gather`) and
+   ``mx.fast.scaled_dot_product_attention`` with the padding mask — and requires the
+   largest difference within :data:`TOLERANCE` for the dtype;
+2. times both on the largest problem (best of :data:`RUNS`, each evaluated) and requires the
+   kernel not slower than the reference × :data:`MARGIN` (a slower first measurement is
+   measured again before it counts).
+
+A kernel is used only when both hold; otherwise the reference path serves and the reason
+is kept (:class:`Verdict`): the worker reports every verdict in ``/v1/plimsoll/status``
+(``kernels``) and ``plimsoll doctor`` runs the same check on its host. On the CPU nothing is
+registered: the reference path is the default there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from plimsoll.engine import backend, paged_cuda
+from plimsoll.engine.paged import FullAttention, Read
+
+#: the largest |kernel − reference| allowed, by dtype (unit-normal inputs; f32 accumulation)
+TOLERANCE = {mx.float32: 1e-4, mx.float16: 5e-3, mx.bfloat16: 2e-2}
+MARGIN = 1.10  # a kernel more than 10 % slower than the reference is not used
+RUNS = 5
+#: (rows, lowest length, longest length) of the check's problems, blocks of 16 tokens
+PROBLEMS = ((1, 33, 33), (4, 1, 300), (8, 100, 700))
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A paged decode kernel: ``decode(queries, k_pool, v_pool, tables, lengths, longest,
+    scale, block_tokens)`` → (rows, q_heads, 1, dim); ``serves(queries, k_dim, v_dim,
+    kv_heads)`` says whether it computes that attention at all."""
+
+    name: str
+    device: str  # the backend it runs on: "cuda", "metal" or "cpu"
+    decode: Callable[..., mx.array]
+    serves: Callable[[mx.array, int, int, int], bool]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the check found for one kernel on this process's device."""
+
+    name: str
+    device: str
+    used: bool
+    reason: str
+    max_error: float | None = None
+    kernel_ms: float | None = None
+    reference_ms: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+REGISTRY: list[Kernel] = [
+    Kernel("paged_decode_cuda", "cuda", paged_cuda.paged_decode, paged_cuda.serves),
+]
+
+
+class Selection:
+    """The verdicts of one engine's check; :attr:`decode` is the kernel in use, or None."""
+
+    def __init__(self, verdicts: list[Verdict], decode: Kernel | None):
+        self.verdicts, self.decode = verdicts, decode
+
+    def report(self) -> list[dict]:
+        return [v.as_dict() for v in self.verdicts]
+
+
+def reference_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tables: mx.array,
+                     lengths: mx.array, longest: int, scale: float,
+                     block_tokens: int) -> mx.array:
+    """The engine's own decode read: the tables' blocks gathered, then the fused attention
+    with the padding mask (what :class:`~plimsoll.engine.attention.PagedView` runs)."""
+    heads, slots, dim = k_pool.shape
+    pool = FullAttention(heads, dim, v_pool.shape[2], k_pool.dtype, block_tokens,
+                         slots // block_tokens, slots // block_tokens)
+    pool.keys, pool.values, pool.blocks = k_pool, v_pool, slots // block_tokens
+    keys, values = pool.gather(Read(index=tables, length=longest))
+    mask = (mx.arange(longest, dtype=mx.int32)[None, :] < lengths[:, None])[:, None, None, :]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def _problem(rows: int, lo: int, hi: int, kv_heads: int, q_heads: int, dim: int,
+             dtype: mx.Dtype, seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(lo, hi + 1, size=rows).astype(np.int32)
+    nb = -(-int(lengths.max()) // BLOCK)
+    blocks = rows * nb + 4
+    tables = rng.permutation(blocks)[:rows * nb].reshape(rows, nb).astype(np.int32)
+    key = mx.random.key(seed)
+    k1, k2, k3 = mx.random.split(key, 3)
+    k_pool = mx.random.normal((kv_heads, blocks * BLOCK, dim), key=k1).astype(dtype)
+    v_pool = mx.random.normal((kv_heads, blocks * BLOCK, dim), key=k2).astype(dtype)
+    queries = mx.random.normal((rows, q_heads, 1, dim), key=k3).astype(dtype)
+    return (queries, k_pool, v_pool, mx.array(tables), mx.array(lengths),
+            int(lengths.max()), dim ** -0.5, BLOCK)
+
+
+def _best_ms(fn: Callable[..., mx.array], args: tuple) -> float:
+    best = float("inf")
+    for _ in range(RUNS):
+        t0 = time.perf_counter()
+        mx.eval(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def decide(max_error: float, tolerance: float, kernel_ms: float, reference_ms: float) -> str:
+    """Why a kernel is not used ("" when it is). Pure."""
+    if not max_error <= tolerance:  # NaN disagrees too
+        return f"disagrees with the reference: max error {max_error:.3g} > {tolerance:g}"
+    if kernel_ms > reference_ms * MARGIN:
+        return (f"slower than the reference: {kernel_ms:.3f} ms against {reference_ms:.3f} ms "
+                "(best of each)")
+    return ""
+
+
+def check(kernel: Kernel, dtype: mx.Dtype, q_heads: int,
+          shapes: list[tuple[int, int, int]]) -> Verdict:
+    """Run ``kernel`` against the reference on this device for every pool shape
+    ``(kv_heads, k_dim, v_dim)`` of the model (see the module docstring)."""
+    tolerance = TOLERANCE.get(dtype, 2e-2)
+    worst, times = 0.0, [0.0, 0.0]
+    try:
+        for kv_heads, k_dim, v_dim in shapes:
+            if not kernel.serves(mx.zeros((1, q_heads, 1, k_dim), dtype), k_dim, v_dim,
+                                 kv_heads):
+                return Verdict(kernel.name, kernel.device, False,
+                               f"does not serve this model's attention ({q_heads} query heads "
+                               f"over {kv_heads} KV heads, K {k_dim} and V {v_dim} wide)")
+            for seed, (rows, lo, hi) in enumerate(PROBLEMS):
+                args = _problem(rows, lo, hi, kv_heads, q_heads, k_dim, dtype, seed)
+                got, want = kernel.decode(*args), reference_decode(*args)
+                err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
+                worst = max(worst, err) if err == err else float("nan")
+            for _ in range(2):  # a slower first measurement is confirmed once
+                pair = (_best_ms(kernel.decode, args), _best_ms(reference_decode, args))
+                if not decide(worst, tolerance, *pair).startswith("slower"):
+                    break
+            times = [times[0] + pair[0], times[1] + pair[1]]
+    except Exception as err:  # any failure of a kernel means: do not use it
+        return Verdict(kernel.name, kernel.device, False,
+                       f"failed on this device: {type(err).__name__}: {err}")
+    why = decide(worst, tolerance, *times)
+    return Verdict(kernel.name, kernel.device, not why,
+                   why or "agrees with the reference and is not slower", worst,
+                   round(times[0], 4), round(times[1], 4))
+
+
+def select(dtype: mx.Dtype, q_heads: int | None, shapes: list[tuple[int, int, int]],
+           registry: list[Kernel] | None = None) -> Selection:
+    """Check every kernel of ``registry`` (default :data:`REGISTRY`) meant for this
+    process's backend on the model's decode attention (``q_heads`` query heads over each
+    float pool shape ``(kv_heads, k_dim, v_dim)``); the first that passes is used."""
+    here = backend.name()
+    verdicts, chosen = [], None
+    for kernel in REGISTRY if registry is None else registry:
+        if kernel.device != here:
+            verdicts.append(Verdict(kernel.name, kernel.device, False,
+                                    f"not this device: the engine runs on {here}"))
+        elif not shapes or not q_heads:
+            verdicts.append(Verdict(kernel.name, kernel.device, False,
+                                    "the model has no float full-attention pool to read"))
+        elif chosen is not None:
+            verdicts.append(Verdict(kernel.name, kernel.device, False,
+                                    f"{chosen.name} is used for the decode already"))
+        else:
+            verdict = check(kernel, dtype, q_heads, shapes)
+            verdicts.append(verdict)
+            if verdict.used:
+                chosen = kernel
+    return Selection(verdicts, chosen)

@@ -1,0 +1,111 @@
+"""Custom kernels check themselves on the device before use (engine/kernels.py), on the CPU.
+
+Real MLX (CPU, float32): a deliberately wrong kernel registered for the CPU (an mlx-op
+implementation that perturbs the output) is rejected with its reason, a failing one too, a
+correct one is accepted and then serves the engine's decode rows with mlx-lm's greedy
+output; the default registry leaves the CPU on the reference path; the verdicts reach the
+doctor's lines. The decision itself is pure and tested on values.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from plimsoll.demo.model import build_demo_model  # noqa: E402
+from plimsoll.engine import Engine, kernels  # noqa: E402
+from plimsoll.engine.drive import Blocks, drive, reference, seqs_for, sharpen, text  # noqa: E402
+from plimsoll.reliability.doctor import MlxView, mlx_lines  # noqa: E402
+
+SHAPES = [(2, 32, 32)]  # the tiny demo model: 8 query heads over 2 KV heads of 32
+
+
+def _perturbed(*args):
+    return kernels.reference_decode(*args) * 1.01 + 0.01
+
+
+def _broken(*args):
+    raise RuntimeError("no kernel image for this device")
+
+
+def _serves(queries, k_dim, v_dim, kv_heads):
+    return queries.shape[2] == 1 and k_dim == v_dim
+
+
+WRONG = kernels.Kernel("perturbed_cpu", "cpu", _perturbed, _serves)
+BROKEN = kernels.Kernel("broken_cpu", "cpu", _broken, _serves)
+
+
+def _counting():
+    calls = []
+
+    def decode(*args):
+        calls.append(args[0].shape[0])
+        return kernels.reference_decode(*args)
+
+    return kernels.Kernel("mlx_ops_cpu", "cpu", decode, _serves), calls
+
+
+def test_the_decision():
+    assert kernels.decide(1e-6, 1e-4, 1.0, 1.0) == ""
+    assert kernels.decide(1e-6, 1e-4, 1.05, 1.0) == ""  # inside the margin
+    assert kernels.decide(1e-3, 1e-4, 0.5, 1.0).startswith("disagrees")
+    assert kernels.decide(float("nan"), 1e-4, 0.5, 1.0).startswith("disagrees")
+    assert kernels.decide(1e-6, 1e-4, 2.0, 1.0).startswith("slower")
+
+
+def test_a_wrong_kernel_is_rejected_with_its_reason():
+    verdict = kernels.check(WRONG, mx.float32, 8, SHAPES)
+    assert not verdict.used
+    assert verdict.reason.startswith("disagrees with the reference")
+    assert verdict.max_error > kernels.TOLERANCE[mx.float32]
+    failed = kernels.check(BROKEN, mx.float32, 8, SHAPES)
+    assert not failed.used and "failed on this device: RuntimeError" in failed.reason
+
+
+def test_a_correct_kernel_is_accepted():
+    good, calls = _counting()
+    verdict = kernels.check(good, mx.float32, 8, SHAPES)
+    assert verdict.used, verdict.reason
+    assert verdict.max_error == 0.0 and verdict.kernel_ms > 0 and verdict.reference_ms > 0
+    assert calls  # it ran on the problems
+    assert not kernels.check(good, mx.float32, 8, [(2, 32, 16)]).used  # a shape it won't serve
+
+
+def test_the_cpu_keeps_the_reference_path(tmp_path):
+    eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
+    assert eng.kernels.decode is None
+    (verdict,) = eng.kernels.report()
+    assert verdict["name"] == "paged_decode_cuda" and not verdict["used"]
+    assert verdict["reason"] == "not this device: the engine runs on cpu"
+    assert eng.decode_gathers  # admission charges the decode's gather
+
+
+def test_the_engine_uses_only_the_kernel_that_passes(tmp_path, monkeypatch):
+    good, calls = _counting()
+    monkeypatch.setattr(kernels, "REGISTRY", [WRONG, good])
+    eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
+    sharpen(eng.model)
+    wrong, right = eng.kernels.verdicts
+    assert not wrong.used and wrong.reason.startswith("disagrees")
+    assert right.used and eng.kernels.decode is good
+    assert not eng.decode_gathers  # every attention layer is read by the kernel
+    calls.clear()
+    prompts = [text(eng.tokenizer, n, salt=n) for n in (20, 45)]
+    got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=True)), chunk=64)
+    assert got == [reference(eng.model, p, 6) for p in prompts]
+    assert calls and set(calls) <= {1, 2}  # the decode rows went through it
+
+
+def test_the_doctor_shows_each_verdict():
+    rows = (kernels.Verdict("k1", "cuda", True, "agrees with the reference and is not slower",
+                            1e-3, 0.2, 0.8).as_dict(),
+            kernels.check(WRONG, mx.float32, 8, SHAPES).as_dict(),
+            kernels.Verdict("k3", "cuda", False, "not this device: the engine runs on cpu")
+            .as_dict())
+    lines = mlx_lines(MlxView("0.32.4", False, "cpu", kernels=rows), "linux")
+    assert [ln.level for ln in lines] == ["ok", "ok", "warn", "ok"]
+    assert "kernel k1 (cuda): used" in lines[1].text and "0.2 ms" in lines[1].text
+    assert "perturbed_cpu" in lines[2].text and "disagrees" in lines[2].text
+    assert "the reference path serves" in lines[3].text
