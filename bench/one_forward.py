@@ -2,11 +2,11 @@
 
 By hand, not a test. Standalone: builds a demo model (``--preset``, default ``tiny``) into
 ``--dir`` unless one is there (``--layers N``: the preset's widths with N layers, random
-weights of its own, the preset's tokenizer), loads :class:`plimsoll.engine.Engine`,
-prefills four sequences (300-460 tokens) and a fifth one's 512-token prefix, then times
-``--steps`` steps that each decode the four (one token each, explicit tokens, positions advancing) while the fifth
-writes a 256-token chunk at position 512 that samples (the tail of a prompt whose prefix is
-cached). Per step:
+weights of its own, the preset's tokenizer), loads :class:`plimsoll.engine.Engine`, prefills
+four sequences (300-460 tokens) and a fifth one's 512-token prefix, then times ``--steps``
+steps that each decode the four (one token each, explicit tokens, positions advancing) while
+the fifth writes a 256-token chunk at position 512 that samples (the tail of a prompt whose
+prefix is cached). Per step:
 
 - ``build_ms``: the engine's own host time in :meth:`Engine.run_async`, the graph built
   (its time inside ``mx.async_eval`` left out: on the CPU backend that call blocks while the
