@@ -42,9 +42,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from plimsoll.core.capability import ENGINE_SUPPORT
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
-from plimsoll.engine import composite as cl
-from plimsoll.engine import forward, kernels, mixers, sampled_rows
-from plimsoll.engine import state as st
+from plimsoll.engine import composite, forward, kernels, mixers, sampled_rows
+from plimsoll.engine import state as seq_state
 from plimsoll.engine.attention import fused_prefill, route_attention
 from plimsoll.engine.decode_index import DecodeReads
 from plimsoll.engine.groups import state_index
@@ -104,14 +103,14 @@ class Engine:
         route_attention()
         self.kv_bits = kv_bits  # 8 / 4: quantized KV pools (engine/quantized.py)
         self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
-        cl.check_bytes(type(model).__module__, self.layers, facts, block_tokens)
+        composite.check_bytes(type(model).__module__, self.layers, facts, block_tokens)
         self.block_bytes = sum(k.block_bytes for k in self.layers)
         if slab_blocks is None:  # grow by about SLAB_BYTES: the peak follows what is written
             slab = max(1, min(max_blocks, SLAB_BYTES // max(1, self.block_bytes)))
-            for kind in cl.flatten(self.layers):
+            for kind in composite.flatten(self.layers):
                 if isinstance(kind, FullAttention):
                     kind.slab_blocks = slab
-        flat = list(cl.flatten(self.layers))
+        flat = list(composite.flatten(self.layers))
         # sliding-window rings are per-sequence state too (engine/window.py): a pool with
         # them runs hybrid, so prefixes are reused through ring snapshots
         self._rings = Rings([k for k in flat if isinstance(k, WindowAttention)])
@@ -125,11 +124,11 @@ class Engine:
         self.fused_prefill = fused_prefill(
             self._compute_dtype, {d for p in self._pools for d in (p.k_dim, p.v_dim)}) \
             and all(type(p) is FullAttention for p in self._pools)
-        self._states: dict[int, list[st.Entries]] = {}
+        self._states: dict[int, list[seq_state.Entries]] = {}
         # The last decode's stacked state (its rows, in order): the next decode of the same
         # rows reuses it instead of stacking again (its row views are what _states holds).
-        self._batched: tuple[tuple[int, ...], list[st.Entries]] | None = None
-        self._snapshots: dict[object, list[st.Entries]] = {}
+        self._batched: tuple[tuple[int, ...], list[seq_state.Entries]] | None = None
+        self._snapshots: dict[object, list[seq_state.Entries]] = {}
         self._last: dict[int, tuple[mx.array, int]] = {}  # seq -> (tokens, row), lazy
         self._keys = Keys()
         self._unsettled: list[Pending] = []
@@ -176,7 +175,7 @@ class Engine:
         caches = make_prompt_cache(model)
         self._compute_dtype = mx.float32
         for c in caches:
-            for m in cl.members(c):
+            for m in composite.members(c):
                 if type(m) not in (KVCache, ArraysCache, RotatingKVCache):
                     raise NotImplementedError(
                         f"{type(model).__module__}: cache kind {type(m).__name__} (chunked or "
@@ -186,10 +185,10 @@ class Engine:
                         "a CacheList")
         with mx.stream(self._stream):
             model(mx.array([[0]]), cache=caches)
-            mx.eval([m.state for c in caches for m in cl.members(c)])
+            mx.eval([m.state for c in caches for m in composite.members(c)])
 
         def kind_of(i: int, c, want: str | None):
-            cl.check_member(type(model).__module__, i, c, want)
+            composite.check_member(type(model).__module__, i, c, want)
             if type(c) is KVCache:
                 self._compute_dtype = c.keys.dtype  # what the model computes K in
                 _, heads, _, k_dim = c.keys.shape
@@ -198,19 +197,19 @@ class Engine:
                         self.max_blocks, slab)
                 if self.kv_bits and (want or "kv") == "kv":  # quantized pools (quantized.py)
                     return QuantizedAttention(*args, bits=self.kv_bits)
-                return cl.pool_class(want)(*args)
+                return composite.pool_class(want)(*args)
             if type(c) is RotatingKVCache:
                 dtype = mx_dtype(kv_dtype) if kv_dtype else c.keys.dtype
                 return window_kind(c, dtype, self.max_blocks + 2, 1, self.context)
-            return RecurrentState(len(c.cache), st.nbytes([c.cache]))
+            return RecurrentState(len(c.cache), seq_state.nbytes([c.cache]))
 
         kinds: list = []
-        for i, c in zip(cl.cache_layers(self.facts, len(caches)), caches, strict=True):
-            parts, wants = cl.members(c), cl.layer_kinds(self.facts, i)
+        for i, c in zip(composite.cache_layers(self.facts, len(caches)), caches, strict=True):
+            parts, wants = composite.members(c), composite.layer_kinds(self.facts, i)
             wants = wants if len(wants) == len(parts) else [None] * len(parts)
             built = [kind_of(i, m, w) for m, w in zip(parts, wants, strict=True)]
-            kinds.append(built[0] if parts[0] is c else cl.Composite(built))
-        for kind in cl.flatten(kinds):  # the one table of what is served says yes to each
+            kinds.append(built[0] if parts[0] is c else composite.Composite(built))
+        for kind in composite.flatten(kinds):  # the one table of what is served says yes to each
             support = ENGINE_SUPPORT.get(kind.table_kind)
             if support is None or not support.served:
                 raise NotImplementedError(
@@ -232,8 +231,8 @@ class Engine:
 
     def state_bytes_held(self) -> int:
         """nbytes of every recurrent state and snapshot held."""
-        return (sum(st.nbytes(s) for s in self._states.values())
-                + sum(st.nbytes(s) for s in self._snapshots.values()) + self._rings.nbytes())
+        return (sum(seq_state.nbytes(s) for s in self._states.values())
+                + sum(seq_state.nbytes(s) for s in self._snapshots.values()) + self._rings.nbytes())
 
     def memory(self) -> dict[str, int]:
         """MLX's own allocator figures, in bytes."""
@@ -256,13 +255,13 @@ class Engine:
 
     def snapshot_state(self, seq_id: int, key) -> None:
         """Keep a copy of ``seq_id``'s state (after every step submitted so far) as ``key``."""
-        self._snapshots[key] = st.copy(self._states.get(seq_id) or self._fresh_state())
+        self._snapshots[key] = seq_state.copy(self._states.get(seq_id) or self._fresh_state())
         rings = self._rings.snapshot(seq_id, key) if self._rings else []
-        mx.async_eval(st.arrays(self._snapshots[key]) + rings)
+        mx.async_eval(seq_state.arrays(self._snapshots[key]) + rings)
 
     def restore_state(self, key, seq_id: int) -> None:
         """Give ``seq_id`` a copy of snapshot ``key`` (the snapshot stays)."""
-        self._states[seq_id] = st.copy(self._snapshots[key])
+        self._states[seq_id] = seq_state.copy(self._snapshots[key])
         if self._rings:
             self._rings.restore(key, seq_id)
         self._touched(seq_id)
@@ -276,8 +275,8 @@ class Engine:
         if self._batched is not None and seq_id in self._batched[0]:
             self._batched = None
 
-    def _fresh_state(self) -> list[st.Entries]:
-        return [st.fresh(k.slots) for k in cl.flatten(self.layers)
+    def _fresh_state(self) -> list[seq_state.Entries]:
+        return [seq_state.fresh(k.slots) for k in composite.flatten(self.layers)
                 if isinstance(k, RecurrentState)]
 
     # ------------------------------------------------------------------ steps

@@ -26,8 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from plimsoll.engine import mixers, sampled_rows
-from plimsoll.engine import state as st
+from plimsoll.engine import mixers, sampled_rows, state
 from plimsoll.engine.attention import Batch
 from plimsoll.engine.groups import Flat, Group, group_view
 from plimsoll.engine.paged import RecurrentState, read_of, slots_of, write_of
@@ -71,10 +70,10 @@ def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
     batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx,
                   kernel=eng.kernels.decode)
     if eng._batched is not None and eng._batched[0] == ids:
-        stacked = [st.cache_of(e) for e in eng._batched[1]]
+        stacked = [state.cache_of(e) for e in eng._batched[1]]
     else:
         rows = [eng._states.get(w.seq_id) or eng._fresh_state() for w in works]
-        stacked = [st.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
+        stacked = [state.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
     rings = eng._rings.batch(list(ids), starts, 1) if eng._rings else None
     return Group(works, 0, True, batch, rings, stacked), top
 
@@ -89,7 +88,7 @@ def _chunk_group(eng, w: Work, lo: int) -> Group:
     batch = Batch(write, read, "causal" if n > 1 else None, w.start, tail=tail)
     entries = eng._states.get(w.seq_id) or eng._fresh_state()
     rings = eng._rings.batch([w.seq_id], [w.start], n) if eng._rings else None
-    return Group((w,), lo, False, batch, rings, [st.cache_of(e) for e in entries])
+    return Group((w,), lo, False, batch, rings, [state.cache_of(e) for e in entries])
 
 
 def decode_inputs(eng, works: tuple[Work, ...]) -> mx.array:
@@ -195,7 +194,7 @@ def _keep_states(eng, groups: list[Group]) -> None:
     for g in groups:
         if g.decode:
             for j, c in enumerate(g.states):
-                for w, entries in zip(g.works, st.split(c, len(g.works)), strict=True):
+                for w, entries in zip(g.works, state.split(c, len(g.works)), strict=True):
                     eng._states.setdefault(w.seq_id, eng._fresh_state())[j] = entries
             ids = tuple(w.seq_id for w in g.works)
             eng._batched = (ids, [list(c.cache) for c in g.states]) if g.states else None

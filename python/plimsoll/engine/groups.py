@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from plimsoll.engine import composite as cl
+from plimsoll.engine import composite
 from plimsoll.engine.paged import FullAttention, RecurrentState
 from plimsoll.engine.window import WindowAttention, WindowView
 
@@ -52,18 +52,18 @@ class Group:
 
 def group_view(kind, group: Group, state_index: dict[int, int]):
     """The cache object ``kind``'s layer hands its module for ``group``."""
-    if isinstance(kind, cl.Composite):
-        return cl.CompositeView([group_view(p, group, state_index) for p in kind.parts])
+    if isinstance(kind, composite.Composite):
+        return composite.CompositeView([group_view(p, group, state_index) for p in kind.parts])
     if isinstance(kind, WindowAttention):
         return WindowView(kind, group.batch, group.rings)
     if isinstance(kind, RecurrentState):
         return group.states[state_index[id(kind)]]
-    return cl.view_of(kind, group.batch, iter(()))
+    return composite.view_of(kind, group.batch, iter(()))
 
 
 def fence(kind, after: list[mx.array]) -> None:
     """The next write into ``kind``'s pools waits for ``after`` (see FullAttention.fence)."""
-    if isinstance(kind, cl.Composite):
+    if isinstance(kind, composite.Composite):
         for p in kind.parts:
             fence(p, after)
     elif isinstance(kind, WindowAttention):
@@ -74,7 +74,7 @@ def fence(kind, after: list[mx.array]) -> None:
 
 def state_index(layers) -> dict[int, int]:
     """Each recurrent-state kind's index among the state kinds, in flatten order."""
-    states = [k for k in cl.flatten(layers) if isinstance(k, RecurrentState)]
+    states = [k for k in composite.flatten(layers) if isinstance(k, RecurrentState)]
     return {id(k): j for j, k in enumerate(states)}
 
 

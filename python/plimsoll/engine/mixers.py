@@ -45,7 +45,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from plimsoll.engine import composite as cl
+from plimsoll.engine import composite
 
 _WRAPPED: dict[type, dict] = {}  # class -> {param name: spec}, "__out__": output spec
 _ORIGINAL: dict[type, Callable] = {}
@@ -115,7 +115,7 @@ class CompositeStepView(StepView):
 
 
 def step_view(kind, step) -> StepView:
-    return CompositeStepView(kind, step) if isinstance(kind, cl.Composite) else StepView(kind, step)
+    return CompositeStepView(kind, step) if isinstance(kind, composite.Composite) else StepView(kind, step)
 
 
 # ------------------------------------------------------------------ discovery
@@ -247,7 +247,7 @@ def discover(model) -> Mixers:
         chosen: list[_Call] = []
         for entry in caches_a:
             layer: list[_Call] = []
-            for member in cl.members(entry):
+            for member in composite.members(entry):
                 got = _receiver(calls_a, member) or _receiver(calls_a, entry)
                 if got is None:
                     raise Unsupported(f"no module receives the cache {type(member).__name__}")

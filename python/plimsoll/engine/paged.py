@@ -14,7 +14,7 @@ state) are laid out; the engine builds one per entry of mlx-lm's
 - :class:`RecurrentState` (mlx-lm ``ArraysCache``, any slot count): no blocks; each
   sequence holds its own arrays (see :mod:`plimsoll.engine.state`).
 
-Room for the kinds of issue 15 without another rewrite: a sliding-window layer keeps a
+The other kinds build on the same pools: a sliding-window layer keeps a
 ring of its window per sequence in a ``FullAttention`` whose "block" is one ring
 (:mod:`plimsoll.engine.window`); an MLA latent kind (:mod:`plimsoll.engine.latent`) is one
 "head" whose K pool holds the ``kv_lora_rank`` latent and V pool the ``qk_rope_head_dim``
