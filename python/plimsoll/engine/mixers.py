@@ -115,7 +115,9 @@ class CompositeStepView(StepView):
 
 
 def step_view(kind, step) -> StepView:
-    return CompositeStepView(kind, step) if isinstance(kind, composite.Composite) else StepView(kind, step)
+    if isinstance(kind, composite.Composite):
+        return CompositeStepView(kind, step)
+    return StepView(kind, step)
 
 
 # ------------------------------------------------------------------ discovery
