@@ -28,6 +28,10 @@ from plimsoll.cli.common import UsageFailure
 @click.option("--host", help="Bind address (default: the policy's listen.host, 127.0.0.1).")
 @click.option("--port", type=click.IntRange(1, 65535),
               help="Port (default: the policy's listen.port, 8080).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A name besides localhost, loopback addresses and the bind address that "
+                   "clients may reach this server by (the Host and a browser's Origin are "
+                   "checked against DNS rebinding; '*' turns the check off). Repeatable.")
 @click.option("--api-key", envvar="PLIMSOLL_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/*, /running and /unload.")
 @click.option("--admin-token-file", type=click.Path(dir_okay=False, exists=True,
@@ -68,8 +72,8 @@ from plimsoll.cli.common import UsageFailure
                    "more is clamped. Default: a quarter of the context (at most 32768).")
 @click.option("--quiet", is_flag=True, help="No access-log line per request (proxy and "
               "workers).")
-def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_waiting,
-                  swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks,
+def serve_command(policy_file, host, port, allowed_hosts, api_key, admin_token_file, mode,
+                  max_waiting, swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks,
                   model_spec, context, concurrency, max_tokens, quiet) -> None:
     """Serve every model of the policy behind one OpenAI-compatible endpoint.
 
@@ -100,6 +104,7 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     from plimsoll.web.access_log import set_quiet
     from plimsoll.web.edge import Edge
     from plimsoll.web.graceful import Drain, serve
+    from plimsoll.web.local_origin import HostRule, LocalOrigin
     from plimsoll.web.serve import uvicorn_options
 
     set_quiet(quiet)
@@ -111,8 +116,10 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     click.echo(f"plimsoll serve: http://{host}:{port}/v1 — {mode} mode, models: "
                f"{', '.join(sorted(pol.models))}; admin token in {token_path}", err=True)
     # uvicorn's own bound (a plain 503, no Retry-After) stays behind the Edge's; its
-    # graceful timeout is the drain plus a margin (web.graceful.serve).
-    serve(Edge(app, limit=1024), drain, host=host, port=port,
+    # graceful timeout is the drain plus a margin (web.graceful.serve). Other sites' pages
+    # (DNS rebinding, cross-site POSTs) get a 403 before the app sees them.
+    local = LocalOrigin(app, HostRule(host, allowed_hosts))
+    serve(Edge(local, limit=1024), drain, host=host, port=port,
           **uvicorn_options(limit_concurrency=2048, graceful_s=0))
 
 
