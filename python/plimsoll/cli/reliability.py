@@ -98,13 +98,16 @@ def verify_command(model_dir, limit_mib, concurrency, context, faults, contrast,
     Pass = zero OOM kills, zero page-outs, and every overload answered with a controlled
     503/429 (or a 400 naming the limit). Exit status 0 on pass, 1 on failure.
     """
-    from plimsoll.core.paths import cache_dir
+    from plimsoll.core.paths import cache_dir, private_dir
     from plimsoll.core.progress import progress
     from plimsoll.reliability.verify import run_verify, summary, write_report
 
     model_dir = _model_or_demo(model_dir)
-    out_dir = out_dir or cache_dir() / "verify"
-    if scratch_dir is not None:
+    try:  # a directory named on the command line is the user's to choose, as it is
+        out_dir = out_dir or private_dir(cache_dir() / "verify", "verify reports and logs")
+    except OSError as err:
+        raise UsageFailure(str(err)) from None
+    if scratch_dir is not None:  # the scratch file goes in a 0700 temp dir inside it
         scratch_dir.mkdir(parents=True, exist_ok=True)
     try:
         with progress("verify") as report:

@@ -97,6 +97,7 @@ def serve_command(policy_file, host, port, allowed_hosts, api_key, admin_token_f
         token, token_path = load_or_create_token(admin_token_file, cache_dir() / "admin-token")
     except (OSError, ValueError) as err:
         raise UsageFailure(f"admin token: {err}") from None
+    check_disk_dirs(pol)
     default_ttl, per_model = parse_idle_ttls(idle_ttls, set(pol.models))
     settings = Settings(max_waiting=max_waiting, swap_hold_s=swap_hold, drain_s=drain_timeout,
                         release_timeout_s=release_timeout, default_idle_ttl_s=default_ttl,
@@ -121,6 +122,20 @@ def serve_command(policy_file, host, port, allowed_hosts, api_key, admin_token_f
     local = LocalOrigin(app, HostRule(host, allowed_hosts))
     serve(Edge(local, limit=1024), drain, host=host, port=port,
           **uvicorn_options(limit_concurrency=2048, graceful_s=0))
+
+
+def check_disk_dirs(pol) -> None:
+    """Every disk tier of the policy in a directory that is this user's alone (created 0700
+    now if missing): refused at start, with the reason, rather than off in a worker later."""
+    from plimsoll.core.paths import private_dir
+
+    for name, entry in sorted(pol.models.items()):
+        if (disk := pol.disk_cache_for(entry)) is None:
+            continue
+        try:
+            private_dir(Path(disk.path).expanduser(), f"model {name!r}'s KV blocks")
+        except OSError as err:
+            raise UsageFailure(f"diskCache of model {name!r}: {err}") from None
 
 
 def parse_idle_ttls(values: tuple[str, ...], models: set[str]
