@@ -59,3 +59,13 @@ class Served:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+def worker_headers(pid: int) -> dict[str, str]:
+    """The header a proxy-spawned worker wants, read from its environment the way only its
+    own user (or root) can: ``/proc/PID/environ`` is readable by no one else."""
+    from plimsoll.web.worker_secret import SECRET_ENV, headers
+
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    env = dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+    return headers(env.get(SECRET_ENV))

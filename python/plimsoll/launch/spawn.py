@@ -25,6 +25,7 @@ from plimsoll.core.model_facts import ModelFacts
 from plimsoll.core.policy import ModelEntry, Policy
 from plimsoll.core.units import MIB
 from plimsoll.guard import process as G
+from plimsoll.web.worker_secret import SECRET_ENV, headers
 from plimsoll.worker.config import WorkerConfig
 
 READY_TIMEOUT_S = 300.0
@@ -195,7 +196,7 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
     try:
         status = wait_ready(proc, cfg, timeout_s, "the worker",
                             lambda: f"the worker exited with status {proc.returncode} before "
-                            "it was ready (see its log above)")
+                            "it was ready (see its log above)", (env or {}).get(SECRET_ENV))
         bad = mismatches(cfg, status)
         if bad:
             raise LaunchError("the worker did not apply the derived limits: " + "; ".join(bad))
@@ -206,16 +207,17 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
 
 
 def wait_ready(proc: subprocess.Popen, cfg: WorkerConfig, timeout_s: float, what: str,
-               exited: Callable[[], str]) -> dict:
-    """Poll the worker's status until it says ready (bounded); LaunchError if the process
-    exits first (``exited()`` says why) or the time runs out. The caller stops it."""
+               exited: Callable[[], str], secret: str | None = None) -> dict:
+    """Poll the worker's status (with its ``secret``, if it was given one) until it says
+    ready (bounded); LaunchError if the process exits first (``exited()`` says why) or the
+    time runs out. The caller stops it."""
     url = f"http://{cfg.host}:{cfg.port}/v1/plimsoll/status"
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
             raise LaunchError(exited())
         try:
-            status = httpx.get(url, timeout=2.0).json()
+            status = httpx.get(url, headers=headers(secret), timeout=2.0).json()
             if status.get("ready"):
                 return status
         except (httpx.HTTPError, ValueError):

@@ -44,6 +44,7 @@ from plimsoll.web.body import read_body
 from plimsoll.web.edge import Edge, access
 from plimsoll.web.errors import no_route_handler
 from plimsoll.web.graceful import Drain
+from plimsoll.web.worker_secret import SECRET_ENV, RequireSecret
 from plimsoll.worker.config import WorkerConfig, default_prefill_chunk, prefill_chunk
 
 from . import anthropic_routes, responses_routes
@@ -386,6 +387,7 @@ def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.drain = drain
+    app.add_middleware(RequireSecret, secret=os.environ.get(SECRET_ENV))  # its launcher's only
     return app
 
 
