@@ -8,8 +8,8 @@ models see and the routed attention), :mod:`.latent` (MLA's latent + rope-key bl
 and view), :mod:`.composite` (mlx-lm ``CacheList`` layers, one kind per member),
 :mod:`.window` (sliding-window layers: a ring of the window per sequence), :mod:`.sampling`,
 :mod:`.state` (recurrent state of hybrid models), :mod:`.limits` (process-wide MLX limits),
-:mod:`.warmup` (a GPU backend's first-use compilation paid at load) and :mod:`.pool` (the
-pure block pool).
+:mod:`.warmup` (a GPU backend's first-use compilation paid at load), :mod:`.threads`
+(stopping a thread that ran MLX) and :mod:`.pool` (the pure block pool).
 
 May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, paged, attention, latent,
 composite, window, sampling, state, limits and warmup only).

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plimsoll.engine.pool import BlockPool, Grant, Refusal
+from plimsoll.engine.threads import wait_gone
 from plimsoll.engine.work import Sampling, Step, Work
 from plimsoll.worker.events import (  # noqa: F401  (re-exported: the edge imports them here)
     Event,
@@ -145,6 +146,8 @@ class Scheduler(TripMixin, StatsMixin):
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._thread.is_alive():  # its native exit too (MLX's TLS: engine.threads)
+                wait_gone(self._thread, 2.0)
 
     def submit(self, req: GenRequest) -> None:
         """Queue a request; its sink receives Started/Token…/Finished, or one Refused."""
