@@ -95,7 +95,9 @@ def markdown(result: dict) -> str:
              f"{s['p_churn']:.0%} one-off prompts, {s['p_cancel']:.0%} of streams cancelled, "
              f"{s['p_other_model']:.0%} to model b, idle gaps of {s['idle_gap_s']:g} s every "
              f"{s['idle_every_s']:g} s; plimsoll's policy: context {s['context']}, "
-             f"concurrency {s['concurrency']}, idle TTL {s['idle_ttl_s']:g} s.", "",
+             f"concurrency {s['concurrency']}, idle TTL {s['idle_ttl_s']:g} s, swap hold "
+             f"{s.get('swap_hold_s', 0):g} s." + (f" Command: `{s['command']}`." if s.get(
+                 "command") else ""), "",
              f"**Verdict: {'PASS' if result['passed'] else 'FAIL'}**"
              + (f" — {'; '.join(result['failures'])}" if result["failures"] else ""), "",
              "| | " + " | ".join(t["label"] for t in result["targets"]) + " |",

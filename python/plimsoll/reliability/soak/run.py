@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -55,6 +56,7 @@ class Soak:
     concurrency: int = 4
     max_tokens: int = 16
     idle_ttl_s: float = 8.0
+    swap_hold_s: float = 1.0  # plimsoll serve --swap-hold
     budget_bytes: int | None = None  # the policy's standalone budget (default: the limit
     # less the proxy's own reserve)
     env: dict[str, str] | None = None
@@ -117,7 +119,8 @@ def plimsoll_server(soak: Soak, workdir: Path) -> Server:
     return Server("plimsoll", lambda port: [
         sys.executable, "-m", "plimsoll.cli", "serve", "--policy", str(policy),
         "--admin-token-file", str(token), "--port", str(port), "--idle-ttl",
-        f"{soak.idle_ttl_s:g}", "--swap-hold", "1", "--quiet"], ("a", "b"), "/health")
+        f"{soak.idle_ttl_s:g}", "--swap-hold", f"{soak.swap_hold_s:g}", "--quiet"],
+        ("a", "b"), "/health")
 
 
 def mlx_lm_server(soak: Soak) -> Server:
@@ -315,10 +318,14 @@ def run_target(server: Server, soak: Soak, duration_s: float, log_path: Path,
     }
 
 
-MAC_NOTE = ("Linux only: the bound is a memory cgroup and the OOM kills are the kernel's. On "
-            "macOS the same load would be measured by phys_footprint and the wired limit "
-            "(there is no cgroup to bound an unguarded server); this repository has not run "
-            "the soak on a Mac.")
+NOTE = ("max_usage_in_bytes counts page cache (the model files read at each load and swap), "
+        "which the kernel reclaims at the limit instead of OOM-killing for it, so it reaches "
+        "the bound for any server that reads more than the bound from disk; the OOM kills and "
+        "the working set (usage less inactive file pages) are what show whether the bound "
+        "held, and the fail count counts charges that had to reclaim first. Linux only: the "
+        "bound is a memory cgroup and the OOM kills are the kernel's. On macOS the same load "
+        "would be measured by phys_footprint and the wired limit (there is no cgroup to bound "
+        "an unguarded server); this repository has not run the soak on a Mac.")
 
 
 def run_soak(soak: Soak, workdir: Path, *, contrast: bool = True,
@@ -341,6 +348,7 @@ def run_soak(soak: Soak, workdir: Path, *, contrast: bool = True,
             "limit_bytes": soak.limit_bytes, "budget_bytes": soak.budget,
             "cgroup_version": found[0] if found else None, "context": soak.context,
             "concurrency": soak.concurrency, "max_tokens": soak.max_tokens,
-            "idle_ttl_s": soak.idle_ttl_s, **asdict(soak.shape),
-            "host_mem_total_bytes": _mem_total(), "logs": str(workdir), "note": MAC_NOTE}
+            "idle_ttl_s": soak.idle_ttl_s, "swap_hold_s": soak.swap_hold_s,
+            **asdict(soak.shape), "host_mem_total_bytes": _mem_total(),
+            "host_cpus": os.cpu_count(), "logs": str(workdir), "note": NOTE}
     return build(meta, targets)
