@@ -38,7 +38,7 @@ def test_the_soak_policy_is_valid_and_binds_under_the_limit(tmp_path):
     soak = Soak(tmp_path / "a", tmp_path / "b", 2 * GIB, context=4096, concurrency=2)
     pol = parse_policy(soak_policy(soak, 16 * GIB), "soak")
     assert set(pol.models) == {"a", "b"}
-    assert pol.budget_bytes("standalone") <= 2 * GIB - 384 * MIB + MIB
+    assert pol.budget_bytes("standalone") <= 0.9 * 2 * GIB - 384 * MIB + MIB  # the soft line
     assert pol.models["a"].context == 4096
 
 

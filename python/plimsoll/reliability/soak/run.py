@@ -57,13 +57,17 @@ class Soak:
     max_tokens: int = 16
     idle_ttl_s: float = 8.0
     swap_hold_s: float = 1.0  # plimsoll serve --swap-hold
-    budget_bytes: int | None = None  # the policy's standalone budget (default: the limit
-    # less the proxy's own reserve)
+    budget_bytes: int | None = None  # the policy's standalone budget (default: below)
     env: dict[str, str] | None = None
 
     @property
     def budget(self) -> int:
-        return self.budget_bytes or self.limit_bytes - PROXY_RESERVE_BYTES
+        """The budget, by default the cgroup's soft line less the proxy's own reserve: a
+        worker's guard watches the tightest cgroup above it, this one, and trips at
+        ``SOFT_FRACTION`` of its limit, so a budget above that line is admitted to trip."""
+        from plimsoll.guard.process import SOFT_FRACTION
+
+        return self.budget_bytes or int(self.limit_bytes * SOFT_FRACTION) - PROXY_RESERVE_BYTES
 
 
 def soak_policy(soak: Soak, total_ram_bytes: int) -> dict:
