@@ -88,8 +88,19 @@ def calibrate_command(model_dir, concurrency, context, max_tokens, as_json) -> N
                    "reclaimable) [default: the system temp dir].")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where to write the JSON and Markdown report (default: cache dir/verify).")
+@click.option("--soak", is_flag=True,
+              help="Instead of the faults: soak `plimsoll serve` (MODEL_DIR as model a, "
+                   "--model-b as b) under a memory cgroup of --limit-mib for --duration: 2-8 "
+                   "clients, prompt-cache churn, growing sessions, cancellations, swaps and "
+                   "idle unloads; then mlx_lm.server the same way (--contrast).")
+@click.option("--duration", type=click.FloatRange(min=5), default=30.0, show_default=True,
+              help="--soak: seconds of load per server.")
+@click.option("--contrast-duration", type=click.FloatRange(min=5),
+              help="--soak: seconds of load for mlx_lm.server [default: --duration].")
+@click.option("--model-b", type=_DIR, help="--soak: the second model [default: MODEL_DIR "
+              "again, under another name: still a second worker and a swap].")
 def verify_command(model_dir, limit_mib, concurrency, context, faults, contrast, mmap_mib,
-                   scratch_dir, out_dir) -> None:
+                   scratch_dir, out_dir, soak, duration, contrast_duration, model_b) -> None:
     """Fault-inject a guarded worker and check it never crosses its line.
 
     Each fault kind runs in turn (the last, several at once) while RSS, MLX active memory,
@@ -98,13 +109,19 @@ def verify_command(model_dir, limit_mib, concurrency, context, faults, contrast,
     Pass = zero OOM kills, zero page-outs, and every overload answered with a controlled
     503/429 (or a 400 naming the limit). Exit status 0 on pass, 1 on failure.
     """
-    from plimsoll.core.paths import cache_dir
+    from plimsoll.core.paths import cache_dir, private_dir
     from plimsoll.core.progress import progress
     from plimsoll.reliability.verify import run_verify, summary, write_report
 
     model_dir = _model_or_demo(model_dir)
-    out_dir = out_dir or cache_dir() / "verify"
-    if scratch_dir is not None:
+    try:  # a directory named on the command line is the user's to choose, as it is
+        out_dir = out_dir or private_dir(cache_dir() / "verify", "verify reports and logs")
+    except OSError as err:
+        raise UsageFailure(str(err)) from None
+    if soak:
+        run_soak_command(model_dir, model_b or model_dir, limit_mib << 20, concurrency,
+                         context, duration, contrast, contrast_duration, out_dir)
+    if scratch_dir is not None:  # the scratch file goes in a 0700 temp dir inside it
         scratch_dir.mkdir(parents=True, exist_ok=True)
     try:
         with progress("verify") as report:
@@ -119,4 +136,36 @@ def verify_command(model_dir, limit_mib, concurrency, context, faults, contrast,
     js, md = write_report(result, out_dir)
     click.echo(summary(result))
     click.echo(f"report: {js}\n        {md}")
+    raise SystemExit(0 if result["passed"] else 1)
+
+
+def run_soak_command(model_a: Path, model_b: Path, limit_bytes: int, concurrency: int,
+                     context: int, duration: float, contrast: bool | None,
+                     contrast_duration: float | None, out_dir: Path) -> None:
+    """``verify --soak``: the soak, its report written, exit 0 on pass."""
+    import os
+    import tempfile
+
+    from plimsoll.core.progress import progress
+    from plimsoll.reliability.soak import Shape, Soak, run_soak, write
+    from plimsoll.reliability.verify.contrast import unavailable_reason
+
+    why = unavailable_reason()
+    if contrast and why:
+        raise UsageFailure(f"--contrast: {why}")
+    ttl = 4.0  # an idle gap outlasts the TTL by 3 s: the proxy unloads, the next request loads
+    shape = Shape(duration_s=duration, phase_s=max(2.0, duration / 8),
+                  idle_every_s=max(20.0, duration / 2), idle_gap_s=ttl + 3)
+    spec = Soak(model_a, model_b, limit_bytes, shape, context=context,
+                concurrency=concurrency, idle_ttl_s=ttl, env=dict(os.environ))
+    work = Path(tempfile.mkdtemp(prefix="plimsoll-soak-"))
+    try:
+        with progress("soak") as report:
+            result = run_soak(spec, work, contrast=why is None if contrast is None else contrast,
+                              contrast_duration_s=contrast_duration, report=report)
+    except (RuntimeError, ValueError, OSError) as err:
+        raise UsageFailure(f"the soak could not run: {err} (logs in {work})") from None
+    js, md = write(result, out_dir)
+    click.echo(md.read_text())
+    click.echo(f"report: {js}\n        {md}\nlogs:   {work}")
     raise SystemExit(0 if result["passed"] else 1)

@@ -28,6 +28,10 @@ from plimsoll.cli.common import UsageFailure
 @click.option("--host", help="Bind address (default: the policy's listen.host, 127.0.0.1).")
 @click.option("--port", type=click.IntRange(1, 65535),
               help="Port (default: the policy's listen.port, 8080).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A name besides localhost, loopback addresses and the bind address that "
+                   "clients may reach this server by (the Host and a browser's Origin are "
+                   "checked against DNS rebinding; '*' turns the check off). Repeatable.")
 @click.option("--api-key", envvar="PLIMSOLL_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1/*, /api/*, /running and "
                    "/unload.")
@@ -75,8 +79,8 @@ from plimsoll.cli.common import UsageFailure
               "workers).")
 @click.option("--no-ollama-api", is_flag=True, help="Do not serve Ollama's API (/api/chat, "
               "/api/tags, ...) on this port (policy: ollamaApi false).")
-def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_waiting,
-                  swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks,
+def serve_command(policy_file, host, port, allowed_hosts, api_key, admin_token_file, mode,
+                  max_waiting, swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks,
                   cluster_backend, model_spec, context, concurrency, max_tokens,
                   quiet, no_ollama_api) -> None:
     """Serve every model of the policy behind one OpenAI-compatible endpoint.
@@ -101,6 +105,7 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
         token, token_path = load_or_create_token(admin_token_file, cache_dir() / "admin-token")
     except (OSError, ValueError) as err:
         raise UsageFailure(f"admin token: {err}") from None
+    check_disk_dirs(pol)
     default_ttl, per_model = parse_idle_ttls(idle_ttls, set(pol.models))
     backend = "ring"
     if ranks:  # the ranks' backend, resolved once: a named one unavailable here is refused
@@ -115,6 +120,7 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     from plimsoll.web.access_log import set_quiet
     from plimsoll.web.edge import Edge
     from plimsoll.web.graceful import Drain, serve
+    from plimsoll.web.local_origin import HostRule, LocalOrigin
     from plimsoll.web.serve import uvicorn_options
 
     set_quiet(quiet)
@@ -126,9 +132,25 @@ def serve_command(policy_file, host, port, api_key, admin_token_file, mode, max_
     click.echo(f"plimsoll serve: http://{host}:{port}/v1 — {mode} mode, models: "
                f"{', '.join(sorted(pol.models))}; admin token in {token_path}", err=True)
     # uvicorn's own bound (a plain 503, no Retry-After) stays behind the Edge's; its
-    # graceful timeout is the drain plus a margin (web.graceful.serve).
-    serve(Edge(app, limit=1024), drain, host=host, port=port,
+    # graceful timeout is the drain plus a margin (web.graceful.serve). Other sites' pages
+    # (DNS rebinding, cross-site POSTs) get a 403 before the app sees them.
+    local = LocalOrigin(app, HostRule(host, allowed_hosts))
+    serve(Edge(local, limit=1024), drain, host=host, port=port,
           **uvicorn_options(limit_concurrency=2048, graceful_s=0))
+
+
+def check_disk_dirs(pol) -> None:
+    """Every disk tier of the policy in a directory that is this user's alone (created 0700
+    now if missing): refused at start, with the reason, rather than off in a worker later."""
+    from plimsoll.core.paths import private_dir
+
+    for name, entry in sorted(pol.models.items()):
+        if (disk := pol.disk_cache_for(entry)) is None:
+            continue
+        try:
+            private_dir(Path(disk.path).expanduser(), f"model {name!r}'s KV blocks")
+        except OSError as err:
+            raise UsageFailure(f"diskCache of model {name!r}: {err}") from None
 
 
 def parse_idle_ttls(values: tuple[str, ...], models: set[str]

@@ -32,6 +32,7 @@ from plimsoll.core.policy import ModelEntry, Policy
 from plimsoll.core.sizing import blocks_for
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.launch.spawn import LaunchError, stop_worker, wait_ready, worker_env
+from plimsoll.web.worker_secret import SECRET_ENV
 
 GIB = 1 << 30
 RankFigures = tuple[int, int, int]  # ceiling, total RAM, clustered budget (bytes)
@@ -165,7 +166,8 @@ def start_cluster_worker(cfg: WorkerConfig, timeout_s: float, stdout=None, *,
                 "ready: " + " | ".join(line.strip() for line in tail))
 
     try:
-        status = wait_ready(proc, cfg, timeout_s, "the clustered worker", exited)
+        status = wait_ready(proc, cfg, timeout_s, "the clustered worker", exited,
+                            (env or {}).get(SECRET_ENV))
         bad = cluster_mismatches(cfg, status)
         if bad:
             raise LaunchError("the clustered worker did not apply what was admitted: "

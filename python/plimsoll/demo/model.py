@@ -230,6 +230,8 @@ def build_demo_model(out_dir: str | Path, preset: Preset = "tiny", dtype: Dtype 
     if _check_target(out, wanted):
         _say(progress, f"{out} already holds this demo model")
         return out
+    # ``out`` is the caller's; the server's own (under the cache) is made private first
+    # (launch.defaults.ensure_demo_model)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:

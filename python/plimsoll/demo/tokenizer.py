@@ -30,7 +30,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from plimsoll.core.paths import cache_dir
+from plimsoll.core.paths import cache_dir, private_dir
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -113,9 +113,10 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
         raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level BPE (>= 512)")
     cached = _cache_path(vocab_size)
     if cached.is_file():
-        try:
+        try:  # read only from a directory that is this user's alone
+            private_dir(cached.parent, "trained tokenizers")
             return Tokenizer.from_file(str(cached))
-        except Exception:  # a corrupt cache entry is retrained and overwritten
+        except Exception:  # a corrupt entry (or an unsafe directory): retrained instead
             pass
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -135,7 +136,7 @@ def _save_atomically(tok: Tokenizer, path: Path) -> None:
     optimisation: an unwritable one costs a retrain, nothing more)."""
     tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent, "trained tokenizers")
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         os.close(fd)
         tok.save(tmp)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from plimsoll.core.model_facts import ModelFacts
-from plimsoll.core.paths import cache_dir
+from plimsoll.core.paths import cache_dir, private_dir
 from plimsoll.core.weights_key import engine_version, weights_hash
 
 
@@ -71,7 +71,7 @@ def load_records(key: str, root: Path | None = None) -> list[dict]:
 def save_measurement(key: str, facts: ModelFacts, model_dir: Path, m: Measurement,
                      root: Path | None = None) -> Path:
     path = calibration_path(key, root)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent, "calibration records")
     runs = [r for r in load_records(key, root)
             if (r["concurrency"], r["context"]) != (m.concurrency, m.context)]
     doc = {"key": key, "model_dir": str(model_dir), "weights_hash": weights_hash(model_dir),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from plimsoll.core.paths import cache_dir
+from plimsoll.core.paths import cache_dir, private_dir
 from plimsoll.core.policy import SCHEMA_VERSION, Policy, parse_policy
 from plimsoll.core.sizing import CLIENT_OUTPUT_CAP, output_limit
 from plimsoll.core.units import GIB
@@ -44,7 +44,9 @@ def ensure_demo_model(preset: str = DEFAULT_PRESET, report=None) -> Path:
     """Build the demo model once; later calls return the cached directory."""
     from plimsoll.demo.model import build_demo_model  # engine edge: imports mlx lazily
 
-    return build_demo_model(demo_model_dir(preset), preset=preset, progress=report,
+    out = demo_model_dir(preset)
+    private_dir(out.parent, "demo models")  # the server loads what it finds there
+    return build_demo_model(out, preset=preset, progress=report,
                             eos_bias=DEMO_EOS_BIAS)
 
 

@@ -26,6 +26,7 @@ from plimsoll.core.policy import ModelEntry, Policy
 from plimsoll.core.units import MIB
 from plimsoll.core.worker_config import WorkerConfig, worker_flags
 from plimsoll.guard.process import FOOTPRINT_ENV, WorkerGuard, guard_limit
+from plimsoll.web.worker_secret import SECRET_ENV, headers
 
 READY_TIMEOUT_S = 300.0
 #: A launched worker's own drain on SIGTERM: its launcher (the proxy) drains first, then
@@ -173,7 +174,7 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
     try:
         status = wait_ready(proc, cfg, timeout_s, "the worker",
                             lambda: f"the worker exited with status {proc.returncode} before "
-                            "it was ready (see its log above)")
+                            "it was ready (see its log above)", (env or {}).get(SECRET_ENV))
         bad = mismatches(cfg, status)
         if bad:
             raise LaunchError("the worker did not apply the derived limits: " + "; ".join(bad))
@@ -184,16 +185,17 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
 
 
 def wait_ready(proc: subprocess.Popen, cfg: WorkerConfig, timeout_s: float, what: str,
-               exited: Callable[[], str]) -> dict:
-    """Poll the worker's status until it says ready (bounded); LaunchError if the process
-    exits first (``exited()`` says why) or the time runs out. The caller stops it."""
+               exited: Callable[[], str], secret: str | None = None) -> dict:
+    """Poll the worker's status (with its ``secret``, if it was given one) until it says
+    ready (bounded); LaunchError if the process exits first (``exited()`` says why) or the
+    time runs out. The caller stops it."""
     url = f"http://{cfg.host}:{cfg.port}/v1/plimsoll/status"
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
             raise LaunchError(exited())
         try:
-            status = httpx.get(url, timeout=2.0).json()
+            status = httpx.get(url, headers=headers(secret), timeout=2.0).json()
             if status.get("ready"):
                 return status
         except (httpx.HTTPError, ValueError):

@@ -19,7 +19,8 @@ Contract (the link watcher depends on it exactly):
 - ``GET /admin/mode`` → ``{"mode"}``; ``GET /admin/events`` → the event log.
 
 The token is read from ``--admin-token-file`` at start, or generated into a user-only
-(0600) file whose path is logged.
+(0600) file, in a user-only directory (:func:`plimsoll.core.paths.private_dir`), whose path
+is logged.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from plimsoll.core.paths import private_dir
 from plimsoll.web.body import read_body
 
 from ..protocol import decode_json_body, error_body
@@ -55,7 +57,7 @@ def load_or_create_token(path: Path | None, default_path: Path) -> tuple[str, Pa
             raise ValueError(f"{path}: the admin token file is empty")
         return token, path
     token = secrets.token_urlsafe(32)
-    default_path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(default_path.parent, "the admin token")
     fd = os.open(default_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to a file that already existed

@@ -49,7 +49,7 @@ from .errors import ProxyError
 from .metrics import Observer  # the request/event observer
 from .routing import route_model
 from .settings import Settings
-from .state import Lease, State, describe_exit
+from .state import Incarnation, Lease, State, describe_exit
 from .supervisor import Supervisor
 
 EXIT_WAIT_S = 0.5
@@ -204,7 +204,8 @@ async def generate(request: Request) -> Response:
         return proxy_error(err, anthropic=anthropic)
     client: httpx.AsyncClient = request.app.state.client
     upstream_req = client.build_request("POST", lease.inc.url + request.url.path, content=raw,
-                                        headers={"content-type": "application/json"})
+                                        headers={"content-type": "application/json",
+                                                 **lease.inc.headers})
     sending = asyncio.ensure_future(client.send(upstream_req, stream=True))
     try:
         upstream = await until_drained(sending, drain)
@@ -274,9 +275,10 @@ async def health(request: Request) -> Response:
                          "pressure": sup.pressure.state.level})
 
 
-async def worker_status(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+async def worker_status(client: httpx.AsyncClient, inc: Incarnation) -> dict[str, Any] | None:
     try:
-        r = await client.get(url + "/v1/plimsoll/status", timeout=STATUS_TIMEOUT_S)
+        r = await client.get(inc.url + "/v1/plimsoll/status", headers=inc.headers,
+                             timeout=STATUS_TIMEOUT_S)
         return r.json()
     except (httpx.HTTPError, ValueError):
         return None
@@ -291,7 +293,7 @@ async def running(request: Request) -> Response:
     workers = [w.snapshot() for w in sup.workers.values()]
     live = [(snap, w.current) for snap, w in zip(workers, sup.workers.values(), strict=True)
             if w.current is not None]
-    statuses = await asyncio.gather(*(worker_status(client, inc.url) for _s, inc in live))
+    statuses = await asyncio.gather(*(worker_status(client, inc) for _s, inc in live))
     for (snap, inc), st in zip(live, statuses, strict=True):
         snap["observed_bytes"] = sup.observed_bytes(inc.pid)
         if st is not None:

@@ -254,7 +254,8 @@ class Observer:
             workers[name] = snapw
         live = [(n, w.current) for n, w in sup.workers.items()
                 if w.state is State.READY and w.current is not None]
-        got = await asyncio.gather(*(self._status(client, inc.url) for _n, inc in live))
+        got = await asyncio.gather(*(self._status(client, inc.url, inc.headers)
+                                     for _n, inc in live))
         status = {}
         for (name, inc), st in zip(live, got, strict=True):
             if st is not None and st.get("pid") == inc.pid:
@@ -266,9 +267,11 @@ class Observer:
         return self.last
 
     @staticmethod
-    async def _status(client: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    async def _status(client: httpx.AsyncClient, url: str, headers: dict[str, str]
+                      ) -> dict[str, Any] | None:
         try:
-            r = await client.get(url + "/v1/plimsoll/status", timeout=STATUS_TIMEOUT_S)
+            r = await client.get(url + "/v1/plimsoll/status", headers=headers,
+                                 timeout=STATUS_TIMEOUT_S)
             return r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None

@@ -12,7 +12,9 @@ transition not drawn above); a per-worker lock serialises them, so a crash notic
 the watcher and a stop asked by the supervisor cannot interleave.
 
 Each start makes a new :class:`Incarnation` (process, config, admitted decision, lease
-count): a lease taken on one process can never be counted against its successor.
+count, and the secret the process requires on every request,
+:mod:`plimsoll.web.worker_secret`): a lease taken on one process can never be counted
+against its successor.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from plimsoll.core.sizing import ReleaseCheck, release_tolerance
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard.process import EXIT_FOOTPRINT
 from plimsoll.launch.spawn import release_guard, start_worker, stop_worker
+from plimsoll.web.worker_secret import headers, new_secret, secret_env
 
 from .events import EventLog
 
@@ -81,6 +84,7 @@ class Incarnation:
     cfg: WorkerConfig
     decision: AdmissionDecision
     status: dict[str, Any]
+    secret: str | None = None  # what the worker requires on every request (made at spawn)
     ready_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     inflight: int = 0
@@ -96,6 +100,11 @@ class Incarnation:
     @property
     def url(self) -> str:
         return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers every request to this worker carries (its secret)."""
+        return headers(self.secret)
 
 
 class Lease:
@@ -158,8 +167,10 @@ class Worker:
                                footprint_bytes=decision.footprint_bytes)
             loop = asyncio.get_running_loop()
             launch = spawn or start_worker
+            secret = new_secret()  # handed over in the environment, never on the command line
             fut = loop.run_in_executor(None, lambda: launch(
-                cfg, timeout_s, footprint_bytes=decision.footprint_bytes))
+                cfg, timeout_s, footprint_bytes=decision.footprint_bytes,
+                env=secret_env(secret)))
             try:
                 proc, status = await asyncio.shield(fut)
             except asyncio.CancelledError:  # shutting down: never leave an orphan behind
@@ -172,7 +183,7 @@ class Worker:
                 self._set(State.STOPPED)
                 self.events.record("spawn-failed", self.name, error=str(err))
                 raise
-            inc = Incarnation(proc, cfg, decision, status)
+            inc = Incarnation(proc, cfg, decision, status, secret)
             await self._sample(inc)
             inc.idle.set()
             self.current = inc

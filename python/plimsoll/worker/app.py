@@ -43,6 +43,7 @@ from plimsoll.web.body import read_body
 from plimsoll.web.edge import Edge, access
 from plimsoll.web.errors import no_route_handler
 from plimsoll.web.graceful import Drain
+from plimsoll.web.worker_secret import SECRET_ENV, RequireSecret
 
 from . import anthropic_routes, ollama_routes, responses_routes
 from .backend import Backend, local_backend
@@ -272,6 +273,7 @@ def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.drain = drain
+    app.add_middleware(RequireSecret, secret=os.environ.get(SECRET_ENV))  # its launcher's only
     return app
 
 

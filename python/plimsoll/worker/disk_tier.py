@@ -14,6 +14,10 @@ prefilling them (:mod:`plimsoll.worker.disk_restore` does the scheduler side,
   hash, payload length, SHA-256 of the payload), then the payload. A file whose magic,
   header, key, length or checksum is off is never loaded: it is deleted and counted as a
   miss (``corrupt``).
+- **Private.** The root and the key's directory are this user's alone
+  (:func:`plimsoll.core.paths.private_dir`: created 0700; one another user owns or may reach
+  turns the tier off with that reason), so no one else can read what was said or plant a
+  block; files are written 0600.
 - **Atomic.** Written to a temp file in the same directory, fsynced, then ``os.replace``d:
   a crash leaves a whole file or none (temp files are swept at start).
 - **Bounded.** An LRU index in memory (rebuilt from the directory, oldest mtime first,
@@ -35,11 +39,14 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 import threading
 from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
+
+from plimsoll.core.paths import private_dir
 
 log = logging.getLogger("plimsoll.worker.disk")
 
@@ -114,7 +121,8 @@ class DiskStore:
         self._closed = False
         self._tmp = 0
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self.root, "KV blocks (conversations)")
+            private_dir(self.dir, "KV blocks (conversations)")
             self._rebuild()
         except OSError as err:
             self._off(f"cannot use {self.dir}: {err}")
@@ -133,8 +141,10 @@ class DiskStore:
                 continue
             try:
                 h = bytes.fromhex(path.stem)
-                st = path.stat()
+                st = path.lstat()
             except (ValueError, OSError):
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a link or a FIFO is no block of ours
                 continue
             found.append((st.st_mtime_ns, h, st.st_size))
         for _, h, size in sorted(found):

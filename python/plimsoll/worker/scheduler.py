@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from plimsoll.engine.threads import wait_gone
 from plimsoll.engine.work import Step, Work
 from plimsoll.worker.pool import BlockPool, Grant, Refusal
 
@@ -107,6 +108,8 @@ class Scheduler:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._thread.is_alive():  # its native exit too (MLX's TLS: engine.threads)
+                wait_gone(self._thread, 2.0)
 
     def submit(self, req: GenRequest) -> None:
         """Queue a request; its sink receives Started/Token…/Finished, or one Refused."""

@@ -172,39 +172,55 @@ def test_retry_after_on_every_refusal_under_a_burst(cw):
                                                            "queue_timeout", "too_many_requests"}
 
 
+def content(chunk: dict) -> str:
+    """The text a chat completion chunk adds ("" for the role, finish or error chunks)."""
+    return ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content") or ""
+
+
 def sigterm_mid_stream(url: str, proc: subprocess.Popen, path: str, body: dict
-                       ) -> tuple[list[str], int]:
-    """Start a stream, SIGTERM the server once the first token arrived, read to the end."""
+                       ) -> tuple[list[str], float, int]:
+    """Start a stream, SIGTERM the server when its first token arrives (an event, not a
+    count of lines: keep-alives and opening chunks are not tokens), read to the end.
+    Returns the lines, the seconds from the signal to the stream's end, and the exit status."""
     lines: list[str] = []
+    signalled = None
     with httpx.stream("POST", url + path, json=body, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            if not line:
+            if not line or line.startswith(":"):
                 continue
             lines.append(line)
-            if len(lines) == 6:
+            if (signalled is None and line.startswith("data: {")
+                    and content(json.loads(line[5:]))):
                 proc.send_signal(signal.SIGTERM)
-    return lines, proc.wait(60)
+                signalled = time.monotonic()
+    assert signalled is not None, lines  # the stream had a token to signal on
+    return lines, time.monotonic() - signalled, proc.wait(60)
 
 
 @pytest.mark.parametrize("drain, ends", [(30, "finish"), (0.5, "error")])
 def test_sigterm_mid_stream_ends_the_stream_properly(tiny_model, tmp_path, drain, ends):
+    """A stream running at SIGTERM finishes within the drain time, or ends with the error
+    event once the drain time is up. Deterministic: the signal goes on the first token, and
+    ``ignore_eos`` means only ``max_tokens`` ends the answer (a sampled EOS on an early
+    token once ended the stream before the signal was ever sent); 64 tokens take far less
+    than 30 s on any machine, and 1,500 far more than 0.5 s."""
     log = tmp_path / "worker.log"
     w = Worker(tiny_model, log=log, **{"max-tokens": 1500, "context": 2048,
                                        "drain-timeout": drain})
+    max_tokens = 1500 if ends == "error" else 64
     body = {"messages": [{"role": "user", "content": "go on"}], "stream": True,
-            "max_tokens": 1500 if ends == "error" else 200, "temperature": 0.7}
-    t = time.monotonic()
-    lines, rc = sigterm_mid_stream(w.url, w.proc, "/v1/chat/completions", body)
+            "max_tokens": max_tokens, "temperature": 0.7, "ignore_eos": True}
+    lines, after_signal, rc = sigterm_mid_stream(w.url, w.proc, "/v1/chat/completions", body)
     data = [json.loads(x[5:]) for x in lines if x.startswith("data: {")]
     assert lines[-1] == "data: [DONE]"
     last = data[-1]
-    if "error" in last:
-        assert last["error"]["code"] == "worker_stopping"
-    else:
-        assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    tokens = sum(1 for d in data if content(d))
     if ends == "error":
-        assert time.monotonic() - t < 30
+        assert last["error"]["code"] == "worker_stopping", last
+        assert after_signal >= drain and tokens < max_tokens  # the drain, then cut short
+    else:
+        assert last["choices"][0]["finish_reason"] == "length", last
     assert rc == 0
     assert "Traceback" not in log.read_text()
 

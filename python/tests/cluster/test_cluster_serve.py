@@ -294,6 +294,7 @@ def test_a_refused_load_exits_3_with_every_ranks_reasons(ring_ok, tiny_model):  
 
 def test_the_proxy_serves_a_sharded_model_and_restarts_it_after_a_rank_dies(
         ring_ok, tiny_model, tmp_path):  # noqa: F811
+    from serve_process import worker_headers
     from test_proxy import Proxy, wait_for
 
     (tmp_path / "policy.json").write_text(json.dumps({
@@ -311,7 +312,8 @@ def test_the_proxy_serves_a_sharded_model_and_restarts_it_after_a_rank_dies(
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
         first = p.worker("big")
-        status = httpx.get(first["url"] + "/v1/plimsoll/status", timeout=10).json()
+        status = httpx.get(first["url"] + "/v1/plimsoll/status", timeout=10,
+                           headers=worker_headers(first["pid"])).json()  # its secret
         ranks = status["cluster"]["ranks"]
         assert [x["layers"] for x in ranks] == [[0, 2], [2, 4]]  # one worker, two ranks
         assert status["context"]["configured"] == 2048 and status["max_num_seqs"] == 2
@@ -327,7 +329,8 @@ def test_the_proxy_serves_a_sharded_model_and_restarts_it_after_a_rank_dies(
         assert again.status_code == 200, again.text
         second = p.worker("big")
         assert second["state"] == "ready" and second["pid"] != first["pid"]
-        status = httpx.get(second["url"] + "/v1/plimsoll/status", timeout=10).json()
+        status = httpx.get(second["url"] + "/v1/plimsoll/status", timeout=10,
+                           headers=worker_headers(second["pid"])).json()
         rank_pids += [x["pid"] for x in status["cluster"]["ranks"]]
     finally:
         left = p.stop()

@@ -106,7 +106,7 @@ def small_fs(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")

@@ -142,7 +142,7 @@ class Message(_Strict):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind in _THINKING_BLOCKS:
                 continue  # past reasoning: dropped, as Anthropic drops it from earlier turns
-            if kind in _UNSUPPORTED_BLOCKS:
+            if isinstance(kind, str) and kind in _UNSUPPORTED_BLOCKS:  # a list is unhashable
                 raise ValueError(f"content block type {kind!r}: {_UNSUPPORTED_BLOCKS[kind]}")
             if kind not in _BLOCKS:
                 raise ValueError(f"content block type {kind!r} is not supported; send text, "
