@@ -8,9 +8,9 @@ the tasks; the ratio is computed ÷ ideal (1.0: the prefix computed once). A pre
 not a whole number of blocks has its last partial block computed by every request (only
 full blocks are shared), so the floor is a little above 1.
 
-``--baseline`` names an earlier run's JSON (another commit) whose figures are printed
-beside this run's. Writes ``--out-dir``/``--name``.{json,md}. Run:
-``python bench/dedup.py``
+``--baseline`` names an earlier run's JSON (another commit's sources on ``PYTHONPATH``,
+named by ``--sources``) whose figures are printed beside this run's. Writes
+``--out-dir``/``--name``.{json,md}. Run: ``python bench/dedup.py``
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def markdown(result: dict) -> str:
         "prefill chunk lengths as the engine received them.", "",
         *report.table(("requests", "budget", "ideal", "before", "before ÷ ideal",
                        "computed", "÷ ideal", "prefill steps"), rows), "",
-        f"Before: {(result.get('baseline') or {}).get('host', {}).get('git_head', '–')}. "
+        f"Before: the scheduler at {(result.get('baseline') or {}).get('sources', '–')}; "
+        f"after: at {result['sources']}. "
         f"Command: `{result['command']}`", "",
         report.host_line(result["host"]), ""]
     return "\n".join(lines)
@@ -103,6 +104,9 @@ def main() -> None:
     report.output_args(parser, "dedup")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="an earlier run's JSON, shown beside this run's figures")
+    parser.add_argument("--sources", default=None,
+                        help="what plimsoll sources PYTHONPATH names (default: this checkout's "
+                             "commit)")
     args = parser.parse_args()
     from plimsoll.demo.model import build_demo_model
 
@@ -114,6 +118,7 @@ def main() -> None:
     for c in cases:
         print(c, flush=True)
     result = {"command": report.command(), "host": host, "cases": cases,
+              "sources": args.sources or host["git_head"],
               "baseline": json.loads(args.baseline.read_text()) if args.baseline else None}
     report.write(result, args.out_dir, args.name or report.default_name("dedup"), markdown)
 
