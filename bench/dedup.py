@@ -23,14 +23,32 @@ from pathlib import Path
 from lib import report
 
 BLOCK = 16
-CASES = (  # (requests, shared prefix tokens, own tokens, prefill_tokens budget)
-    (8, 256, 48, 512),
-    (8, 1000, 200, 2048),
-    (8, 1000, 200, 8192),
+CASES = (  # (requests, shared prefix tokens, own tokens, prefill_tokens budget, chunk cap)
+    (8, 256, 48, 512, None),
+    (8, 1000, 200, 2048, None),
+    (8, 1000, 200, 8192, None),
+    (8, 1000, 200, 8192, 256),  # a prompt's chunk capped (the transient bound on a device)
 )
 
 
-def run_case(model_dir: Path, n: int, shared: int, own: int, budget: int) -> dict:
+def run_case(model_dir: Path, n: int, shared: int, own: int, budget: int,
+             chunk: int | None) -> dict:
+    """The case as the scheduler runs it and, where it waits for in-flight blocks, as it
+    would run without that wait (``no_wait_computed``)."""
+    from plimsoll.worker import scheduler
+
+    out = _run(model_dir, n, shared, own, budget, chunk)
+    if hasattr(scheduler, "in_flight"):
+        kept, scheduler.in_flight = scheduler.in_flight, (lambda *args: False)
+        try:
+            out["no_wait_computed"] = _run(model_dir, n, shared, own, budget, chunk)["computed"]
+        finally:
+            scheduler.in_flight = kept
+    return out
+
+
+def _run(model_dir: Path, n: int, shared: int, own: int, budget: int,
+         chunk: int | None) -> dict:
     from plimsoll.engine.core import Engine
     from plimsoll.engine.drive import text
     from plimsoll.worker.events import GenRequest, SchedulerLimits, Started
@@ -49,7 +67,8 @@ def run_case(model_dir: Path, n: int, shared: int, own: int, budget: int) -> dic
     eng.run_async = counted
     pool = BlockPool(total=blocks, block_tokens=BLOCK, cache_cap_blocks=blocks)
     limits = SchedulerLimits(max_num_seqs=n, max_queue=64, max_wait_s=600,
-                             trip_bytes=1 << 62, max_batch=n, prefill_tokens=budget)
+                             trip_bytes=1 << 62, max_batch=n, prefill_tokens=budget,
+                             chunk_for=None if chunk is None else (lambda _: chunk))
     s = Scheduler(lambda stack: (eng, pool), limits, lambda: {})
     s.engine, s.pool, s.eos_ids = eng, pool, set()
     prefix = text(eng.tokenizer, shared, salt=1)
@@ -69,32 +88,44 @@ def run_case(model_dir: Path, n: int, shared: int, own: int, budget: int) -> dic
             raise RuntimeError("the scheduler did not drain")
     ideal = shared + n * own
     total = sum(computed)
-    return {"requests": n, "shared": shared, "own": own, "prefill_tokens": budget,
+    return {"requests": n, "shared": shared, "own": own, "prefill_tokens": budget, "chunk": chunk,
             "computed": total, "ideal": ideal, "ratio": round(total / ideal, 3),
             "steps_with_prefill": sum(1 for c in computed if c),
             "cached_tokens": [e.cached_tokens for e in started]}
 
 
 def markdown(result: dict) -> str:
-    base = {(c["requests"], c["shared"], c["own"], c["prefill_tokens"]): c
-            for c in (result.get("baseline") or {}).get("cases", [])}
+    def key(c: dict) -> tuple:
+        return c["requests"], c["shared"], c["own"], c["prefill_tokens"], c.get("chunk")
+
+    base = {key(c): c for c in (result.get("baseline") or {}).get("cases", [])}
     rows = []
     for c in result["cases"]:
-        b = base.get((c["requests"], c["shared"], c["own"], c["prefill_tokens"]))
+        b = base.get(key(c))
         rows.append((f"{c['requests']} × ({c['shared']} shared + {c['own']} own)",
-                     c["prefill_tokens"], c["ideal"],
+                     c["prefill_tokens"], c["chunk"], c["ideal"],
                      None if b is None else b["computed"], None if b is None else b["ratio"],
-                     c["computed"], c["ratio"], c["steps_with_prefill"]))
+                     c.get("no_wait_computed"), c["computed"], c["ratio"],
+                     c["steps_with_prefill"]))
     lines = [
         "# Shared-prefix prefill: tokens computed ÷ one prefix + the tasks", "",
         "Requests submitted at once to the scheduler in process, the real paged engine on "
         f"the tiny demo model (CPU, block {BLOCK}); computed = the sum of every step's "
-        "prefill chunk lengths as the engine received them.", "",
-        *report.table(("requests", "budget", "ideal", "before", "before ÷ ideal",
-                       "computed", "÷ ideal", "prefill steps"), rows), "",
+        "prefill chunk lengths as the engine received them. Before: a chunk's blocks were "
+        "registered after its step was submitted, so a request admitted in the same step "
+        "computed the prefix again. After: they are registered when the chunk is planned, "
+        "and a waiter whose next block a running prefill is still to write (a capped chunk) "
+        "waits for it while the step has prompt work anyway. The floor is above 1 where the "
+        "prefix is not a whole number of blocks (its partial last block is every request's). "
+        "No wait: this run's scheduler with that wait switched off (registration at plan "
+        "time only).",
+        "",
+        *report.table(("requests", "budget", "chunk cap", "ideal", "before", "before ÷ ideal",
+                       "no wait", "computed", "÷ ideal", "prefill steps"), rows), "",
         f"Before: the scheduler at {(result.get('baseline') or {}).get('sources', '–')}; "
         f"after: at {result['sources']}. "
-        f"Command: `{result['command']}`", "",
+        f"Command: `{result['command']}`; before: `PYTHONPATH=<those sources> "
+        f"{(result.get('baseline') or {}).get('command', '–')}`", "",
         report.host_line(result["host"]), ""]
     return "\n".join(lines)
 

@@ -317,8 +317,7 @@ class Scheduler:
         run.req.sink(Finished(reason, run.generated))
 
     def _end(self, run: Run, reason: str | None) -> None:
-        """Release a sequence: its full blocks stay cached (their tokens are all known
-        now: every written position is a prompt token or a token already read)."""
+        """Release a sequence: its full blocks stay cached (every written token is known)."""
         self._dirty = True
         del self._running[run.req.id]
         if reason is not None:
