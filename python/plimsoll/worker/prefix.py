@@ -2,7 +2,9 @@
 snapshots of hybrid models (pure bookkeeping over the pool; the engine only snapshots).
 
 A full block's hash is registered once every token in it is known (a prompt token, or a
-token already read back), so a later prompt with the same leading blocks maps them.
+token already read back) and its write is planned: a prompt chunk's blocks when the chunk is
+planned, a decode's block when its last token is read. So a later prompt with the same
+leading blocks maps them, even one admitted in the same step.
 
 Hybrid models (recurrent state) cannot cut a state, so a prefix is reused only where the
 engine holds a snapshot of the state at the end of a block. The rule: whenever a submitted
@@ -38,13 +40,25 @@ def commit(pool: BlockPool, run: Run) -> None:
         pool.bind_snapshots(run.req.id)
 
 
+def register_planned(pool: BlockPool, run: Run, end: int) -> None:
+    """Register the full blocks of ``run``'s prompt up to ``end`` as soon as the chunk that
+    writes them is planned, so a prompt admitted later in the same step (or the next)
+    maps them instead of computing them again. Safe to read before they are computed:
+    steps run in order on one stream, and within a step a later chunk's attention runs
+    after the earlier chunk's write of the same layer (the one forward calls each layer's
+    groups in plan order, and every read takes the pool as the writes before it left it)."""
+    pool.commit(run.req.id, run.tokens, min(end, run.prompt_len))
+
+
 def after_submit(pool: BlockPool, engine: Any, running: dict[int, Run], step: Step,
                  counters: Counter[str]) -> None:
     """Count what the submitted ``step`` writes and samples; register full blocks whose
     tokens are known; snapshot hybrid state where a Work ends on a block."""
     prefills = {w.seq_id for w in step.prefills}
     for w in (*step.decodes, *step.prefills):
-        run = running[w.seq_id]
+        run = running.get(w.seq_id)
+        if run is None:  # ended when the previous step's tokens were read before submission
+            continue
         run.written += w.length
         run.pending += 1 if w.sample else 0
         if w.seq_id in prefills:

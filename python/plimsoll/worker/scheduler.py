@@ -18,7 +18,9 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
 3. submit it (``engine.run_async``) *before* reading the previous step's tokens, so graph
    building overlaps compute: a running sequence's decode names ``tokens=None`` ("the
    token you sampled last step"); the token a sequence that ended last step samples
-   now is dropped (its write lies inside its reservation: positions < prompt + max_tokens);
+   now is dropped (its write lies inside its reservation: positions < prompt + max_tokens).
+   A step with prompt chunks reads the previous step's tokens first (its encoding can take
+   nearly a whole step's time, which running streams should not wait for);
 4. expire waiters past their deadline, telling each what it waited for: blocks, a decode
    slot, or other prompts' prefill (never a vague "slots busy");
 5. read the previous step's tokens, emit them, and end sequences that hit ``max_tokens``,
@@ -52,7 +54,7 @@ from . import prefix
 from .events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
 from .stats import PUBLISH_INTERVAL_S, status_figures
 from .trip import MemoryLine
-from .waiting import Run, decode_fits, expire, intake, why_waiting
+from .waiting import Run, decode_fits, end_reason, expire, in_flight, intake, why_waiting
 
 log = logging.getLogger("plimsoll.worker")
 
@@ -170,8 +172,11 @@ class Scheduler:
         self.line.spiked = bool(step.prefills)  # a prefill's transient: probe next iteration
         if step.decodes or step.prefills:
             self._steps += 1
+            if step.prefills and self._pending is not None:  # tokens out before heavy work
+                previous, self._pending = self._pending, None
+                self._read(*previous)
             submitted = (self.engine.run_async(step), self._steps)
-            self._after_submit(step)
+            prefix.after_submit(self.pool, self.engine, self._running, step, self.counters)
         self._expire_waiting()  # after one admission attempt, so --max-wait 0 means "no wait"
         previous, self._pending = self._pending, submitted
         if previous is not None:
@@ -226,20 +231,26 @@ class Scheduler:
                 break
             if run.prefilling:
                 budget -= self._chunk(run, budget, prefills, chunks)
-        while budget > 0 and self._waiting and len(self._running) < self.limits.max_batch:
-            req = self._waiting[0]
+        deferred = 0  # waiters at the head left for a running prefill's blocks
+        while (budget > 0 and len(self._waiting) > deferred
+               and len(self._running) < self.limits.max_batch):
+            req = self._waiting[deferred]
             if self._running and not decode_fits(self.limits, req, self._running.values()):
                 break
             grant = self.pool.can_allocate(req.prompt, req.max_tokens, self._hashes(req))
             if isinstance(grant, Refusal):
                 if not grant.never_fits:
                     break  # FIFO: the head waits for blocks; nothing jumps the queue
-                self._waiting.popleft()
+                del self._waiting[deferred]
                 self._refuse(req, 503, grant.message, "pool_exhausted")
+                continue
+            if prefills and in_flight(req, grant.hit_count, self.pool.block_tokens,
+                                      self._running.values()):
+                deferred += 1  # its next blocks are being computed: wait, not recompute
                 continue
             if self._running and self.line.over(self.limits.trip_bytes):  # each prefill
                 break  # can be a spike: a fresh probe before every admission
-            self._waiting.popleft()
+            del self._waiting[deferred]
             budget -= self._chunk(self._admit(req, grant), budget, prefills, chunks)
         self.step_log.append((self._steps + 1, tuple(w.seq_id for w in decodes), chunks))
         return Step(tuple(decodes), tuple(prefills))
@@ -256,7 +267,7 @@ class Scheduler:
         run = Run(req, list(req.prompt), len(req.prompt), hit, hit)
         self._running[req.id] = run
         if self.disk is not None:
-            self._commit(run)  # restored blocks are prefix hits for the next prompt at once
+            prefix.commit(self.pool, run)  # restored blocks: prefix hits for the next prompt
         self.counters["admitted"] += 1
         self._dirty = True
         req.sink(Started(len(req.prompt), hit))
@@ -276,23 +287,17 @@ class Scheduler:
                 n = last - run.written  # the prompt's last boundary, so all of it can be hit
         table = self.pool.grow(run.req.id, run.written + n)
         end = run.written + n
+        prefix.register_planned(self.pool, run, end)  # a prompt admitted next maps them
         prefills.append(Work(run.req.id, tuple(run.tokens[run.written:end]), run.written,
                              table, end == run.prompt_len, run.sampling, run.req.constraint))
         chunks[run.req.id] = n
         return n
 
     def _hashes(self, req: GenRequest) -> list[bytes]:
-        if req.hashes is None:
-            req.hashes = self.pool.prompt_hashes(req.prompt)
+        req.hashes = req.hashes if req.hashes is not None else self.pool.prompt_hashes(req.prompt)
         return req.hashes
 
     # --- after a step -------------------------------------------------------------------
-    def _after_submit(self, step: Step) -> None:
-        prefix.after_submit(self.pool, self.engine, self._running, step, self.counters)
-
-    def _commit(self, run: Run) -> None:
-        prefix.commit(self.pool, run)
-
     def _read(self, pending: Any, step: int) -> None:
         """The tokens of step ``step``: emit them, end finished sequences. A token of a
         sequence that ended meanwhile is dropped."""
@@ -304,15 +309,10 @@ class Scheduler:
             run.generated += 1
             run.tokens.append(token)
             run.req.sink(Token(token))
-            constraint = run.req.constraint
-            if token in self.eos_ids and not run.req.ignore_eos:
-                self._finish(run, "eos")
-            elif constraint is not None and constraint.done():
-                self._finish(run, "stop")
-            elif run.generated >= run.req.max_tokens:
-                self._finish(run, "length")
+            if reason := end_reason(run, token, self.eos_ids):
+                self._finish(run, reason)
             else:
-                self._commit(run)
+                prefix.commit(self.pool, run)
 
     def _finish(self, run: Run, reason: str) -> None:
         self._end(run, reason)
@@ -320,12 +320,11 @@ class Scheduler:
         run.req.sink(Finished(reason, run.generated))
 
     def _end(self, run: Run, reason: str | None) -> None:
-        """Release a sequence: its full blocks stay cached (their tokens are all known
-        now: every written position is a prompt token or a token already read)."""
+        """Release a sequence: its full blocks stay cached (every written token is known)."""
         self._dirty = True
         del self._running[run.req.id]
         if reason is not None:
-            self._commit(run)
+            prefix.commit(self.pool, run)
         self.pool.free(run.req.id)
         prefix.drop_snapshots(self.pool, self.engine)
         # a submitted step may still write for it: drop its state once that step is read

@@ -3,14 +3,16 @@ state, whether one more fits the decode batch, expiry, and what a waiter waits f
 
 A waiter joins the running batch, FIFO, while ``max_batch``, the pool (its reservation of
 ``ceil((prompt + max_tokens) / block)`` blocks) and the decode step's transient bound allow;
-one that waits past ``--max-wait`` is refused with exactly what it waited for — blocks, a
+a waiter whose next blocks a running prefill is about to write waits for them while that
+step has prompt work anyway (no budget goes idle for it), letting the waiters behind it
+go first; one that waits past ``--max-wait`` is refused with exactly what it waited for — blocks, a
 decode slot, or other prompts' prefill — never a vague "slots busy".
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from plimsoll.engine.work import Sampling
@@ -42,6 +44,15 @@ class Run:
         return self.written < self.prompt_len
 
 
+def end_reason(run: Run, token: int, eos_ids: Collection[int]) -> str | None:
+    """Why ``run`` ends with ``token`` just read (``eos``, ``stop``, ``length``), or None."""
+    if token in eos_ids and not run.req.ignore_eos:
+        return "eos"
+    if run.req.constraint is not None and run.req.constraint.done():
+        return "stop"
+    return "length" if run.generated >= run.req.max_tokens else None
+
+
 def decode_fits(limits: SchedulerLimits, req: GenRequest, running: Collection[Run]) -> bool:
     """Whether the decode step's transient stays under its bound with ``req`` running too
     (every row gathers the longest row's slots)."""
@@ -51,6 +62,18 @@ def decode_fits(limits: SchedulerLimits, req: GenRequest, running: Collection[Ru
     longest = max([len(req.prompt) + req.max_tokens,
                    *(r.prompt_len + r.req.max_tokens for r in running)])
     return bytes_for(len(running) + 1, longest) <= limits.transient_bytes
+
+
+def in_flight(req: GenRequest, hits: int, block_tokens: int, running: Iterable[Run]) -> bool:
+    """Whether the block right after ``req``'s ``hits`` mapped blocks is one a running
+    prefill is still to write (the same chained hash: the same tokens up to its end). Then
+    the waiter waits for it to be registered instead of computing it a second time (SGLang's
+    in-batch prefix check); a block past what any prompt may map is no reason to wait."""
+    hashes = req.hashes or ()
+    if hits >= min(len(hashes), (len(req.prompt) - 1) // block_tokens):
+        return False
+    return any(r.prefilling and r.req.hashes is not None and hits < len(r.req.hashes)
+               and r.req.hashes[hits] == hashes[hits] for r in running)
 
 
 def why_waiting(req: GenRequest, grant: object, running: Collection[Run],
