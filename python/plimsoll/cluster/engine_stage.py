@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import time
 
 from plimsoll.cluster import wire
-from plimsoll.cluster.exits import EXIT_OK, RanOut, as_failure
+from plimsoll.cluster.exits import EXIT_OK, lockstep
 from plimsoll.cluster.protocol import OP_PING, OP_SHUTDOWN
-from plimsoll.cluster.stage import FAULT_AT, FAULT_BYTES
+from plimsoll.cluster.stage import MemoryCheck
 
 
 class StageModel:
@@ -92,30 +91,6 @@ class StageModel:
             return mx.zeros((rows, length, 1), dtype=mx.float32)
         h = self.inner.norm(h)
         return self.head(h) if self.head is not None else self.inner.embed_tokens.as_linear(h)
-
-
-class MemoryCheck:
-    """Running out is checked before every step, not trusted to the allocator (as
-    :meth:`plimsoll.cluster.stage.Stage.check_memory`, with its fault injection)."""
-
-    def __init__(self, mx, rank: int, limit_bytes: int | None):
-        self.mx, self.rank, self.limit_bytes = mx, rank, limit_bytes
-        self.steps = 0
-        self.held: list = []
-        self.fault_bytes = int(os.environ.get(FAULT_BYTES, "0"))
-        self.fault_at = int(os.environ.get(FAULT_AT, "0"))
-
-    def __call__(self) -> None:
-        mx, step = self.mx, self.steps
-        self.steps += 1
-        if self.fault_bytes and step == self.fault_at:
-            spike = mx.zeros((self.fault_bytes // 4,), dtype=mx.float32)
-            mx.eval(spike)
-            self.held.append(spike)
-        active = mx.get_active_memory()
-        if self.limit_bytes is not None and active > self.limit_bytes:
-            raise RanOut(f"rank {self.rank} ran out of its admitted memory at step {step}: "
-                         f"active {active} B > allocation limit {self.limit_bytes} B")
 
 
 def build_engine(mx, ring, stage_model: StageModel, facts, tokenizer, *, block_tokens: int,
@@ -191,10 +166,8 @@ class StageEngine:
 
     def _call(self, head: list[int], payload: list[int], here) -> list[int]:
         """Send the op right, run ``here()`` on this rank, read the last rank's reply."""
-        if self.broken is not None:
-            raise self.broken
         ring = self.ring
-        try:
+        with lockstep(self):
             if ring.size > 1:
                 ring.send_ints(head, ring.right)
                 if payload:
@@ -203,11 +176,6 @@ class StageEngine:
             if ring.size > 1:
                 return ring.recv_ints(max(1, len(got or ())), ring.left)
             return list(got or ())
-        except BaseException as err:
-            self.broken = as_failure(ring.rank, err)
-            raise self.broken from err
-        finally:
-            self.last_op = time.monotonic()
 
     def run_async(self, step) -> _Done:
         step = _concrete(step, self._last)

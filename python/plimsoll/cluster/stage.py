@@ -7,7 +7,7 @@ them right, or (last rank) pick the token. :class:`Ring` is the group plus the f
 point-to-point and gather collectives the protocol needs. ``mx`` is passed in, never
 imported at module level, so :mod:`plimsoll.cluster.rank` can parse its arguments first.
 
-Invariant: a stage never allocates past its admitted limit unnoticed: :meth:`Stage.check_memory`
+Invariant: a stage never allocates past its admitted limit unnoticed: its :class:`MemoryCheck`
 runs before every forward that yields a token and raises :class:`RanOut`.
 """
 
@@ -25,6 +25,34 @@ from plimsoll.cluster.exits import RanOut
 FAULT_BYTES, FAULT_AT = "PLIMSOLL_CLUSTER_FAULT_BYTES", "PLIMSOLL_CLUSTER_FAULT_AT"
 #: Pass every message as an all-sum (the nccl path) whatever the backend.
 COLLECTIVE = "PLIMSOLL_CLUSTER_COLLECTIVE"
+
+
+class MemoryCheck:
+    """Running out is checked before every step, not trusted to the allocator: past the
+    limit (set once the weights are loaded) it raises :class:`RanOut`, which stops the ring.
+
+    Fault injection (:data:`FAULT_BYTES` at :data:`FAULT_AT`) counts the checks, so the
+    spike lands at that step. ``step_name`` is how the message names a step.
+    """
+
+    def __init__(self, mx, rank: int, limit_bytes: int | None, step_name: str = "step"):
+        self.mx, self.rank, self.limit_bytes, self.step_name = mx, rank, limit_bytes, step_name
+        self.steps = 0
+        self.held: list = []
+        self.fault_bytes = int(os.environ.get(FAULT_BYTES, "0"))
+        self.fault_at = int(os.environ.get(FAULT_AT, "0"))
+
+    def __call__(self) -> None:
+        mx, step = self.mx, self.steps
+        self.steps += 1
+        if self.fault_bytes and step == self.fault_at:
+            spike = mx.zeros((self.fault_bytes // 4,), dtype=mx.float32)
+            mx.eval(spike)
+            self.held.append(spike)
+        active = mx.get_active_memory()
+        if self.limit_bytes is not None and active > self.limit_bytes:
+            raise RanOut(f"rank {self.rank} ran out of its admitted memory at {self.step_name} "
+                         f"{step}: active {active} B > allocation limit {self.limit_bytes} B")
 
 
 class Ring:
@@ -132,24 +160,10 @@ class Stage:
         self._kv_type, self._slot_kv = KVCache, SlotKV
         self.hidden = model.args.hidden_size
         self.dtype = None
-        self.limit_bytes: int | None = None
         self.slots: dict[int, _Slot] = {}
-        self.steps = 0  # token-producing forwards since load (fault injection counts these)
-        self.held: list = []
-        self.fault_bytes = int(os.environ.get(FAULT_BYTES, "0"))
-        self.fault_at = int(os.environ.get(FAULT_AT, "0"))
-
-    def check_memory(self) -> None:
-        """Running out is checked, not trusted to the allocator: past the limit, stop the ring."""
-        mx, step = self.mx, self.steps
-        if self.fault_bytes and step == self.fault_at:
-            spike = mx.zeros((self.fault_bytes // 4,), dtype=mx.float32)
-            mx.eval(spike)
-            self.held.append(spike)
-        active = mx.get_active_memory()
-        if self.limit_bytes is not None and active > self.limit_bytes:
-            raise RanOut(f"rank {self.ring.rank} ran out of its admitted memory at decode step "
-                         f"{step}: active {active} B > allocation limit {self.limit_bytes} B")
+        # checked before every token-producing forward (fault injection counts these);
+        # its limit is set once the weights are loaded
+        self.check_memory = MemoryCheck(mx, ring.rank, None, step_name="decode step")
 
     def _new_caches(self, capacity: int) -> list:
         """Full-attention KV sized once to the reservation; other kinds as their template."""
@@ -229,9 +243,7 @@ class Stage:
 
     def _decode(self, s: _Slot, y: int) -> int | None:
         self.check_memory()
-        token = self._forward([y], s, want_token=True)
-        self.steps += 1
-        return token
+        return self._forward([y], s, want_token=True)
 
     def free(self, slot: int) -> None:
         s = self.slots.pop(slot, None)
