@@ -38,15 +38,13 @@ import time
 from plimsoll.cluster import wire
 from plimsoll.cluster.exits import EXIT_OK, lockstep
 from plimsoll.cluster.protocol import OP_PING, OP_SHUTDOWN
-from plimsoll.cluster.stage import MemoryCheck
+from plimsoll.cluster.stage import MemoryCheck, layer_masks
 
 
 class StageModel:
     """One stage of the model, called by the engine as the whole model would be."""
 
     def __init__(self, mx, ring, model, plan, templates: list):
-        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-
         self.mx, self.ring, self.plan = mx, ring, plan
         self.inner = model.model
         self.layers = self.inner.layers[plan.layer_start:plan.layer_end]
@@ -56,7 +54,6 @@ class StageModel:
         self.head = getattr(model, "lm_head", None)
         self.hidden = model.args.hidden_size
         self.dtype = mx.float32
-        self._attn_mask, self._ssm_mask = create_attention_mask, create_ssm_mask
         #: messages go over the ring only once every rank's engine is built (the engine
         #: runs one local probe forward while it measures its cache kinds)
         self.linked = False
@@ -64,14 +61,6 @@ class StageModel:
     def make_cache(self) -> list:
         """This stage's layers' caches (mlx-lm's ``make_prompt_cache`` asks for them)."""
         return [copy.deepcopy(t) for t in self.templates]
-
-    def _masks(self, h, caches: list) -> list:
-        """One mask per layer kind, from the first cache of that kind (as mlx-lm does)."""
-        attn = next((c for c, lin in zip(caches, self.linear, strict=True) if not lin), None)
-        ssm = next((c for c, lin in zip(caches, self.linear, strict=True) if lin), None)
-        masks = {False: self._attn_mask(h, attn) if attn is not None else None,
-                 True: self._ssm_mask(h, ssm) if ssm is not None else None}
-        return [masks[lin] for lin in self.linear]
 
     def __call__(self, inputs, cache=None):
         mx, ring = self.mx, self.ring
@@ -83,7 +72,8 @@ class StageModel:
         else:
             h = mx.zeros((rows, length, self.hidden), dtype=self.dtype)
         caches = cache if cache is not None else [None] * len(self.layers)
-        for layer, mask, c in zip(self.layers, self._masks(h, caches), caches, strict=True):
+        masks = layer_masks(h, caches, self.linear)
+        for layer, mask, c in zip(self.layers, masks, caches, strict=True):
             h = layer(h, mask, c)
         if not self.last:
             if self.linked:

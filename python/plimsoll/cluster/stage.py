@@ -27,6 +27,18 @@ FAULT_BYTES, FAULT_AT = "PLIMSOLL_CLUSTER_FAULT_BYTES", "PLIMSOLL_CLUSTER_FAULT_
 COLLECTIVE = "PLIMSOLL_CLUSTER_COLLECTIVE"
 
 
+def layer_masks(h, caches: list, linear: list[bool]) -> list:
+    """One mask per layer (``linear``: its kind), each built from the first cache of its kind
+    (as mlx-lm does)."""
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+    attn = next((c for c, lin in zip(caches, linear, strict=True) if not lin), None)
+    ssm = next((c for c, lin in zip(caches, linear, strict=True) if lin), None)
+    masks = {False: create_attention_mask(h, attn) if attn is not None else None,
+             True: create_ssm_mask(h, ssm) if ssm is not None else None}
+    return [masks[lin] for lin in linear]
+
+
 class MemoryCheck:
     """Running out is checked before every step, not trusted to the allocator: past the
     limit (set once the weights are loaded) it raises :class:`RanOut`, which stops the ring.
@@ -144,7 +156,6 @@ class Stage:
 
     def __init__(self, mx, ring: Ring, model, plan, eos: set[int], prefill_chunk: int,
                  cache_templates: list, block_tokens: int):
-        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
         from mlx_lm.models.cache import KVCache
 
         from plimsoll.cluster.slots import SlotKV
@@ -156,7 +167,6 @@ class Stage:
         self.linear = [bool(getattr(layer, "is_linear", False)) for layer in self.layers]
         self.eos, self.chunk, self.block_tokens = eos, prefill_chunk, block_tokens
         self.first, self.last = ring.rank == 0, ring.rank == ring.size - 1
-        self._attn_mask, self._ssm_mask = create_attention_mask, create_ssm_mask
         self._kv_type, self._slot_kv = KVCache, SlotKV
         self.hidden = model.args.hidden_size
         self.dtype = None
@@ -169,14 +179,6 @@ class Stage:
         """Full-attention KV sized once to the reservation; other kinds as their template."""
         return [self._slot_kv(capacity) if type(t) is self._kv_type else copy.deepcopy(t)
                 for t in self.templates]
-
-    def _masks(self, h, caches: list) -> list:
-        """One mask per layer kind, built from the first cache of that kind (as mlx-lm does)."""
-        attn = next((c for c, lin in zip(caches, self.linear, strict=True) if not lin), None)
-        ssm = next((c for c, lin in zip(caches, self.linear, strict=True) if lin), None)
-        masks = {False: self._attn_mask(h, attn) if attn is not None else None,
-                 True: self._ssm_mask(h, ssm) if ssm is not None else None}
-        return [masks[lin] for lin in self.linear]
 
     def _sample(self, logits, slot: _Slot):
         mx = self.mx
@@ -203,7 +205,7 @@ class Stage:
             h = self.inner.embed_tokens(mx.array([tokens]))
         else:
             h = ring.recv((1, len(tokens), self.hidden), self.dtype, ring.left)
-        masks = self._masks(h, caches)
+        masks = layer_masks(h, caches, self.linear)
         for layer, mask, cache in zip(self.layers, masks, caches, strict=True):
             h = layer(h, mask, cache)
         if not self.last:
