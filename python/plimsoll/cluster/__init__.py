@@ -10,8 +10,9 @@ slice of the model on a per-layer loop, and the group's messages) and
 import mlx; :mod:`.protocol` (the lockstep slot protocol between rank 0 and its peers) and
 :mod:`.wire` (engine calls as messages, pure); :mod:`.serve` (the worker's HTTP API on
 rank 0 over the ring) and :mod:`.engine_serve` (rank 0's stdin requests on the engine);
-:mod:`.runner` (supervises the rank processes from outside); :mod:`.launch` (a sharded
-model as one worker of the proxy, ``plimsoll cluster serve`` as its process).
+:mod:`.runner` (supervises the rank processes from outside) and :mod:`.rank_cgroups`
+(their memory cgroups); :mod:`.launch` (a sharded model as one worker of the proxy,
+``plimsoll cluster serve`` as its process).
 
 May import: :mod:`plimsoll.launch`, :mod:`plimsoll.worker`, :mod:`plimsoll.engine` (its
 pure ``work`` and ``pool`` anywhere, its ``core`` in :mod:`.engine_stage`),

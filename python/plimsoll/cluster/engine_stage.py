@@ -33,21 +33,18 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import time
 
 from plimsoll.cluster import wire
-from plimsoll.cluster.exits import EXIT_OK, RanOut, as_failure
+from plimsoll.cluster.exits import EXIT_OK, lockstep
 from plimsoll.cluster.protocol import OP_PING, OP_SHUTDOWN
-from plimsoll.cluster.stage import FAULT_AT, FAULT_BYTES
+from plimsoll.cluster.stage import MemoryCheck, layer_masks
 
 
 class StageModel:
     """One stage of the model, called by the engine as the whole model would be."""
 
     def __init__(self, mx, ring, model, plan, templates: list):
-        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-
         self.mx, self.ring, self.plan = mx, ring, plan
         self.inner = model.model
         self.layers = self.inner.layers[plan.layer_start:plan.layer_end]
@@ -57,7 +54,6 @@ class StageModel:
         self.head = getattr(model, "lm_head", None)
         self.hidden = model.args.hidden_size
         self.dtype = mx.float32
-        self._attn_mask, self._ssm_mask = create_attention_mask, create_ssm_mask
         #: messages go over the ring only once every rank's engine is built (the engine
         #: runs one local probe forward while it measures its cache kinds)
         self.linked = False
@@ -65,14 +61,6 @@ class StageModel:
     def make_cache(self) -> list:
         """This stage's layers' caches (mlx-lm's ``make_prompt_cache`` asks for them)."""
         return [copy.deepcopy(t) for t in self.templates]
-
-    def _masks(self, h, caches: list) -> list:
-        """One mask per layer kind, from the first cache of that kind (as mlx-lm does)."""
-        attn = next((c for c, lin in zip(caches, self.linear, strict=True) if not lin), None)
-        ssm = next((c for c, lin in zip(caches, self.linear, strict=True) if lin), None)
-        masks = {False: self._attn_mask(h, attn) if attn is not None else None,
-                 True: self._ssm_mask(h, ssm) if ssm is not None else None}
-        return [masks[lin] for lin in self.linear]
 
     def __call__(self, inputs, cache=None):
         mx, ring = self.mx, self.ring
@@ -84,7 +72,8 @@ class StageModel:
         else:
             h = mx.zeros((rows, length, self.hidden), dtype=self.dtype)
         caches = cache if cache is not None else [None] * len(self.layers)
-        for layer, mask, c in zip(self.layers, self._masks(h, caches), caches, strict=True):
+        masks = layer_masks(h, caches, self.linear)
+        for layer, mask, c in zip(self.layers, masks, caches, strict=True):
             h = layer(h, mask, c)
         if not self.last:
             if self.linked:
@@ -92,30 +81,6 @@ class StageModel:
             return mx.zeros((rows, length, 1), dtype=mx.float32)
         h = self.inner.norm(h)
         return self.head(h) if self.head is not None else self.inner.embed_tokens.as_linear(h)
-
-
-class MemoryCheck:
-    """Running out is checked before every step, not trusted to the allocator (as
-    :meth:`plimsoll.cluster.stage.Stage.check_memory`, with its fault injection)."""
-
-    def __init__(self, mx, rank: int, limit_bytes: int | None):
-        self.mx, self.rank, self.limit_bytes = mx, rank, limit_bytes
-        self.steps = 0
-        self.held: list = []
-        self.fault_bytes = int(os.environ.get(FAULT_BYTES, "0"))
-        self.fault_at = int(os.environ.get(FAULT_AT, "0"))
-
-    def __call__(self) -> None:
-        mx, step = self.mx, self.steps
-        self.steps += 1
-        if self.fault_bytes and step == self.fault_at:
-            spike = mx.zeros((self.fault_bytes // 4,), dtype=mx.float32)
-            mx.eval(spike)
-            self.held.append(spike)
-        active = mx.get_active_memory()
-        if self.limit_bytes is not None and active > self.limit_bytes:
-            raise RanOut(f"rank {self.rank} ran out of its admitted memory at step {step}: "
-                         f"active {active} B > allocation limit {self.limit_bytes} B")
 
 
 def build_engine(mx, ring, stage_model: StageModel, facts, tokenizer, *, block_tokens: int,
@@ -191,10 +156,8 @@ class StageEngine:
 
     def _call(self, head: list[int], payload: list[int], here) -> list[int]:
         """Send the op right, run ``here()`` on this rank, read the last rank's reply."""
-        if self.broken is not None:
-            raise self.broken
         ring = self.ring
-        try:
+        with lockstep(self):
             if ring.size > 1:
                 ring.send_ints(head, ring.right)
                 if payload:
@@ -203,11 +166,6 @@ class StageEngine:
             if ring.size > 1:
                 return ring.recv_ints(max(1, len(got or ())), ring.left)
             return list(got or ())
-        except BaseException as err:
-            self.broken = as_failure(ring.rank, err)
-            raise self.broken from err
-        finally:
-            self.last_op = time.monotonic()
 
     def run_async(self, step) -> _Done:
         step = _concrete(step, self._last)

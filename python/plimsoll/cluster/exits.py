@@ -1,15 +1,19 @@
 """How a rank ends: exit codes, the failure that carries one, and the JSON event lines.
 
-Shared by the rank process (:mod:`.rank`), its op protocol (:mod:`.protocol`), rank 0's
-HTTP server (:mod:`.serve`) and the supervisor outside (:mod:`.runner`), which reads the
-codes back and raises the :class:`ClusterError` family; no mlx, so the supervisor, the CLI
-and the proxy import it without the engine.
+Shared by the rank process (:mod:`.rank`), rank 0's ops on both stages (:mod:`.protocol`,
+:mod:`.engine_stage`: :func:`lockstep`), rank 0's HTTP server (:mod:`.serve`) and the
+supervisor outside (:mod:`.runner`), which reads the codes back and raises the
+:class:`ClusterError` family; no mlx, so the supervisor, the CLI and the proxy import it
+without the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,6 +47,25 @@ def as_failure(rank: int, err: BaseException) -> RingFailure:
     if isinstance(err, RuntimeError) and "[ring]" in str(err):
         return RingFailure(EXIT_PEER, f"rank {rank} lost a peer: {err}; tearing down")
     return RingFailure(EXIT_OTHER, f"rank {rank}: {type(err).__name__}: {err}; tearing down")
+
+
+@contextlib.contextmanager
+def lockstep(leader) -> Iterator[None]:
+    """One op of rank 0's ``leader`` (its ``ring``, ``broken`` and ``last_op``) on every rank.
+
+    An error inside leaves the ranks out of step: it is raised as a :class:`RingFailure`
+    (:func:`as_failure`) and kept in ``leader.broken``, so every later op fails at once with
+    the same reason. ``leader.last_op`` is when the op ended (the pings' clock).
+    """
+    if leader.broken is not None:
+        raise leader.broken
+    try:
+        yield
+    except BaseException as err:
+        leader.broken = as_failure(leader.ring.rank, err)
+        raise leader.broken from err
+    finally:
+        leader.last_op = time.monotonic()
 
 
 def emit(event: str, **fields) -> None:

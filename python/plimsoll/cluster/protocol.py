@@ -33,7 +33,7 @@ import json
 import sys
 import time
 
-from plimsoll.cluster.exits import EXIT_OK, as_failure, emit
+from plimsoll.cluster.exits import EXIT_OK, emit, lockstep
 
 OP_NEW, OP_STEP, OP_FREE, OP_PING, OP_SHUTDOWN = 1, 2, 3, 4, 5
 HEADER = 7
@@ -98,10 +98,8 @@ class Leader:
         return self.ring.size
 
     def _do(self, head: list[int], prompt: list[int] | None = None, y: int = 0) -> int | None:
-        if self.broken is not None:
-            raise self.broken
         ring = self.ring
-        try:
+        with lockstep(self):
             if ring.size > 1:
                 ring.send_ints(head, ring.right)
             token = run_op(self.stage, head, prompt, y)
@@ -109,11 +107,6 @@ class Leader:
                 reply = ring.recv_ints(1, ring.left)[0]
                 token = reply if head[0] in (OP_NEW, OP_STEP) else None
             return token
-        except BaseException as err:
-            self.broken = as_failure(ring.rank, err)
-            raise self.broken from err
-        finally:
-            self.last_op = time.monotonic()
 
     def new(self, slot: int, prompt: list[int], max_tokens: int, temperature: float = 0.0,
             top_p: float = 1.0, seed: int | None = None) -> int:

@@ -61,7 +61,7 @@ from plimsoll.cluster.exits import (
     as_failure,
     emit,
 )
-from plimsoll.cluster.stage import Ring, load_stage
+from plimsoll.cluster.stage import MemoryCheck, Ring, load_stage
 from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS
 
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        decision, facts, limit)
         else:
             stage = load_stage(mx, ring, args.model, plan, request)
-            stage.limit_bytes, loaded_bytes = limit, stage.loaded_bytes
+            stage.check_memory.limit_bytes, loaded_bytes = limit, stage.loaded_bytes
         mine = {"rank": ring.rank, "pid": os.getpid(), "host": probe.host,
                 "loaded_bytes": loaded_bytes,
                 "planned_weights_bytes": plan.weights_bytes,
@@ -286,7 +286,7 @@ def _engine_rank(mx, ring, model_dir: Path, plan, request, decision, facts, limi
         _load_tokenizer(model_dir, config) if ring.rank == 0 else None,
         block_tokens=request.block_tokens, max_blocks=decision.pool_blocks,
         context=decision.context)
-    return (engine, engine_stage.MemoryCheck(mx, ring.rank, limit),
+    return (engine, MemoryCheck(mx, ring.rank, limit),
             sum(v.nbytes for v in params))
 
 

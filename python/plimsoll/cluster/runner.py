@@ -23,8 +23,8 @@ supervisor inherited are dropped).
 
 With ``guard`` (root and a writable memory controller, as for a worker) every rank runs in
 its own memory cgroup from its first instruction, limited to its own admitted footprint
-plus the guard's margin (:func:`plimsoll.guard.process.guard_limit`, from the same pure plan the
-ranks make); the cgroups are removed once the ranks have exited. Without them it logs why
+plus the guard's margin (:mod:`.rank_cgroups`, from the same pure plan the ranks make);
+the cgroups are removed once the ranks have exited. Without them it logs why
 and goes on (the ranks still check their own memory before every token).
 
 Every wait is bounded; all traffic is on the addresses given (127.0.0.1 by default).
@@ -56,7 +56,7 @@ from plimsoll.cluster.exits import (
     ClusterRankFailed,
     ClusterRefused,
 )
-from plimsoll.cluster.plan import ClusterDecision, ClusterRequest
+from plimsoll.cluster.plan import ClusterDecision, ClusterRequest, RankProbe
 from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS
 from plimsoll.web.serve import free_port
 
@@ -159,48 +159,15 @@ class Cluster:
                 self.events.put((rank, event))
         self.events.put((rank, None))
 
-    def _guard_limits(self) -> list[int] | None:
-        """Each rank's cgroup limit: its admitted footprint (the pure plan) + the margin."""
-        from plimsoll.cluster import plan as cluster_plan
-        from plimsoll.cluster.weights import read_config, tensor_bytes
-        from plimsoll.core.model_facts import inspect_model
-        from plimsoll.guard.process import guard_limit
-
-        if any(None in (s.ceiling_bytes, s.total_ram_bytes, s.budget_bytes)
-               for s in self.ranks):
-            self.guard_note = "a rank reads its own probe: no figures to size its cgroup by"
-            return None
-        probes = [cluster_plan.RankProbe(rank=r, ceiling_bytes=s.ceiling_bytes,
-                                         total_ram_bytes=s.total_ram_bytes,
-                                         budget_bytes=s.budget_bytes)
-                  for r, s in enumerate(self.ranks)]
-        facts = inspect_model(self.model_dir)
-        plans = cluster_plan.plan_cluster(read_config(self.model_dir), facts,
-                                          tensor_bytes(self.model_dir), probes, self.request)
-        return [guard_limit(
-                    cluster_plan.preflight(p, pr, facts, self.request).decision.footprint_bytes)
-                for p, pr in zip(plans, probes, strict=True)]
-
     def _make_guards(self) -> None:
-        from plimsoll.cluster.plan import ClusterPlanError
-        from plimsoll.core.model_facts import ModelInspectionError
-        from plimsoll.guard.process import WorkerGuard
+        from plimsoll.cluster.rank_cgroups import rank_guards
 
-        try:
-            limits = self._guard_limits()
-        except (ClusterPlanError, ModelInspectionError) as err:  # the ranks will say it too
-            self.guard_note = f"no cgroups: {err}"
-            return
-        for rank, limit in enumerate(limits or []):
-            wg, why = WorkerGuard.create(f"rank{rank}", limit, self.cgroup_parent)
-            if wg is None:
-                self.guard_note = f"no cgroups: {why}"
-                self._release_guards()
-                return
-            self.guards.append(wg)
-        if self.guards:
-            self.guard_note = "; ".join(f"rank {r}: memory cgroup {g.cgroup.path} limit "
-                                        f"{g.limit_bytes} B" for r, g in enumerate(self.guards))
+        figures = [(s.ceiling_bytes, s.total_ram_bytes, s.budget_bytes) for s in self.ranks]
+        probes = None if any(None in f for f in figures) else [
+            RankProbe(rank=r, ceiling_bytes=c, total_ram_bytes=t, budget_bytes=b)
+            for r, (c, t, b) in enumerate(figures)]
+        self.guards, self.guard_note = rank_guards(self.model_dir, probes, self.request,
+                                                   self.cgroup_parent)
 
     def _release_guards(self) -> None:
         """Remove the ranks' cgroups (every rank has exited)."""

@@ -7,7 +7,7 @@ them right, or (last rank) pick the token. :class:`Ring` is the group plus the f
 point-to-point and gather collectives the protocol needs. ``mx`` is passed in, never
 imported at module level, so :mod:`plimsoll.cluster.rank` can parse its arguments first.
 
-Invariant: a stage never allocates past its admitted limit unnoticed: :meth:`Stage.check_memory`
+Invariant: a stage never allocates past its admitted limit unnoticed: its :class:`MemoryCheck`
 runs before every forward that yields a token and raises :class:`RanOut`.
 """
 
@@ -25,6 +25,46 @@ from plimsoll.cluster.exits import RanOut
 FAULT_BYTES, FAULT_AT = "PLIMSOLL_CLUSTER_FAULT_BYTES", "PLIMSOLL_CLUSTER_FAULT_AT"
 #: Pass every message as an all-sum (the nccl path) whatever the backend.
 COLLECTIVE = "PLIMSOLL_CLUSTER_COLLECTIVE"
+
+
+def layer_masks(h, caches: list, linear: list[bool]) -> list:
+    """One mask per layer (``linear``: its kind), each built from the first cache of its kind
+    (as mlx-lm does)."""
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+    attn = next((c for c, lin in zip(caches, linear, strict=True) if not lin), None)
+    ssm = next((c for c, lin in zip(caches, linear, strict=True) if lin), None)
+    masks = {False: create_attention_mask(h, attn) if attn is not None else None,
+             True: create_ssm_mask(h, ssm) if ssm is not None else None}
+    return [masks[lin] for lin in linear]
+
+
+class MemoryCheck:
+    """Running out is checked before every step, not trusted to the allocator: past the
+    limit (set once the weights are loaded) it raises :class:`RanOut`, which stops the ring.
+
+    Fault injection (:data:`FAULT_BYTES` at :data:`FAULT_AT`) counts the checks, so the
+    spike lands at that step. ``step_name`` is how the message names a step.
+    """
+
+    def __init__(self, mx, rank: int, limit_bytes: int | None, step_name: str = "step"):
+        self.mx, self.rank, self.limit_bytes, self.step_name = mx, rank, limit_bytes, step_name
+        self.steps = 0
+        self.held: list = []
+        self.fault_bytes = int(os.environ.get(FAULT_BYTES, "0"))
+        self.fault_at = int(os.environ.get(FAULT_AT, "0"))
+
+    def __call__(self) -> None:
+        mx, step = self.mx, self.steps
+        self.steps += 1
+        if self.fault_bytes and step == self.fault_at:
+            spike = mx.zeros((self.fault_bytes // 4,), dtype=mx.float32)
+            mx.eval(spike)
+            self.held.append(spike)
+        active = mx.get_active_memory()
+        if self.limit_bytes is not None and active > self.limit_bytes:
+            raise RanOut(f"rank {self.rank} ran out of its admitted memory at {self.step_name} "
+                         f"{step}: active {active} B > allocation limit {self.limit_bytes} B")
 
 
 class Ring:
@@ -116,7 +156,6 @@ class Stage:
 
     def __init__(self, mx, ring: Ring, model, plan, eos: set[int], prefill_chunk: int,
                  cache_templates: list, block_tokens: int):
-        from mlx_lm.models.base import create_attention_mask, create_ssm_mask
         from mlx_lm.models.cache import KVCache
 
         from plimsoll.cluster.slots import SlotKV
@@ -128,41 +167,18 @@ class Stage:
         self.linear = [bool(getattr(layer, "is_linear", False)) for layer in self.layers]
         self.eos, self.chunk, self.block_tokens = eos, prefill_chunk, block_tokens
         self.first, self.last = ring.rank == 0, ring.rank == ring.size - 1
-        self._attn_mask, self._ssm_mask = create_attention_mask, create_ssm_mask
         self._kv_type, self._slot_kv = KVCache, SlotKV
         self.hidden = model.args.hidden_size
         self.dtype = None
-        self.limit_bytes: int | None = None
         self.slots: dict[int, _Slot] = {}
-        self.steps = 0  # token-producing forwards since load (fault injection counts these)
-        self.held: list = []
-        self.fault_bytes = int(os.environ.get(FAULT_BYTES, "0"))
-        self.fault_at = int(os.environ.get(FAULT_AT, "0"))
-
-    def check_memory(self) -> None:
-        """Running out is checked, not trusted to the allocator: past the limit, stop the ring."""
-        mx, step = self.mx, self.steps
-        if self.fault_bytes and step == self.fault_at:
-            spike = mx.zeros((self.fault_bytes // 4,), dtype=mx.float32)
-            mx.eval(spike)
-            self.held.append(spike)
-        active = mx.get_active_memory()
-        if self.limit_bytes is not None and active > self.limit_bytes:
-            raise RanOut(f"rank {self.ring.rank} ran out of its admitted memory at decode step "
-                         f"{step}: active {active} B > allocation limit {self.limit_bytes} B")
+        # checked before every token-producing forward (fault injection counts these);
+        # its limit is set once the weights are loaded
+        self.check_memory = MemoryCheck(mx, ring.rank, None, step_name="decode step")
 
     def _new_caches(self, capacity: int) -> list:
         """Full-attention KV sized once to the reservation; other kinds as their template."""
         return [self._slot_kv(capacity) if type(t) is self._kv_type else copy.deepcopy(t)
                 for t in self.templates]
-
-    def _masks(self, h, caches: list) -> list:
-        """One mask per layer kind, built from the first cache of that kind (as mlx-lm does)."""
-        attn = next((c for c, lin in zip(caches, self.linear, strict=True) if not lin), None)
-        ssm = next((c for c, lin in zip(caches, self.linear, strict=True) if lin), None)
-        masks = {False: self._attn_mask(h, attn) if attn is not None else None,
-                 True: self._ssm_mask(h, ssm) if ssm is not None else None}
-        return [masks[lin] for lin in self.linear]
 
     def _sample(self, logits, slot: _Slot):
         mx = self.mx
@@ -189,7 +205,7 @@ class Stage:
             h = self.inner.embed_tokens(mx.array([tokens]))
         else:
             h = ring.recv((1, len(tokens), self.hidden), self.dtype, ring.left)
-        masks = self._masks(h, caches)
+        masks = layer_masks(h, caches, self.linear)
         for layer, mask, cache in zip(self.layers, masks, caches, strict=True):
             h = layer(h, mask, cache)
         if not self.last:
@@ -229,9 +245,7 @@ class Stage:
 
     def _decode(self, s: _Slot, y: int) -> int | None:
         self.check_memory()
-        token = self._forward([y], s, want_token=True)
-        self.steps += 1
-        return token
+        return self._forward([y], s, want_token=True)
 
     def free(self, slot: int) -> None:
         s = self.slots.pop(slot, None)

@@ -32,6 +32,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from .policy_errors import PolicyError, schema_errors, validation_message
 from .sizing import DEFAULT_OUTPUT_TOKENS, default_output
 from .units import gib_to_bytes
 
@@ -328,47 +329,15 @@ class Policy(_Strict):
         return gib_to_bytes(getattr(self.modes, mode).max_local_llm_gb)
 
 
-class PolicyError(ValueError):
-    """A policy that can't be used; the message names the field and what to change."""
-
-
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"{source}: invalid policy ({err.error_count()} problem(s)):"]
-    for e in err.errors(include_url=False):
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key (remove it, or check its spelling against `plimsoll policy schema`)"
-        elif e["type"] == "missing":
-            msg = "required field is missing"
-        lines.append(f"  - {loc}: {msg}")
-    return "\n".join(lines)
-
-
-def _schema_errors(data: Mapping[str, Any], source: str) -> str | None:
-    """Shape errors against the committed schema (the file Nix validates against too)."""
-    import jsonschema  # imported here: only loading a policy needs it, not CLI start-up
-
-    validator = jsonschema.Draft202012Validator(committed_schema())
-    errors = sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
-    if not errors:
-        return None
-    lines = [f"{source}: invalid policy ({len(errors)} problem(s)):"]
-    for e in errors:
-        loc = ".".join(str(p) for p in e.absolute_path) or "(top level)"
-        lines.append(f"  - {loc}: {e.message}")
-    return "\n".join(lines)
-
-
 def parse_policy(data: Mapping[str, Any], source: str = "policy") -> Policy:
     """Validate shape with the committed JSON Schema, then the cross-field invariants."""
-    shape = _schema_errors(data, source)
+    shape = schema_errors(committed_schema(), data, source)
     if shape:
         raise PolicyError(shape)
     try:
         return Policy.model_validate(data)
     except ValidationError as err:
-        raise PolicyError(_format_validation_error(err, source)) from None
+        raise PolicyError(validation_message(err, source)) from None
 
 
 def load_policy(path: str | Path) -> Policy:

@@ -19,9 +19,10 @@ Normalisation happens here, once: message ``content`` is always a list of text p
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -60,6 +61,14 @@ def _must_be(value: Any, allowed: Any, hint: str) -> Any:
     if value != allowed:
         raise ValueError(f"{json.dumps(value)} is not supported; {hint}")
     return value
+
+
+NoLogprobs = Annotated[bool, AfterValidator(lambda value: _must_be(
+    value, False, "log probabilities are not returned; send false or omit"))]
+"""A ``logprobs`` flag: only false (no API here returns log probabilities)."""
+NoTopLogprobs = Annotated[int, AfterValidator(lambda value: _must_be(
+    value, 0, "log probabilities are not returned; omit top_logprobs"))]
+"""A ``top_logprobs`` count: only 0."""
 
 
 # --- chat messages ------------------------------------------------------------------------
@@ -247,23 +256,13 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     response_format: ResponseFormat | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
+    logprobs: NoLogprobs = False
+    top_logprobs: NoTopLogprobs = 0
 
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice(cls, value: Any) -> Any:
         return tool_choices.from_openai(value)
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool) -> bool:
-        return _must_be(value, False, "log probabilities are not returned; send false or omit")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: int) -> int:
-        return _must_be(value, 0, "log probabilities are not returned; omit top_logprobs")
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -1,7 +1,7 @@
 """Verified release: a stopped worker's memory must come back before anything loads over it.
 
 :class:`Releases` owns the checks still to verify (``pending``) and the crash releases being
-verified; the figure compared is the supervisor's ``unaccounted`` in-use reading and the
+verified; the figure compared is :func:`unaccounted_bytes` (read by the supervisor) and the
 arithmetic is :class:`plimsoll.core.sizing.ReleaseCheck`'s.
 """
 
@@ -14,11 +14,29 @@ from typing import Any
 
 from plimsoll.core.sizing import ReleaseCheck
 
+from ..probes.held import anon_bytes_except, read_content_bytes
+from ..probes.snapshot import MemorySnapshot
 from .errors import ProxyError
 from .events import EventLog
 from .settings import Settings
 
 RELEASE_POLL_S = 0.05
+
+
+def unaccounted_bytes(snapshot: MemorySnapshot, pid: int = 0) -> int:
+    """The in-use figure the release check compares (blocking: ~10 ms on Linux).
+
+    Where in-use is host-wide (Linux with no binding cgroup), the figure is the memory
+    the kernel holds with content (:func:`plimsoll.probes.held.content_bytes`: not
+    ``MemTotal − MemAvailable``, which a VM's free page reporting holds up for seconds
+    after an exit) less every other process's anonymous memory, so other tenants
+    growing or shrinking do not move it, while memory a dead worker left behind
+    (shared memory, kernel objects) still does. A binding cgroup's usage, or macOS's
+    wired figure, is taken as it is.
+    """
+    if snapshot.platform == "linux" and snapshot.ceiling_source.startswith("MemTotal"):
+        return read_content_bytes() - anon_bytes_except(pid)
+    return snapshot.in_use_bytes
 
 
 class Releases:

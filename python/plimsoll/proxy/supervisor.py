@@ -48,13 +48,13 @@ from plimsoll.launch.live_admission import (
 from plimsoll.launch.spawn import LaunchError, worker_config
 from plimsoll.web.serve import free_port
 
-from ..probes.held import anon_bytes_except, held_bytes, read_content_bytes
+from ..probes.held import held_bytes
 from ..probes.snapshot import MemorySnapshot
 from .errors import ProxyError
 from .events import EventLog, log
 from .evict import Resident, choose_evictions
 from .lock import TransitionLock
-from .release import Releases
+from .release import Releases, unaccounted_bytes
 from .settings import Settings
 from .state import Lease, State, Worker
 from .tripwire import Tripwire, watch
@@ -88,20 +88,8 @@ class Supervisor:
         return self._snapshot().in_use_bytes
 
     def unaccounted(self, pid: int = 0) -> int:
-        """The in-use figure the release check compares (blocking: ~10 ms on Linux).
-
-        Where in-use is host-wide (Linux with no binding cgroup), the figure is the memory
-        the kernel holds with content (:func:`plimsoll.probes.held.content_bytes`: not
-        ``MemTotal − MemAvailable``, which a VM's free page reporting holds up for seconds
-        after an exit) less every other process's anonymous memory, so other tenants
-        growing or shrinking do not move it, while memory a dead worker left behind
-        (shared memory, kernel objects) still does. A binding cgroup's usage, or macOS's
-        wired figure, is taken as it is.
-        """
-        snap = self._snapshot()
-        if snap.platform == "linux" and snap.ceiling_source.startswith("MemTotal"):
-            return read_content_bytes() - anon_bytes_except(pid)
-        return snap.in_use_bytes
+        """The in-use figure the release check compares (:func:`.release.unaccounted_bytes`)."""
+        return unaccounted_bytes(self._snapshot(), pid)
 
     def measure(self, pid: int) -> tuple[int, int]:
         return self.unaccounted(pid), held_bytes(pid)

@@ -39,6 +39,8 @@ from ..requests import (
     MAX_TOKENS_LIMIT,
     ChatCompletionRequest,
     CompletionRequest,
+    NoLogprobs,
+    NoTopLogprobs,
     _must_be,
     _Strict,
 )
@@ -160,8 +162,8 @@ class _Generation(_Strict):
     format: str | dict[str, Any] | None = None
     options: Options = Field(default_factory=Options)
     think: bool | Literal["low", "medium", "high"] | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
+    logprobs: NoLogprobs = False
+    top_logprobs: NoTopLogprobs = 0
 
     @field_validator("format")
     @classmethod
@@ -170,16 +172,6 @@ class _Generation(_Strict):
             raise ValueError(f'{json.dumps(value)} is not a format; send "json" or a JSON '
                              "Schema object")
         return value or None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool) -> bool:
-        return _must_be(value, False, "log probabilities are not returned; send false or omit")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: int) -> int:
-        return _must_be(value, 0, "log probabilities are not returned; omit top_logprobs")
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
