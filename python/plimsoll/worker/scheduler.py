@@ -47,7 +47,7 @@ from typing import Any
 from plimsoll.engine.work import Step, Work
 from plimsoll.worker.pool import BlockPool, Grant, Refusal
 
-from . import prefix
+from . import prefix, speculate
 from .events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
 from .stats import PUBLISH_INTERVAL_S, status_figures
 from .trip import MemoryLine
@@ -90,6 +90,7 @@ class Scheduler:
         self._published_at = 0.0  # monotonic time of the last snapshot
         self._dirty = True        # something a reader sees changed besides the step count
         self.disk: Any = None  # the tier under the pool (worker/disk_restore.DiskTier) or None
+        self.drafter: speculate.Drafter | None = None  # speculation (worker/speculate) or None: off
 
     @property
     def tripped(self) -> str:
@@ -162,6 +163,9 @@ class Scheduler:
         if self.line.due(bool(self._running)):
             self._check_trip()
         self._end_cancelled()
+        if self._pending is not None and self._drafting_waits():
+            previous, self._pending = self._pending, None  # its drafts need its tokens
+            self._read(*previous)
         step = self._plan()
         submitted = None
         self.line.spiked = bool(step.prefills)  # a prefill's transient: probe next iteration
@@ -215,6 +219,10 @@ class Scheduler:
                 log.error("sequence %s would pass its reservation; ended", run.req.id)
                 self._finish(run, "length")
                 continue
+            if self.drafter is not None and (
+                    verify := speculate.verify_work(self.drafter, self.pool, run)) is not None:
+                prefills.append(verify)
+                continue
             token = None if run.pending else (run.tokens[-1],)
             decodes.append(Work(run.req.id, token, run.written, table, True,
                                 run.sampling, run.req.constraint))
@@ -240,6 +248,12 @@ class Scheduler:
             budget -= self._chunk(self._admit(req, grant), budget, prefills, chunks)
         self.step_log.append((self._steps + 1, tuple(w.seq_id for w in decodes), chunks))
         return Step(tuple(decodes), tuple(prefills))
+
+    def _drafting_waits(self) -> bool:
+        """A sequence that may draft this step has a token in flight: read it first."""
+        return self.drafter is not None and any(
+            run.pending and not run.prefilling and speculate.may_draft(self.drafter, run)
+            for run in self._running.values())
 
     def _admit(self, req: GenRequest, grant: Grant) -> Run:
         """Map the hit blocks, count the reservation, restore a hybrid state snapshot."""
@@ -293,23 +307,38 @@ class Scheduler:
     def _read(self, pending: Any, step: int) -> None:
         """The tokens of step ``step``: emit them, end finished sequences. A token of a
         sequence that ended meanwhile is dropped."""
-        for seq_id, token in pending.result().items():
+        for seq_id, out in pending.result().items():
             run = self._running.get(seq_id)
             if run is None:
                 continue
             run.pending -= 1
-            run.generated += 1
-            run.tokens.append(token)
-            run.req.sink(Token(token))
-            constraint = run.req.constraint
-            if token in self.eos_ids and not run.req.ignore_eos:
-                self._finish(run, "eos")
-            elif constraint is not None and constraint.done():
-                self._finish(run, "stop")
-            elif run.generated >= run.req.max_tokens:
-                self._finish(run, "length")
+            tokens = (out,) if isinstance(out, int) else out
+            if not isinstance(out, int):  # verified drafts: written rolls back by length
+                start, drafts = self.drafter.settle(seq_id, len(out) - 1)
+                run.written = start + len(out)
+                run.req.drafted += drafts
+                run.req.accepted += len(out) - 1
+            for token in tokens:
+                if self._emit(run, token):
+                    break
             else:
                 self._commit(run)
+
+    def _emit(self, run: Run, token: int) -> bool:
+        """One token read back for ``run``; True when it ended the sequence."""
+        run.generated += 1
+        run.tokens.append(token)
+        run.req.sink(Token(token))
+        constraint = run.req.constraint
+        if token in self.eos_ids and not run.req.ignore_eos:
+            self._finish(run, "eos")
+        elif constraint is not None and constraint.done():
+            self._finish(run, "stop")
+        elif run.generated >= run.req.max_tokens:
+            self._finish(run, "length")
+        else:
+            return False
+        return True
 
     def _finish(self, run: Run, reason: str) -> None:
         self._end(run, reason)
@@ -321,6 +350,8 @@ class Scheduler:
         now: every written position is a prompt token or a token already read)."""
         self._dirty = True
         del self._running[run.req.id]
+        if self.drafter is not None:
+            self.drafter.forget(run.req.id)
         if reason is not None:
             self._commit(run)
         self.pool.free(run.req.id)

@@ -1,0 +1,96 @@
+"""Speculative decoding by prompt lookup, for real: two workers on the tiny demo model, one
+plain and one with ``--prompt-lookup 3``, answer greedy requests token for token the same
+(alone and four at once, through the HTTP API); the speculating one reports what it proposed
+and accepted (status, access log); a hybrid model refuses to speculate and says why."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import pytest
+from conftest import Worker
+
+from plimsoll.worker.speculate import Drafter, prompt_lookup
+
+PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
+           "def main(): return main() def main(): return",
+           "hello there, how are you today?",
+           "one two three four one two three four one two"]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("spec") / "worker.log"
+    plain = Worker(tiny_model)
+    spec = Worker(tiny_model, log=log, prompt_lookup=3, num_draft_tokens=3)
+    yield plain, spec, log
+    plain.stop()
+    spec.stop()
+
+
+def complete(w: Worker, prompt: str, n: int = 24) -> list[int]:
+    r = httpx.post(w.url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
+        "logprobs": None})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == n or body["choices"][0]["finish_reason"] == "stop"
+    return body["choices"][0]["text"]
+
+
+def test_greedy_output_is_the_same_with_prompt_lookup(pair):
+    plain, spec, log = pair
+    for prompt in PROMPTS:  # alone
+        assert complete(spec, prompt) == complete(plain, prompt), prompt
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:  # four at once
+        want = list(ex.map(lambda p: complete(plain, p, 40), PROMPTS))
+        got = list(ex.map(lambda p: complete(spec, p, 40), PROMPTS))
+    assert got == want
+    st = spec.wait_idle()["speculative"]
+    assert st["enabled"] is True
+    assert st["proposed"] > 0 and 0 < st["accepted"] <= st["proposed"]
+    assert st["by_proposer"]["prompt_lookup"]["accepted"] == st["accepted"]
+    assert 0 < st["acceptance_rate"] <= 1 and st["accepted_per_step"] > 0
+    assert "speculative" not in plain.status()
+    lines = [ln for ln in log.read_text().splitlines() if "access " in ln and "drafted=" in ln]
+    assert lines and all("accepted=" in ln for ln in lines)
+
+
+def test_a_hybrid_model_refuses_to_speculate(family_dir):
+    w = Worker(family_dir("qwen3_next"), prompt_lookup=3)
+    try:
+        st = w.status()["speculative"]
+        assert st["enabled"] is False and "RecurrentState" in st["reason"]
+        r = httpx.post(w.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "a b a b a b", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+    finally:
+        w.stop()
+
+
+def test_prompt_lookup_matches_the_longest_recent_ngram():
+    assert prompt_lookup([1, 2, 3, 9, 1, 2, 3], 3, 2) == (9, 1)
+    assert prompt_lookup([1, 2, 3, 4, 7, 3], 3, 3) == (4, 7, 3)  # n = 1
+    assert prompt_lookup([5, 1, 2, 6, 1, 2, 7, 2], 3, 1) == (7,)  # the latest [2]
+    assert prompt_lookup([5, 6, 7], 3, 3) == ()
+    assert prompt_lookup([1, 2, 1, 2], 2, 0) == ()
+
+
+def test_draft_length_adapts_to_acceptance():
+    d = Drafter(3, 3)
+    toks = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert d.propose(7, toks, 10) == (3, 1, 2)
+    d.started(7, 7, 3)
+    assert d.settle(7, 0) == (7, 3)  # none accepted: one fewer
+    assert len(d.propose(7, toks, 10)) == 2
+    d.started(7, 7, 2)
+    d.settle(7, 0)
+    assert len(d.propose(7, toks, 10)) == 1
+    d.started(7, 7, 1)
+    d.settle(7, 0)  # down to 0: plain decoding, a retry every RETRY_STEPS
+    assert not d.wants(7) and d.propose(7, toks, 10) == ()
+    assert d.figures.proposed == 6 and d.figures.accepted == 0
+    d.forget(7)
+    assert d.wants(7)  # a new sequence starts at the longest draft
+    assert d.propose(8, toks, 1) == (3,)  # never past the request's room
