@@ -94,3 +94,21 @@ def test_draft_length_adapts_to_acceptance():
     d.forget(7)
     assert d.wants(7)  # a new sequence starts at the longest draft
     assert d.propose(8, toks, 1) == (3,)  # never past the request's room
+
+
+def test_the_policy_entry_and_flags_reach_the_worker_argv():
+    from pathlib import Path
+
+    from plimsoll.core.policy import ModelEntry
+    from plimsoll.core.worker_config import WorkerConfig, worker_flags
+
+    entry = ModelEntry.model_validate({"path": "/m", "context": 8192, "promptLookup": 2,
+                                       "numDraftTokens": 5})
+    assert (entry.prompt_lookup, entry.num_draft_tokens) == (2, 5)
+    cfg = WorkerConfig(model_dir=Path("/m"), model_name="m", max_cache_blocks=8,
+                       gpu_memory_utilization=0.5, max_num_seqs=1, context=64, max_tokens=16,
+                       default_max_tokens=16, ceiling_bytes=1, total_ram_bytes=1,
+                       prompt_lookup=2, num_draft_tokens=5)
+    flags = worker_flags(cfg)
+    assert flags[flags.index("--prompt-lookup") + 1] == "2"
+    assert flags[flags.index("--num-draft-tokens") + 1] == "5"
