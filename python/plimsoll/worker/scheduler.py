@@ -25,6 +25,11 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
    EOS or a finished constraint. Their full blocks stay cached (hashes registered): no
    compaction, no moves.
 
+Speculation (:mod:`.speculate`, ``--prompt-lookup``): a greedy, unconstrained sequence with
+drafts runs as a chunk of its last token and the drafts (``Work.draft``); a sequence that may
+draft is never pipelined (before planning, the previous step is read when one has a token in
+flight), and reading a verified step rolls ``written`` back to the accepted tokens.
+
 Running out is an event (``Refused``) for the HTTP edge to turn into a 503 with
 ``Retry-After`` — never a crash, never growth past the pool. This module is the thread and
 the loop; :mod:`.waiting` is admission's side (intake, expiry, what a waiter waits for),

@@ -1,0 +1,170 @@
+"""Single-stream greedy decode with and without prompt-lookup speculation, at controlled
+acceptance, through the HTTP API of a real ``plimsoll worker``.
+
+Random weights give no realistic acceptance, so the acceptance is set by the model and
+the prompt:
+
+- ``repeat``: the tiny demo model as built (its greedy output settles into a loop, so
+  lookup's drafts are right) and a prompt that repeats one sentence: high acceptance;
+- ``random``: the same model with its matrices scaled by 4 (its greedy output varies from
+  token to token, as ``plimsoll.engine.drive.sharpen``) and a prompt of random words:
+  lookup's few matches are wrong, each sequence's draft length falls to 0 and it retries one
+  draft every 16 steps: acceptance near 0.
+
+For each regime and mode (``plain``; ``lookup``: ``--prompt-lookup 3 --num-draft-tokens
+K``) a worker is started, warmed by one request, and ``--runs`` streamed requests of
+``--tokens`` output tokens are timed: ``tok_s`` is tokens / (the last token's arrival - the
+request's start); the prompt is short, so its prefill is a small part (a speculating
+stream's tokens come in bursts, so first-to-last token time would overstate it). The
+lookup worker's status gives proposed / accepted. Run with OpenBLAS::
+
+    PYTHONPATH=python python bench/speculative.py \\
+      --out-dir bench/results --name speculative-cpu-2026-12-01
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from lib import report
+from lib.servers import OPENBLAS, ServerProcess, free_port, server_env
+
+SENTENCE = "the quick brown fox jumps over the lazy dog and runs into the woods. "
+
+
+def sharpened(base: Path, out: Path, scale: float = 4.0) -> Path:
+    """A copy of ``base`` with its 2-D matrices scaled by ``scale``."""
+    if (out / "model.safetensors").exists():
+        return out
+    import mlx.core as mx
+    import mlx_lm
+    from mlx.utils import tree_flatten
+    from plimsoll.engine.drive import sharpen
+
+    shutil.copytree(base, out, dirs_exist_ok=True)
+    model, _ = mlx_lm.load(str(base))
+    sharpen(model, scale)
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    return out
+
+
+class Worker:
+    def __init__(self, model: Path, log: Path, extra: list[str]):
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "plimsoll.cli", "worker", "--model", str(model),
+                "--model-name", "m", "--port", str(port), "--max-cache-blocks", "1024",
+                "--gpu-memory-utilization", "0.9", "--cache-memory-mb", "0",
+                "--max-num-seqs", "1", "--context", "2048", "--max-tokens", "512",
+                "--ceiling-bytes", str(16 << 30), "--total-ram-bytes", str(24 << 30),
+                "--quiet", *extra]
+        self.server = ServerProcess("worker", argv, server_env(OPENBLAS), port, log).start()
+        self.server.wait_ready(300, paths=("/v1/plimsoll/status",))
+
+    def status(self) -> dict:
+        return httpx.get(self.url + "/v1/plimsoll/status", timeout=30).json()
+
+    def stream(self, prompt: str, tokens: int) -> dict:
+        """One streamed greedy completion: its token times."""
+        times: list[float] = []
+        t0 = time.perf_counter()
+        body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if (line.startswith("data: ") and line != "data: [DONE]"
+                        and json.loads(line[6:])["choices"]):
+                    times.append(time.perf_counter())
+        first, last = times[0], times[-1]
+        return {"ttft_s": first - t0, "events": len(times), "tok_s": tokens / (last - t0)}
+
+
+def measure(model: Path, prompt: str, extra: list[str], log: Path, args) -> dict:
+    w = Worker(model, log, extra)
+    try:
+        w.stream(prompt, 8)  # warm
+        before = w.status().get("speculative", {})
+        runs = [w.stream(prompt, args.tokens) for _ in range(args.runs)]
+        spec = w.status().get("speculative", {})
+    finally:
+        w.server.stop()
+    proposed = spec.get("proposed", 0) - before.get("proposed", 0)
+    accepted = spec.get("accepted", 0) - before.get("accepted", 0)
+    steps = spec.get("steps", 0) - before.get("steps", 0)
+    rates = [r["tok_s"] for r in runs]
+    return {"tok_s": statistics.median(rates), "tok_s_runs": rates,
+            "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "proposed": proposed, "accepted": accepted, "verify_steps": steps,
+            "acceptance": accepted / proposed if proposed else None,
+            "speculative": spec}
+
+
+def markdown(result: dict) -> str:
+    rows = []
+    for regime, modes in result["regimes"].items():
+        plain = modes["plain"]["tok_s"]
+        for mode, m in modes.items():
+            rows.append((regime, mode, report.num(m["tok_s"]),
+                         report.num(m["tok_s"] / plain, ".2f"),
+                         m["proposed"], m["accepted"], report.num(m["acceptance"], ".2f")))
+    lines = [f"# Prompt-lookup speculation, 1 stream, {result['machine']}", "",
+             f"Command: `{result['command']}`", "",
+             f"Model: the tiny demo ({result['tokens']} greedy tokens per request, "
+             f"{result['runs']} runs, median; k = {result['num_draft_tokens']}).", "",
+             *report.table(("regime", "mode", "tok/s", "× plain", "proposed",
+                            "accepted", "acceptance"), rows), "",
+             "`repeat`: the demo model's looping greedy output and a repeated sentence (high "
+             "acceptance). `random`: matrices × 4 (varied output) and random words (near-zero "
+             "acceptance: the adaptive draft length falls to 0).", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=report.OUT / "speculative")
+    ap.add_argument("--tokens", type=int, default=160)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--num-draft-tokens", type=int, default=3)
+    ap.add_argument("--out-dir", type=Path, default=report.RESULTS)
+    ap.add_argument("--name", default=report.default_name("speculative"))
+    args = ap.parse_args()
+    from plimsoll.demo.model import build_demo_model
+
+    base = build_demo_model(args.dir / "tiny", preset="tiny")
+    sharp = sharpened(base, args.dir / "tiny-sharp")
+    rng = random.Random(0)
+    words = ["alpha", "delta", "orbit", "cinder", "mango", "quartz", "velvet", "ember",
+             "harbor", "tundra", "pixel", "lumen", "saffron", "glacier", "nimbus", "zephyr"]
+    regimes = {"repeat": (base, SENTENCE * 6),
+               "random": (sharp, " ".join(rng.choice(words) for _ in range(60)))}
+    modes = {"plain": [], "lookup": ["--prompt-lookup", "3", "--num-draft-tokens",
+                                     str(args.num_draft_tokens)]}
+    out: dict = {}
+    for regime, (model, prompt) in regimes.items():
+        out[regime] = {}
+        for mode, extra in modes.items():
+            m = measure(model, prompt, extra, args.dir / f"{regime}-{mode}.log", args)
+            out[regime][mode] = m
+            print(f"{regime:7s} {mode:7s} {m['tok_s']:8.1f} tok/s  "
+                  f"accepted {m['accepted']}/{m['proposed']}", flush=True)
+    result = {"command": report.command(), "host": report.host_facts(),
+              "machine": report.machine(), "tokens": args.tokens, "runs": args.runs,
+              "num_draft_tokens": args.num_draft_tokens, "regimes": out}
+    print(report.write(result, args.out_dir, args.name, markdown))
+
+
+if __name__ == "__main__":
+    main()
