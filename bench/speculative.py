@@ -11,8 +11,9 @@ the prompt:
   lookup's few matches are wrong, each sequence's draft length falls to 0 and it retries one
   draft every 16 steps: acceptance near 0.
 
-For each regime and mode (``plain``; ``lookup``: ``--prompt-lookup 3 --num-draft-tokens
-K``) a worker is started, warmed by one request, and ``--runs`` streamed requests of
+For each regime both modes' workers (``plain``; ``lookup``: ``--prompt-lookup 3
+--num-draft-tokens K``) are started and warmed by one request, then ``--runs`` rounds of one
+streamed request to each (interleaved, so a shared machine's drifting load hits both) of
 ``--tokens`` output tokens are timed: ``tok_s`` is tokens / (the last token's arrival - the
 request's start); the prompt is short, so its prefill is a small part (a speculating
 stream's tokens come in bursts, so first-to-last token time would overstate it). The
@@ -92,15 +93,30 @@ class Worker:
         return {"ttft_s": first - t0, "events": len(times), "tok_s": tokens / (last - t0)}
 
 
-def measure(model: Path, prompt: str, extra: list[str], log: Path, args) -> dict:
-    w = Worker(model, log, extra)
+def measure(model: Path, prompt: str, modes: dict[str, list[str]], logs: Path,
+            args) -> dict[str, dict]:
+    """Every mode's worker at once, their requests interleaved (a shared machine's load
+    drifts: each mode sees the same drift)."""
+    workers: dict[str, Worker] = {}
     try:
-        w.stream(prompt, 8)  # warm
-        before = w.status().get("speculative", {})
-        runs = [w.stream(prompt, args.tokens) for _ in range(args.runs)]
-        spec = w.status().get("speculative", {})
+        for mode, extra in modes.items():
+            workers[mode] = Worker(model, logs / f"{mode}.log", extra)
+        before = {}
+        for mode, w in workers.items():
+            w.stream(prompt, 8)  # warm
+            before[mode] = w.status().get("speculative", {})
+        runs: dict[str, list[dict]] = {mode: [] for mode in workers}
+        for _ in range(args.runs):
+            for mode, w in workers.items():
+                runs[mode].append(w.stream(prompt, args.tokens))
+        after = {mode: w.status().get("speculative", {}) for mode, w in workers.items()}
     finally:
-        w.server.stop()
+        for w in workers.values():
+            w.server.stop()
+    return {mode: figures(runs[mode], before[mode], after[mode]) for mode in workers}
+
+
+def figures(runs: list[dict], before: dict, spec: dict) -> dict:
     proposed = spec.get("proposed", 0) - before.get("proposed", 0)
     accepted = spec.get("accepted", 0) - before.get("accepted", 0)
     steps = spec.get("steps", 0) - before.get("steps", 0)
@@ -154,10 +170,8 @@ def main() -> None:
                                      str(args.num_draft_tokens)]}
     out: dict = {}
     for regime, (model, prompt) in regimes.items():
-        out[regime] = {}
-        for mode, extra in modes.items():
-            m = measure(model, prompt, extra, args.dir / f"{regime}-{mode}.log", args)
-            out[regime][mode] = m
+        out[regime] = measure(model, prompt, modes, args.dir / regime, args)
+        for mode, m in out[regime].items():
             print(f"{regime:7s} {mode:7s} {m['tok_s']:8.1f} tok/s  "
                   f"accepted {m['accepted']}/{m['proposed']}", flush=True)
     result = {"command": report.command(), "host": report.host_facts(),

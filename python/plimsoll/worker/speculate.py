@@ -34,18 +34,24 @@ RETRY_STEPS = 16
 
 
 def prompt_lookup(tokens: Sequence[int], longest: int, k: int) -> tuple[int, ...]:
-    """Up to ``k`` tokens that followed the most recent earlier occurrence of ``tokens``'
-    last ``n`` tokens, for the largest ``n <= longest`` that occurs; () when none does."""
+    """Up to ``k`` tokens that followed an earlier occurrence of ``tokens``' last ``n``
+    tokens, for the largest ``n <= longest`` that occurs: the most recent occurrence with
+    ``k`` tokens after it (one that overlaps the tail has fewer: a loop of one token would
+    draft one), else the most recent; () when none occurs."""
     size = len(tokens)
     if k <= 0 or size < 2:
         return ()
     seq = list(tokens)
     last = seq[-1]
     for n in range(min(longest, size - 1), 0, -1):
-        tail = seq[size - n:]
+        tail, found = seq[size - n:], -1
         for i in range(size - n - 1, -1, -1):
             if seq[i + n - 1] == last and seq[i:i + n] == tail:
-                return tuple(seq[i + n:i + n + k])
+                if i + n + k <= size:
+                    return tuple(seq[i + n:i + n + k])
+                found = i if found < 0 else found
+        if found >= 0:
+            return tuple(seq[found + n:found + n + k])
     return ()
 
 
@@ -101,6 +107,12 @@ class Drafter:
             self._length[seq_id] = k - 1
         return draft
 
+    def skip(self, seq_id: int) -> None:
+        """``seq_id`` decodes pipelined this step (its draft length is 0): one step nearer
+        its retry."""
+        if self._length.get(seq_id, self.most) == 0:
+            self._idle[seq_id] = self._idle.get(seq_id, 0) + 1
+
     def started(self, seq_id: int, start: int, drafts: int) -> None:
         self.inflight[seq_id] = (start, drafts)
 
@@ -146,7 +158,10 @@ def verify_work(drafter: Drafter, pool: Any, run: Run) -> Work | None:
     """``run``'s drafts as a Work to verify, its table grown over them (None: it decodes
     plainly this step). The drafts stop one short of ``max_tokens``, so they stay inside the
     reservation."""
-    if run.pending or not drafter.on or not run.sampling.greedy or run.req.constraint is not None:
+    if not drafter.on or not run.sampling.greedy or run.req.constraint is not None:
+        return None
+    if run.pending:
+        drafter.skip(run.req.id)
         return None
     room = run.req.max_tokens - run.generated - 1
     draft = drafter.propose(run.req.id, run.tokens, room)

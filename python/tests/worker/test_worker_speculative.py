@@ -11,7 +11,7 @@ import httpx
 import pytest
 from conftest import Worker
 
-from plimsoll.worker.speculate import Drafter, prompt_lookup
+from plimsoll.worker.speculate import RETRY_STEPS, Drafter, prompt_lookup
 
 PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
            "def main(): return main() def main(): return",
@@ -29,10 +29,9 @@ def pair(tiny_model, tmp_path_factory):
     spec.stop()
 
 
-def complete(w: Worker, prompt: str, n: int = 24) -> list[int]:
+def complete(w: Worker, prompt: str, n: int = 24, **sampling) -> str:
     r = httpx.post(w.url + "/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0,
-        "logprobs": None})
+        "model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, **sampling})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == n or body["choices"][0]["finish_reason"] == "stop"
@@ -43,10 +42,15 @@ def test_greedy_output_is_the_same_with_prompt_lookup(pair):
     plain, spec, log = pair
     for prompt in PROMPTS:  # alone
         assert complete(spec, prompt) == complete(plain, prompt), prompt
-    with concurrent.futures.ThreadPoolExecutor(4) as ex:  # four at once
+    with concurrent.futures.ThreadPoolExecutor(5) as ex:  # four at once, and a sampled one
+        seeded = [ex.submit(complete, w, PROMPTS[0], 24, temperature=0.8, seed=5)
+                  for w in (plain,)]
         want = list(ex.map(lambda p: complete(plain, p, 40), PROMPTS))
+        seeded.append(ex.submit(complete, spec, PROMPTS[0], 24, temperature=0.8, seed=5))
         got = list(ex.map(lambda p: complete(spec, p, 40), PROMPTS))
     assert got == want
+    # a sampled row decodes plainly beside speculating ones: its seeded draw is unchanged
+    assert seeded[0].result() == seeded[1].result()
     st = spec.wait_idle()["speculative"]
     assert st["enabled"] is True
     assert st["proposed"] > 0 and 0 < st["accepted"] <= st["proposed"]
@@ -74,6 +78,8 @@ def test_prompt_lookup_matches_the_longest_recent_ngram():
     assert prompt_lookup([1, 2, 3, 4, 7, 3], 3, 3) == (4, 7, 3)  # n = 1
     assert prompt_lookup([5, 1, 2, 6, 1, 2, 7, 2], 3, 1) == (7,)  # the latest [2]
     assert prompt_lookup([5, 6, 7], 3, 3) == ()
+    assert prompt_lookup([4, 4, 4, 4, 4, 4], 3, 3) == (4, 4, 4)  # not the overlapping match
+    assert prompt_lookup([1, 2, 9, 1, 2], 2, 3) == (9, 1, 2)
     assert prompt_lookup([1, 2, 1, 2], 2, 0) == ()
 
 
@@ -90,6 +96,10 @@ def test_draft_length_adapts_to_acceptance():
     d.started(7, 7, 1)
     d.settle(7, 0)  # down to 0: plain decoding, a retry every RETRY_STEPS
     assert not d.wants(7) and d.propose(7, toks, 10) == ()
+    for _ in range(RETRY_STEPS - 2):  # pipelined steps count towards the retry
+        assert not d.wants(7)
+        d.skip(7)
+    assert d.wants(7) and d.propose(7, toks, 10) == (3,)  # one draft again
     assert d.figures.proposed == 6 and d.figures.accepted == 0
     d.forget(7)
     assert d.wants(7)  # a new sequence starts at the longest draft
