@@ -19,7 +19,8 @@ request's start); the prompt is short, so its prefill is a small part (a specula
 stream's tokens come in bursts, so first-to-last token time would overstate it). The
 lookup worker's status gives proposed / accepted. Run with OpenBLAS::
 
-    PYTHONPATH=python python bench/speculative.py \\
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+      PYTHONPATH=python python bench/speculative.py \\
       --out-dir bench/results --name speculative-cpu-2026-12-01
 """
 
@@ -128,6 +129,34 @@ def figures(runs: list[dict], before: dict, spec: dict) -> dict:
             "speculative": spec}
 
 
+def engine_steps(model: Path, steps: int = 60) -> dict:
+    """In process, interleaved: one sequence's decode step against a verifying step of 3
+    drafts (4 tokens) at advancing positions: what the mechanism costs without the worker's
+    loop and HTTP."""
+    from plimsoll.engine import Engine
+    from plimsoll.engine.work import Step, Work
+
+    eng = Engine.load(model, block_tokens=16, max_blocks=128)
+    prompt = tuple(range(5, 105))
+    ta, tb = tuple(range(0, 40)), tuple(range(40, 80))
+    eng.run(Step(prefills=(Work(1, prompt, 0, ta, True), Work(2, prompt, 0, tb, True))))
+    pa = pb = len(prompt)
+    decode, verify = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        eng.run(Step(decodes=(Work(1, (7,), pa, ta, True),)))
+        t1 = time.perf_counter()
+        eng.run(Step(prefills=(Work(2, (7,) * 4, pb, tb, True, draft=3),)))
+        t2 = time.perf_counter()
+        decode.append(t1 - t0)
+        verify.append(t2 - t1)
+        pa, pb = pa + 1, pb + 4
+        if pb > 560:
+            pa = pb = len(prompt)
+    d, v = statistics.median(decode) * 1e3, statistics.median(verify) * 1e3
+    return {"decode_step_ms": d, "verify4_step_ms": v, "ratio": v / d}
+
+
 def markdown(result: dict) -> str:
     rows = []
     for regime, modes in result["regimes"].items():
@@ -136,15 +165,19 @@ def markdown(result: dict) -> str:
             rows.append((regime, mode, report.num(m["tok_s"]),
                          report.num(m["tok_s"] / plain, ".2f"),
                          m["proposed"], m["accepted"], report.num(m["acceptance"], ".2f")))
+    eng = result["engine"]
     lines = [f"# Prompt-lookup speculation, 1 stream, {result['machine']}", "",
-             f"Command: `{result['command']}`", "",
+             f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
              f"Model: the tiny demo ({result['tokens']} greedy tokens per request, "
              f"{result['runs']} runs, median; k = {result['num_draft_tokens']}).", "",
              *report.table(("regime", "mode", "tok/s", "× plain", "proposed",
                             "accepted", "acceptance"), rows), "",
              "`repeat`: the demo model's looping greedy output and a repeated sentence (high "
              "acceptance). `random`: matrices × 4 (varied output) and random words (near-zero "
-             "acceptance: the adaptive draft length falls to 0).", ""]
+             "acceptance: the adaptive draft length falls to 0).", "",
+             "The engine alone (in process, interleaved, the tiny model at 100-560 tokens): a "
+             f"decode step {eng['decode_step_ms']:.1f} ms, a step verifying 3 drafts (4 "
+             f"tokens) {eng['verify4_step_ms']:.1f} ms ({eng['ratio']:.2f} x).", ""]
     return "\n".join(lines)
 
 
@@ -168,13 +201,16 @@ def main() -> None:
                "random": (sharp, " ".join(rng.choice(words) for _ in range(60)))}
     modes = {"plain": [], "lookup": ["--prompt-lookup", "3", "--num-draft-tokens",
                                      str(args.num_draft_tokens)]}
+    host = report.host_facts()
     out: dict = {}
     for regime, (model, prompt) in regimes.items():
         out[regime] = measure(model, prompt, modes, args.dir / regime, args)
         for mode, m in out[regime].items():
             print(f"{regime:7s} {mode:7s} {m['tok_s']:8.1f} tok/s  "
                   f"accepted {m['accepted']}/{m['proposed']}", flush=True)
-    result = {"command": report.command(), "host": report.host_facts(),
+    engine = engine_steps(base)
+    host["loadavg_end"] = report.loadavg()
+    result = {"command": report.command(), "host": host, "engine": engine,
               "machine": report.machine(), "tokens": args.tokens, "runs": args.runs,
               "num_draft_tokens": args.num_draft_tokens, "regimes": out}
     print(report.write(result, args.out_dir, args.name, markdown))
