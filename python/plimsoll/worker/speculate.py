@@ -89,8 +89,9 @@ class Drafter:
         return not self.refused
 
     def wants(self, seq_id: int) -> bool:
-        """Whether ``seq_id`` may draft at its next step (then it is not pipelined)."""
-        return self._length.get(seq_id, self.most) > 0 \
+        """Whether ``seq_id`` may draft at its next step, or has drafts in flight (either
+        way its next step needs its tokens read: it is not pipelined)."""
+        return seq_id in self.inflight or self._length.get(seq_id, self.most) > 0 \
             or self._idle.get(seq_id, 0) >= RETRY_STEPS - 1
 
     def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:

@@ -100,7 +100,11 @@ def test_draft_length_adapts_to_acceptance():
         assert not d.wants(7)
         d.skip(7)
     assert d.wants(7) and d.propose(7, toks, 10) == (3,)  # one draft again
-    assert d.figures.proposed == 6 and d.figures.accepted == 0
+    d.started(7, 7, 1)
+    assert d.wants(7)  # its drafts in flight: its next step waits for them, at any length
+    d.settle(7, 0)
+    assert not d.wants(7)
+    assert d.figures.proposed == 7 and d.figures.accepted == 0
     d.forget(7)
     assert d.wants(7)  # a new sequence starts at the longest draft
     assert d.propose(8, toks, 1) == (3,)  # never past the request's room
