@@ -170,6 +170,7 @@ class Scheduler:
         self._end_cancelled()
         if self._pending is not None and self._drafting_waits():
             previous, self._pending = self._pending, None  # its drafts need its tokens
+            self.counters["speculation_unpipelined"] += 1
             self._read(*previous)
         step = self._plan()
         submitted = None
