@@ -6,6 +6,7 @@ and accepted (status, access log); a hybrid model refuses to speculate and says 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import httpx
 import pytest
@@ -59,6 +60,32 @@ def test_greedy_output_is_the_same_with_prompt_lookup(pair):
     assert "speculative" not in plain.status()
     lines = [ln for ln in log.read_text().splitlines() if "access " in ln and "drafted=" in ln]
     assert lines and all("accepted=" in ln for ln in lines)
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}
+
+
+def constrained(w: Worker) -> str:
+    r = httpx.post(w.url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "max_tokens": 48, "temperature": 0,
+        "messages": [{"role": "user", "content": "a number, a number, a number"}],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_a_constrained_request_decodes_plainly_beside_speculating_ones(pair):
+    plain, spec, _ = pair
+    want = constrained(plain)
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        greedy = [ex.submit(complete, spec, p, 40) for p in PROMPTS[:2]]
+        got = ex.submit(constrained, spec)
+        assert got.result() == want
+        assert [g.result() for g in greedy] == [complete(plain, p, 40) for p in PROMPTS[:2]]
+    json.loads(want)  # the grammar held
 
 
 def test_a_hybrid_model_refuses_to_speculate(family_dir):
