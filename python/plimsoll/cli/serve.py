@@ -75,6 +75,9 @@ from plimsoll.cli.common import UsageFailure
 @click.option("--max-tokens", type=click.IntRange(min=1),
               help="Largest output reservation for --model (or the demo); a request asking "
                    "more is clamped. Default: a quarter of the context (at most 32768).")
+@click.option("--prompt-lookup", type=click.IntRange(0, 8),
+              help="Speculate by prompt lookup over the last N tokens for --model (or the "
+                   "demo): the policy entry's promptLookup. Default: off.")
 @click.option("--quiet", is_flag=True, help="No access-log line per request (proxy and "
               "workers).")
 @click.option("--no-ollama-api", is_flag=True, help="Do not serve Ollama's API (/api/chat, "
@@ -82,7 +85,7 @@ from plimsoll.cli.common import UsageFailure
 def serve_command(policy_file, host, port, allowed_hosts, api_key, admin_token_file, mode,
                   max_waiting, swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks,
                   cluster_backend, model_spec, context, concurrency, max_tokens,
-                  quiet, no_ollama_api) -> None:
+                  prompt_lookup, quiet, no_ollama_api) -> None:
     """Serve every model of the policy behind one OpenAI-compatible endpoint.
 
     Workers start on demand through load-time admission with live inputs; a swap stops
@@ -98,7 +101,8 @@ def serve_command(policy_file, host, port, allowed_hosts, api_key, admin_token_f
     ranks = parse_cluster_ranks(cluster_ranks)  # bad input fails before anything loads
     from plimsoll.cli.serve_model import served_policy
 
-    pol = served_policy(policy_file, model_spec, context, concurrency, max_tokens)
+    pol = served_policy(policy_file, model_spec, context, concurrency, max_tokens,
+                        prompt_lookup)
     if not pol.models:
         raise UsageFailure(f"{policy_file}: the policy lists no models: add one under 'models'")
     try:

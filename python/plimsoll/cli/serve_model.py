@@ -9,7 +9,8 @@ Kept apart from :mod:`.serve` (which owns the command and its other options):
 - ``--policy`` with ``--model``: the model is added to the policy's models (a model of the
   same name is replaced) and becomes its default model;
 - ``--context`` / ``--concurrency`` / ``--max-tokens`` override the sizing of the model
-  being added (the demo's when there is no ``--model`` and no ``--policy``).
+  being added (the demo's when there is no ``--model`` and no ``--policy``), and
+  ``--prompt-lookup`` its speculation (the entry's ``promptLookup``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from plimsoll.cli.common import UsageFailure
 
 
 def served_policy(policy_file: Path | None, model_spec: str | None, context: int | None,
-                  concurrency: int | None, max_tokens: int | None):
+                  concurrency: int | None, max_tokens: int | None,
+                  prompt_lookup: int | None = None):
     """The policy to serve, or a usage error that says what to change."""
     from plimsoll.core.model_facts import ModelInspectionError
     from plimsoll.core.paths import cache_dir
@@ -30,10 +32,11 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
     from plimsoll.launch.serve_sizing import model_entry
     from plimsoll.probes import read_snapshot
 
-    sizing = (context, concurrency, max_tokens)
+    sizing = (context, concurrency, max_tokens, prompt_lookup)
     if policy_file is not None and model_spec is None and any(v is not None for v in sizing):
-        raise UsageFailure("--context, --concurrency and --max-tokens size the model of "
-                           "--model (or the demo); with --policy, set them in its models")
+        raise UsageFailure("--context, --concurrency, --max-tokens and --prompt-lookup set "
+                           "the model of --model (or the demo); with --policy, set them in "
+                           "its models")
     try:
         if model_spec is not None:
             model_dir = resolve_model_dir(model_spec)
@@ -44,6 +47,8 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
         if policy_file is None:
             entry = model_entry(model_dir, context=context, concurrency=concurrency,
                                 max_tokens=max_tokens, snapshot=snap)
+            if prompt_lookup:
+                entry["promptLookup"] = prompt_lookup
             # the embedded demo gets a bounded disk tier under the user cache: its
             # prefixes survive idle unloads and restarts
             disk = cache_dir() / "kv-blocks" if model_spec is None else None
@@ -54,6 +59,8 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
             return pol
         entry = model_entry(model_dir, context=context, concurrency=concurrency,
                             max_tokens=max_tokens, snapshot=snap)
+        if prompt_lookup:
+            entry["promptLookup"] = prompt_lookup
         data = pol.model_dump(mode="json", by_alias=True, exclude_defaults=True)
         data.setdefault("models", {})[name] = entry
         data["defaultModel"] = name

@@ -162,11 +162,18 @@ class _Interrupted(Exception):
 @click.option("--disk-cache-gb", type=click.FloatRange(min=0, min_open=True),
               help="Cap on the disk tier's files for this model, GiB (default: the policy's "
               "maxGb, else 10).")
+@click.option("--prompt-lookup", type=click.IntRange(0, 8),
+              help="Speculate by prompt lookup over the last N tokens (the worker's flag) "
+              "[default: the policy's promptLookup, else off].")
+@click.option("--num-draft-tokens", type=click.IntRange(1, 16),
+              help="Most tokens drafted per sequence and step [default: the policy's "
+              "numDraftTokens, else 3].")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8081, show_default=True,
               help="0 picks a free port.")
 def launch_command(model, policy_file, mode, concurrency, context, max_tokens, cache_memory_mb,
-                   kv_dtype, disk_cache_dir, disk_cache_gb, host, port) -> None:
+                   kv_dtype, disk_cache_dir, disk_cache_gb, prompt_lookup, num_draft_tokens,
+                   host, port) -> None:
     """Admit MODEL against live memory, start its worker with the derived caps, verify them.
 
     Refuses (exit 3, with the figures) a model that cannot hold one sequence; clamps
@@ -221,7 +228,8 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     cfg = worker_config(model_dir, name, facts, decision, entry, pol,
                         port=port or free_port(host), host=host,
                         cache_memory_mb=cache_memory_mb, disk_cache_dir=disk_cache_dir,
-                        disk_cache_gb=disk_cache_gb)
+                        disk_cache_gb=disk_cache_gb, prompt_lookup=prompt_lookup,
+                        num_draft_tokens=num_draft_tokens)
     # The worker runs in its own session, so signals to us don't reach it: forward them.
     # The handlers are in place before the worker exists (a SIGTERM right after the ready
     # line would otherwise kill us by the default action and leave the worker running). Until the

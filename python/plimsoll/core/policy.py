@@ -144,6 +144,11 @@ class ModelEntry(_Strict):
     disk_cache: DiskCache | None = Field(
         default=None, description="This model's disk tier (default: the host's diskCache)."
     )
+    prompt_lookup: int = Field(default=0, ge=0, le=8, description=(
+        "Speculate by prompt lookup, matching the last N tokens (N down to 1) against the "
+        "prompt and output (the worker's --prompt-lookup); 0: off."))
+    num_draft_tokens: int = Field(default=3, ge=1, le=16, description=(
+        "Most tokens drafted per sequence and step (the worker's --num-draft-tokens)."))
 
     @model_validator(mode="before")
     @classmethod

@@ -52,7 +52,7 @@ from plimsoll.engine.paged import FullAttention, RecurrentState, mx_dtype
 from plimsoll.engine.quantized import QuantizedAttention
 from plimsoll.engine.sampling import Keys
 from plimsoll.engine.window import Rings, WindowAttention, window_kind
-from plimsoll.engine.work import Step, Work
+from plimsoll.engine.work import Step
 
 # Pool growth step: measured on the H200, a slab of max_blocks / 8 (10 GiB for a 4B model's
 # admitted pool) put the first request's peak at 2.3 x weights + KV; 256 MiB keeps the
@@ -60,26 +60,39 @@ from plimsoll.engine.work import Step, Work
 SLAB_BYTES = 256 << 20
 
 
+def accepted(drafts, targets: list[int]) -> tuple[int, ...]:
+    """Greedy verification: the longest prefix of ``drafts`` equal to the target's argmax at
+    each position (``targets[i]`` follows the i-th token written), then the target's next
+    token, so 1 .. len(drafts) + 1 tokens."""
+    m = 0
+    while m < len(drafts) and drafts[m] == targets[m]:
+        m += 1
+    return (*drafts[:m], targets[m])
+
+
 class Pending:
     """A submitted step; :meth:`result` blocks until its sampled tokens are known."""
 
-    def __init__(self, engine: Engine, outs: list[tuple[tuple[Work, ...], mx.array]]):
+    def __init__(self, engine: Engine, outs: list[forward.Out]):
         self._engine, self._outs = engine, outs
-        self._result: dict[int, int] | None = None
+        self._result: dict[int, int | tuple[int, ...]] | None = None
 
-    def _settle(self) -> dict[int, int]:
+    def _settle(self) -> dict[int, int | tuple[int, ...]]:
         if self._result is None:
-            result: dict[int, int] = {}
-            for works, tokens in self._outs:
-                for w, t in zip(works, tokens.tolist(), strict=True):
+            result: dict[int, int | tuple[int, ...]] = {}
+            for works, tokens, verified in self._outs:
+                for w, t in zip(works, [] if tokens is None else tokens.tolist(), strict=True):
                     result[w.seq_id] = t
                     if w.constraint is not None:
                         w.constraint.advance(t)
+                for w, targets in verified:
+                    result[w.seq_id] = accepted(w.tokens[1:], targets.tolist())
             self._result, self._outs = result, []
         return self._result
 
-    def result(self) -> dict[int, int]:
-        """``{seq_id: token}`` for every Work of the step with ``sample=True``."""
+    def result(self) -> dict[int, int | tuple[int, ...]]:
+        """``{seq_id: token}`` for every Work of the step with ``sample=True``; for a
+        speculating Work (``draft`` > 0) the tuple of tokens it accepted (1 or more)."""
         self._engine._settle_until(self)
         return self._settle()
 
@@ -222,6 +235,19 @@ class Engine:
 
     # ------------------------------------------------------------------ figures
 
+    @property
+    def speculation_refused(self) -> str:
+        """Why drafted tokens cannot be verified here ("" when they can): rolling back by
+        length is exact only where a position's KV is overwritten in place — plain
+        full-attention (or latent) pools. Recurrent state and window rings have consumed
+        the rejected tokens; quantized pools attend a chunk otherwise than a decode."""
+        kinds = {type(k).__name__ for k in self.flat_kinds
+                 if isinstance(k, RecurrentState | WindowAttention | QuantizedAttention)}
+        if kinds:
+            return ("the model's cache holds " + ", ".join(sorted(kinds)) + " layers, whose "
+                    "rejected drafts cannot be rolled back by length")
+        return ""
+
     def kv_bytes_allocated(self) -> int:
         """nbytes of every KV pool array actually allocated."""
         return sum(p.nbytes for p in self._pools)
@@ -333,3 +359,8 @@ class Engine:
         for w in step.prefills:
             if w.tokens is None:
                 raise ValueError(f"sequence {w.seq_id}: a prefill names its tokens")
+            if w.draft and (why := self.speculation_refused or (
+                    "" if w.sample and w.sampling.greedy and w.constraint is None
+                    and w.draft < w.length else "only a greedy, unconstrained, sampling "
+                    "Work with fewer drafts than tokens is verified")):
+                raise ValueError(f"sequence {w.seq_id}: drafts not verified: {why}")

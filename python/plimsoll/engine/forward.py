@@ -16,8 +16,11 @@ step then runs as ONE call of the model (:func:`run`):
 Logits are taken only at each sequence's last scheduled token that samples (a decode row,
 a chunk's last token): the last decoder layer's output is cut to those rows
 (:mod:`plimsoll.engine.sampled_rows`), so no forward runs for a sampled token alone
-and the lm head sees only the sampled rows. A quantized pool's chunk that samples attends
-its last token to the quantized blocks as mlx-lm's own last-token step does
+and the lm head sees only the sampled rows. A speculating sequence's Work (``draft`` > 0)
+is a chunk whose every row is sampled: the target's argmax at each verifies its drafts
+(:class:`~plimsoll.engine.core.Pending` accepts the longest agreeing prefix). A quantized
+pool's chunk that samples attends its last token to the quantized blocks as mlx-lm's own
+last-token step does
 (:attr:`Batch.tail`, :mod:`plimsoll.engine.quantized`).
 """
 
@@ -159,9 +162,13 @@ def _arrays(eng, groups: list[Group]) -> list:
     return pools + [a for g in groups for c in g.states for a in c.cache if a is not None]
 
 
-def run(eng, groups: list[Group]) -> tuple[tuple[Work, ...], mx.array] | None:
+Out = tuple[tuple[Work, ...], mx.array | None, tuple[tuple[Work, mx.array], ...]]
+
+
+def run(eng, groups: list[Group]) -> Out | None:
     """Run ``groups`` as one forward (see the module docstring) and queue it; the sampled
-    works and their tokens (lazy), or None when nothing samples."""
+    works and their tokens (lazy), and each speculating work with the target's argmax at
+    each of its rows (lazy); None when nothing samples."""
     works = tuple(w for g in groups for w in g.works if w.sample)
     if len(groups) == 1 or not eng.mixers.ok:
         parts = []
@@ -182,11 +189,34 @@ def run(eng, groups: list[Group]) -> tuple[tuple[Work, ...], mx.array] | None:
         logits = _call(eng, inputs, caches, [r for g in groups for r in g.sampled()])
     _check(eng, groups)
     _keep_states(eng, groups)
+    verified: tuple[tuple[Work, mx.array], ...] = ()
+    if any(w.draft for w in works):
+        logits, works, verified = _split_verified(logits, works)
     tokens = sample(logits, works, eng._keys) if works else None
     for row, w in enumerate(works):
         eng._last[w.seq_id] = (tokens, row)
-    mx.async_eval(_arrays(eng, groups) + ([] if tokens is None else [tokens]))
-    return (works, tokens) if works else None
+    for w, _ in verified:  # its next step names its tokens (never pipelined)
+        eng._last.pop(w.seq_id, None)
+    mx.async_eval(_arrays(eng, groups) + ([] if tokens is None else [tokens])
+                  + [t for _, t in verified])
+    return (works, tokens, verified) if works or verified else None
+
+
+def _split_verified(logits: mx.array, works: tuple[Work, ...]):
+    """The rows of sampled works apart from the speculating works' rows (``draft + 1``
+    each, in order): those are verified greedily, by the target's argmax at every row."""
+    plain_rows, plain, verified, row = [], [], [], 0
+    for w in works:
+        if w.draft:
+            targets = mx.argmax(logits[row:row + w.draft + 1], axis=-1).astype(mx.uint32)
+            verified.append((w, targets))
+            row += w.draft + 1
+        else:
+            plain_rows.append(row)
+            plain.append(w)
+            row += 1
+    picked = logits[mx.array(plain_rows, dtype=mx.int32)] if plain else logits[:0]
+    return picked, tuple(plain), tuple(verified)
 
 
 def _keep_states(eng, groups: list[Group]) -> None:

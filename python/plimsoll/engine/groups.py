@@ -37,7 +37,10 @@ class Group:
         """Rows of the flattened layout whose logits are sampled."""
         if self.decode:
             return [self.lo + i for i, w in enumerate(self.works) if w.sample]
-        return [self.hi - 1] if self.works[0].sample else []
+        w = self.works[0]
+        if w.draft:  # a speculating sequence: every row is verified
+            return list(range(self.lo, self.hi))
+        return [self.hi - 1] if w.sample else []
 
     def take(self, a: mx.array, batch: int, length: int) -> mx.array:
         """This group's part of ``a`` (the flattened rows on axis ``batch``, length 1 on

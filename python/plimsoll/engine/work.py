@@ -61,6 +61,11 @@ class Work:
     ``tokens`` are written at positions ``start .. start + len(tokens) - 1``. ``None``
     (decodes only) means "the token this engine sampled for ``seq_id`` in the previous
     step", still lazy on the device (pipelining).
+
+    ``draft`` > 0 (a speculating sequence, greedy and unconstrained only): the last ``draft``
+    of ``tokens`` are proposals to verify; the Work runs as a chunk at ``start`` with logits
+    at every row, and its result is the accepted drafts plus the target's next token
+    (1 .. ``draft`` + 1 tokens). Positions past the accepted ones are overwritten later.
     """
 
     seq_id: int
@@ -70,6 +75,7 @@ class Work:
     sample: bool
     sampling: Sampling = Sampling()
     constraint: TokenConstraint | None = None
+    draft: int = 0
 
     @property
     def length(self) -> int:

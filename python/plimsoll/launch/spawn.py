@@ -47,9 +47,11 @@ def worker_config(
     cache_memory_mb: int | None = None, max_queue: int = 64, max_wait_s: float = 30.0,
     drain_s: float = WORKER_DRAIN_S, quiet: bool = False,
     disk_cache_dir: Path | None = None, disk_cache_gb: float | None = None,
+    prompt_lookup: int | None = None, num_draft_tokens: int | None = None,
 ) -> WorkerConfig:
     """The worker's flags from an admitted decision (never from a refused one). The disk
-    tier: the flags, else the model's or host's ``diskCache`` in the policy, else off."""
+    tier: the flags, else the model's or host's ``diskCache`` in the policy, else off;
+    speculation: the flags, else the model's ``promptLookup`` / ``numDraftTokens``."""
     if not decision.admitted:
         raise ValueError("a refused decision has no worker configuration")
     wire = policy.wire if policy else Policy.model_fields["wire"].default
@@ -78,6 +80,10 @@ def worker_config(
         transient_bytes=sizing.compute_transient_bytes(decision.transient_reserve_bytes) or None,
         max_tokens_over_limit=entry.max_tokens_over_limit if entry else "clamp",
         drain_s=drain_s, quiet=quiet,
+        prompt_lookup=(prompt_lookup if prompt_lookup is not None
+                       else entry.prompt_lookup if entry else 0),
+        num_draft_tokens=(num_draft_tokens if num_draft_tokens is not None
+                          else entry.num_draft_tokens if entry else 3),
     )
 
 

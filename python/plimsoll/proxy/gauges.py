@@ -42,6 +42,14 @@ class Poll:
     tripwire: dict[str, Any] = field(default_factory=dict)  # the pressure tripwire's state
 
 
+#: the worker status's ``speculative`` figures exposed (only where it speculates)
+SPECULATIVE_GAUGES = (
+    ("proposed", "tokens drafted."),
+    ("accepted", "drafted tokens the model accepted."),
+    ("acceptance_rate", "accepted / proposed."),
+    ("accepted_per_step", "accepted tokens per verifying step (a step yields one more)."))
+
+
 def gauges(p: Poll, trip_count: Callable[[str], int]) -> list[Metric]:
     """The gauges of one poll; ``trip_count(model)`` is the trip counter kept across restarts."""
     out: list[Metric] = []
@@ -112,7 +120,9 @@ def gauges(p: Poll, trip_count: Callable[[str], int]) -> list[Metric]:
         ("admitted_footprint_bytes", "weights + reserve + pool, as admitted."),
         ("weights_bytes", "Model weights, as admitted."),
         ("worker_tripped", "1 while the worker is over its trip point."),
-        *((f"disk_tier_{k}", f"Disk tier for KV blocks: {doc}") for k, doc in DISK_GAUGES))}
+        *((f"disk_tier_{k}", f"Disk tier for KV blocks: {doc}") for k, doc in DISK_GAUGES),
+        *((f"speculative_{k}", f"Speculative decoding since the worker started: {doc}")
+          for k, doc in SPECULATIVE_GAUGES))}
     trips = CounterMetricFamily("plimsoll_trips", "Emergency clears fired by workers "
                                 "(kept across restarts).", labels=["model"])
     out.append(trips)
@@ -142,6 +152,9 @@ def gauges(p: Poll, trip_count: Callable[[str], int]) -> list[Metric]:
                 ("worker_tripped", 1.0 if st.get("tripped") else 0.0)):
             if value is not None:
                 per_model[key].add_metric([name], float(value))
+        for k, _ in SPECULATIVE_GAUGES if (spec := st.get("speculative") or {}).get(
+                "enabled") else ():
+            per_model[f"speculative_{k}"].add_metric([name], float(spec.get(k, 0)))
         if disk := st.get("disk"):
             for k, _ in DISK_GAUGES:
                 value = (1.0 if disk.get("state") == "on" else 0.0) if k == "on" else disk.get(k)

@@ -7,9 +7,10 @@ A line is ``key=value`` pairs on the ``plimsoll.access`` logger, e.g.::
 
 ``code`` is the refusal or error code of a non-2xx answer (or of an error event that ended
 a stream), ``reservation`` the output reservation the request was admitted with (after a
-clamp: see ``x-plimsoll-max-tokens``). Figures a server does not know are left out (the
-proxy relays streams without parsing their prompt). ``--quiet`` turns the lines off
-(:func:`set_quiet`).
+clamp: see ``x-plimsoll-max-tokens``), ``drafted`` / ``accepted`` the tokens speculation
+proposed for the request and those the model accepted (only when it drafted). Figures a
+server does not know are left out (the proxy relays streams without parsing their prompt).
+``--quiet`` turns the lines off (:func:`set_quiet`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Access:
     reservation: int | None = None
     status: int | None = None
     code: str | None = None
+    drafted: int | None = None
+    accepted: int | None = None
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
 
@@ -44,7 +47,7 @@ class Access:
     def line(self, now: float) -> str:
         parts = [f'route="{self.route}"']
         for key in ("model", "status", "code", "prompt", "cached", "completion",
-                    "reservation"):
+                    "reservation", "drafted", "accepted"):
             value = getattr(self, key)
             if value is not None:
                 parts.append(f"{key}={value}")

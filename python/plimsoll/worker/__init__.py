@@ -7,7 +7,8 @@ their streaming, the status report, serving under uvicorn), :mod:`.anthropic_rou
 :mod:`.backend` (the engine loaded with the process limits, the pool sized, the step's
 figures); the scheduler — :mod:`.scheduler` (the thread and the step loop), :mod:`.waiting`
 (intake, expiry, the decode-batch bound), :mod:`.prefix` (registered blocks, hybrid state
-snapshots), :mod:`.trip` (the memory lines), :mod:`.stats` (the published figures),
+snapshots), :mod:`.speculate` (prompt-lookup drafts and each sequence's draft length),
+:mod:`.trip` (the memory lines), :mod:`.stats` (the published figures),
 :mod:`.events` (what the scheduler and the edge exchange), :mod:`.pool` (the pure block pool
 the scheduler alone owns); the disk tier — :mod:`.disk_tier` (the files) and
 :mod:`.disk_restore` (spilling and reading blocks back). The worker's settings are

@@ -24,6 +24,7 @@ from plimsoll.core.transients import decode_transient_bytes, default_prefill_chu
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
 
+from . import speculate
 from .events import SchedulerLimits
 from .pool import BlockPool
 from .scheduler import Scheduler
@@ -113,6 +114,11 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
             sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
             sched.disk.attach(pool)
         limits = scheduler_limits(cfg, eng)
+        if cfg.prompt_lookup:
+            sched.drafter = speculate.Drafter(cfg.prompt_lookup, cfg.num_draft_tokens,
+                                              eng.speculation_refused)
+            if sched.drafter.refused:
+                log.warning("--prompt-lookup ignored: %s", sched.drafter.refused)
         if took := engine.warm_up(eng):  # GPU backends only: see engine/warmup
             log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
         return eng, pool, limits
@@ -139,7 +145,9 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
                "rss": lambda: proc.memory_info().rss, "guard": self_guard,
                "constrained_decoding": True,
                "status_extra": lambda: {"kernels": eng.kernels.report(),
-                                        "one_forward": eng.mixers.report()}}
+                                        "one_forward": eng.mixers.report(),
+                                        **({} if sched.drafter is None else
+                                           {"speculative": sched.drafter.report()})}}
     finally:  # the disk tier's shutdown spill runs on the scheduler thread: give it time
         await run_in_threadpool(sched.stop, 10.0 if sched.disk is None else 120.0)
         if sched.disk is not None:

@@ -57,6 +57,8 @@ class GenRequest:
     cancelled: threading.Event = field(default_factory=threading.Event)
     deadline: float = 0.0
     hashes: list[bytes] | None = None  # the prompt's block hashes, computed once
+    drafted: int = 0   # tokens speculation proposed for it (set before their tokens are sunk)
+    accepted: int = 0  # of those, accepted
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def after_submit(pool: BlockPool, engine: Any, running: dict[int, Run], step: St
                  counters: Counter[str]) -> None:
     """Count what the submitted ``step`` writes and samples; register full blocks whose
     tokens are known; snapshot hybrid state where a Work ends on a block."""
-    prefills = {w.seq_id for w in step.prefills}
+    prefills = {w.seq_id for w in step.prefills if not w.draft}  # drafts are not prompt
     for w in (*step.decodes, *step.prefills):
         run = running.get(w.seq_id)
         if run is None:  # ended when the previous step's tokens were read before submission

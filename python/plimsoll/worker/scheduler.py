@@ -27,6 +27,11 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
    EOS or a finished constraint. Their full blocks stay cached (hashes registered): no
    compaction, no moves.
 
+Speculation (:mod:`.speculate`, ``--prompt-lookup``): a greedy, unconstrained sequence with
+drafts runs as a chunk of its last token and the drafts (``Work.draft``); a sequence that may
+draft is never pipelined (before planning, the previous step is read when one has a token in
+flight), and reading a verified step rolls ``written`` back to the accepted tokens.
+
 Running out is an event (``Refused``) for the HTTP edge to turn into a 503 with
 ``Retry-After`` — never a crash, never growth past the pool. This module is the thread and
 the loop; :mod:`.waiting` is admission's side (intake, expiry, what a waiter waits for),
@@ -50,7 +55,7 @@ from plimsoll.engine.threads import wait_gone
 from plimsoll.engine.work import Step, Work
 from plimsoll.worker.pool import BlockPool, Grant, Refusal
 
-from . import prefix
+from . import prefix, speculate
 from .events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
 from .stats import PUBLISH_INTERVAL_S, status_figures
 from .trip import MemoryLine
@@ -93,6 +98,7 @@ class Scheduler:
         self._published_at = 0.0  # monotonic time of the last snapshot
         self._dirty = True        # something a reader sees changed besides the step count
         self.disk: Any = None  # the tier under the pool (worker/disk_restore.DiskTier) or None
+        self.drafter: speculate.Drafter | None = None  # speculation (worker/speculate) or None: off
 
     @property
     def tripped(self) -> str:
@@ -167,6 +173,10 @@ class Scheduler:
         if self.line.due(bool(self._running)):
             self._check_trip()
         self._end_cancelled()
+        if self._pending is not None and self._drafting_waits():
+            previous, self._pending = self._pending, None  # its drafts need its tokens
+            self.counters["speculation_unpipelined"] += 1
+            self._read(*previous)
         step = self._plan()
         submitted = None
         self.line.spiked = bool(step.prefills)  # a prefill's transient: probe next iteration
@@ -223,6 +233,10 @@ class Scheduler:
                 log.error("sequence %s would pass its reservation; ended", run.req.id)
                 self._finish(run, "length")
                 continue
+            if self.drafter is not None and (
+                    verify := speculate.verify_work(self.drafter, self.pool, run)) is not None:
+                prefills.append(verify)
+                continue
             token = None if run.pending else (run.tokens[-1],)
             decodes.append(Work(run.req.id, token, run.written, table, True,
                                 run.sampling, run.req.constraint))
@@ -254,6 +268,12 @@ class Scheduler:
             budget -= self._chunk(self._admit(req, grant), budget, prefills, chunks)
         self.step_log.append((self._steps + 1, tuple(w.seq_id for w in decodes), chunks))
         return Step(tuple(decodes), tuple(prefills))
+
+    def _drafting_waits(self) -> bool:
+        """A sequence that may draft this step has a token in flight: read it first."""
+        return self.drafter is not None and any(
+            run.pending and not run.prefilling and speculate.may_draft(self.drafter, run)
+            for run in self._running.values())
 
     def _admit(self, req: GenRequest, grant: Grant) -> Run:
         """Map the hit blocks, count the reservation, restore a hybrid state snapshot."""
@@ -301,18 +321,32 @@ class Scheduler:
     def _read(self, pending: Any, step: int) -> None:
         """The tokens of step ``step``: emit them, end finished sequences. A token of a
         sequence that ended meanwhile is dropped."""
-        for seq_id, token in pending.result().items():
+        for seq_id, out in pending.result().items():
             run = self._running.get(seq_id)
             if run is None:
                 continue
             run.pending -= 1
-            run.generated += 1
-            run.tokens.append(token)
-            run.req.sink(Token(token))
-            if reason := end_reason(run, token, self.eos_ids):
-                self._finish(run, reason)
+            tokens = (out,) if isinstance(out, int) else out
+            if not isinstance(out, int):  # verified drafts: written rolls back by length
+                start, drafts = self.drafter.settle(seq_id, len(out) - 1)
+                run.written = start + len(out)
+                run.req.drafted += drafts
+                run.req.accepted += len(out) - 1
+            for token in tokens:
+                if self._emit(run, token):
+                    break
             else:
                 prefix.commit(self.pool, run)
+
+    def _emit(self, run: Run, token: int) -> bool:
+        """One token read back for ``run``; True when it ended the sequence."""
+        run.generated += 1
+        run.tokens.append(token)
+        run.req.sink(Token(token))
+        if reason := end_reason(run, token, self.eos_ids):
+            self._finish(run, reason)
+            return True
+        return False
 
     def _finish(self, run: Run, reason: str) -> None:
         self._end(run, reason)
@@ -323,6 +357,8 @@ class Scheduler:
         """Release a sequence: its full blocks stay cached (every written token is known)."""
         self._dirty = True
         del self._running[run.req.id]
+        if self.drafter is not None:
+            self.drafter.forget(run.req.id)
         if reason is not None:
             prefix.commit(self.pool, run)
         self.pool.free(run.req.id)

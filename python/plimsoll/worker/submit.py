@@ -250,6 +250,8 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
             yield deltas
     finally:
         rec.completion = assembler.completion_tokens
+        if gen.drafted:
+            rec.drafted, rec.accepted = gen.drafted, gen.accepted
         if not gen.cancelled.is_set():  # stop string, tool call, or client gone
             gen.cancelled.set()
             request.app.state.scheduler.wake()

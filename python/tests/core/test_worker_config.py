@@ -32,7 +32,7 @@ FLAGS = {
     "--max-tokens", "--default-max-tokens", "--max-queue", "--max-wait", "--ceiling-bytes",
     "--total-ram-bytes", "--trip-offset", "--mlx-cache-mb", "--wired-limit-bytes",
     "--disk-cache-dir", "--disk-cache-gb", "--host", "--port", "--max-tokens-over-limit",
-    "--drain-timeout", "--quiet",
+    "--drain-timeout", "--quiet", "--prompt-lookup", "--num-draft-tokens",
 }
 NAME = st.text("abcdefghijklmnopqrstuvwxyz0123456789-._", min_size=1, max_size=20).filter(
     lambda s: not s.startswith("-"))

@@ -1,0 +1,176 @@
+"""Speculative decoding's side of the scheduler (pure): what to propose, and how much.
+
+A speculating sequence's step verifies its drafts in the one forward
+(:class:`~plimsoll.engine.work.Work` with ``draft`` > 0): its last sampled token and ``k``
+proposed tokens, logits at all ``k + 1`` rows, and the engine accepts the longest prefix of
+drafts equal to the target's argmax, plus the target's next token. Only greedy, unconstrained
+sequences speculate (a sampled row would need the rejection-sampling rule; a constrained
+row's mask needs each previous token).
+
+- :func:`prompt_lookup` proposes by n-gram matching (mlx-lm / vLLM style): the sequence's
+  last ``n`` tokens (``n`` from the longest down to 1) at their most recent earlier place in
+  the prompt and the output so far; the tokens that followed there are the drafts.
+- :class:`Drafter` keeps each sequence's draft length: one more after a step that accepted
+  everything (up to ``most``), one fewer after a step that accepted none or found no match,
+  down to 0, where the sequence decodes plainly (and pipelined) and tries one draft again
+  every :data:`RETRY_STEPS` steps. Its counters are the status's ``speculative`` figures.
+
+Drafts never pass the reservation: ``k`` is at most the tokens the request may still
+generate less one, so the last drafted position is below ``prompt + max_tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from plimsoll.engine.work import Work
+
+from .waiting import Run
+
+#: steps a sequence at draft length 0 decodes plainly before it tries one draft again
+RETRY_STEPS = 16
+
+
+def prompt_lookup(tokens: Sequence[int], longest: int, k: int) -> tuple[int, ...]:
+    """Up to ``k`` tokens that followed an earlier occurrence of ``tokens``' last ``n``
+    tokens, for the largest ``n <= longest`` that occurs: the most recent occurrence with
+    ``k`` tokens after it (one that overlaps the tail has fewer: a loop of one token would
+    draft one), else the most recent; () when none occurs."""
+    size = len(tokens)
+    if k <= 0 or size < 2:
+        return ()
+    seq = list(tokens)
+    last = seq[-1]
+    for n in range(min(longest, size - 1), 0, -1):
+        tail, found = seq[size - n:], -1
+        for i in range(size - n - 1, -1, -1):
+            if seq[i + n - 1] == last and seq[i:i + n] == tail:
+                if i + n + k <= size:
+                    return tuple(seq[i + n:i + n + k])
+                found = i if found < 0 else found
+        if found >= 0:
+            return tuple(seq[found + n:found + n + k])
+    return ()
+
+
+@dataclass
+class Figures:
+    """One proposer's counts: tokens proposed and accepted, verifying steps."""
+
+    proposed: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    def report(self) -> dict[str, float | int]:
+        return {"proposed": self.proposed, "accepted": self.accepted, "steps": self.steps,
+                "acceptance_rate": round(self.accepted / self.proposed, 4)
+                if self.proposed else 0.0,
+                "accepted_per_step": round(self.accepted / self.steps, 4)
+                if self.steps else 0.0}
+
+
+@dataclass
+class Drafter:
+    """Prompt lookup with a per-sequence adaptive draft length (see the module docstring)."""
+
+    longest: int  # the longest n-gram matched (--prompt-lookup)
+    most: int     # the longest draft (--num-draft-tokens)
+    refused: str = ""  # why this engine does not speculate ("" when it does)
+    figures: Figures = field(default_factory=Figures)
+    _length: dict[int, int] = field(default_factory=dict)
+    _idle: dict[int, int] = field(default_factory=dict)
+    #: seq id -> (start, drafts) of its verifying step in flight
+    inflight: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def on(self) -> bool:
+        return not self.refused
+
+    def wants(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` may draft at its next step, or has drafts in flight (either
+        way its next step needs its tokens read: it is not pipelined)."""
+        return seq_id in self.inflight or self._length.get(seq_id, self.most) > 0 \
+            or self._idle.get(seq_id, 0) >= RETRY_STEPS - 1
+
+    def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:
+        """The drafts for ``seq_id``'s next step (``room``: tokens it may still draft)."""
+        k = self._length.get(seq_id, self.most)
+        if k == 0:
+            idle = self._idle.get(seq_id, 0) + 1
+            self._idle[seq_id] = idle
+            if idle < RETRY_STEPS:
+                return ()
+            self._idle[seq_id], k = 0, 1
+        draft = prompt_lookup(tokens, self.longest, min(k, room))
+        if not draft and room > 0:
+            self._length[seq_id] = k - 1
+        return draft
+
+    def skip(self, seq_id: int) -> None:
+        """``seq_id`` decodes pipelined this step (its draft length is 0): one step nearer
+        its retry."""
+        if self._length.get(seq_id, self.most) == 0:
+            self._idle[seq_id] = self._idle.get(seq_id, 0) + 1
+
+    def started(self, seq_id: int, start: int, drafts: int) -> None:
+        self.inflight[seq_id] = (start, drafts)
+
+    def settle(self, seq_id: int, accepted: int) -> tuple[int, int]:
+        """``seq_id``'s verifying step accepted ``accepted`` drafts: count them, adapt its
+        length; returns the step's start position and its drafts."""
+        start, drafts = self.inflight.pop(seq_id)
+        k = self._length.get(seq_id, self.most)
+        if accepted == drafts:
+            self._length[seq_id] = min(self.most, max(k, drafts) + 1)
+        elif accepted == 0:
+            self._length[seq_id] = max(0, min(k, drafts) - 1)
+        self.figures.proposed += drafts
+        self.figures.accepted += accepted
+        self.figures.steps += 1
+        return start, drafts
+
+    def forget(self, seq_id: int) -> None:
+        """``seq_id`` ended: drop its state."""
+        self._length.pop(seq_id, None)
+        self._idle.pop(seq_id, None)
+        self.inflight.pop(seq_id, None)
+
+    def report(self) -> dict:
+        """The status's ``speculative`` figures."""
+        if self.refused:
+            return {"enabled": False, "reason": self.refused}
+        figures = self.figures.report()
+        return {"enabled": True, "prompt_lookup": self.longest,
+                "num_draft_tokens": self.most, **figures,
+                "by_proposer": {"prompt_lookup": figures},
+                "speculates": "greedy, unconstrained sequences (sampled and constrained "
+                              "ones decode plainly)"}
+
+
+def may_draft(drafter: Drafter, run: Run) -> bool:
+    """Whether ``run`` may draft at its next step: greedy, unconstrained, its length > 0."""
+    return (drafter.on and run.sampling.greedy and run.req.constraint is None
+            and drafter.wants(run.req.id))
+
+
+def verify_work(drafter: Drafter, pool: Any, run: Run) -> Work | None:
+    """``run``'s drafts as a Work to verify, its table grown over them (None: it decodes
+    plainly this step). The drafts stop one short of ``max_tokens``, so they stay inside the
+    reservation."""
+    if not drafter.on or not run.sampling.greedy or run.req.constraint is not None:
+        return None
+    if run.pending:
+        drafter.skip(run.req.id)
+        return None
+    room = run.req.max_tokens - run.generated - 1
+    draft = drafter.propose(run.req.id, run.tokens, room)
+    if not draft:
+        return None
+    table = pool.grow(run.req.id, run.written + 1 + len(draft))
+    if table is None:
+        return None
+    drafter.started(run.req.id, run.written, len(draft))
+    return Work(run.req.id, (run.tokens[-1], *draft), run.written, table, True,
+                run.sampling, None, draft=len(draft))

@@ -1,0 +1,69 @@
+"""Drafted tokens verified in the one forward (engine/forward.py, Work.draft), for real: the
+tiny demo model (sharpened so greedy output varies), mlx-lm's own greedy tokens as truth.
+
+One step holds a speculating sequence (a right, a right and a wrong draft), another
+sequence's decode row and a third's prompt chunk; the speculating one accepts exactly the
+agreeing prefix plus the target's next token, and after rolling back by length (the wrong
+draft's slot is simply overwritten) it decodes mlx-lm's tokens on. Drafts where rollback is
+not exact, or on a row that is not greedy, are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from plimsoll.demo.model import build_demo_model  # noqa: E402
+from plimsoll.engine import Engine  # noqa: E402
+from plimsoll.engine.core import accepted  # noqa: E402
+from plimsoll.engine.drive import reference, sharpen, text  # noqa: E402
+from plimsoll.engine.work import Sampling, Step, Work  # noqa: E402
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def eng(tmp_path_factory):
+    d = build_demo_model(tmp_path_factory.mktemp("spec") / "tiny", preset="tiny")
+    e = Engine.load(d, block_tokens=BLOCK, max_blocks=64)
+    sharpen(e.model)
+    return e
+
+
+def test_accepted_is_the_agreeing_prefix_and_the_next_token():
+    assert accepted((5, 6, 7), [5, 6, 9, 1]) == (5, 6, 9)
+    assert accepted((5, 6, 7), [5, 6, 7, 1]) == (5, 6, 7, 1)
+    assert accepted((5,), [4, 2]) == (4,)
+
+
+def test_drafts_verify_beside_decodes_and_chunks(eng):
+    a, b, c = text(eng.tokenizer, 40), text(eng.tokenizer, 24, 3), text(eng.tokenizer, 30, 7)
+    ref_a, ref_b, ref_c = (reference(eng.model, p, 10) for p in (a, b, c))
+    ta, tb, tc = tuple(range(0, 8)), tuple(range(8, 16)), tuple(range(16, 24))
+    first = eng.run(Step(prefills=(Work(1, tuple(a), 0, ta, True),
+                                   Work(2, tuple(b), 0, tb, True))))
+    assert (first[1], first[2]) == (ref_a[0], ref_b[0])
+    wrong = (ref_a[3] + 1) % eng.model.args.vocab_size
+    out = eng.run(Step(decodes=(Work(2, (ref_b[0],), len(b), tb, True),),
+                       prefills=(Work(1, (ref_a[0], ref_a[1], ref_a[2], wrong), len(a), ta,
+                                      True, draft=3),
+                                 Work(3, tuple(c), 0, tc, True))))
+    assert out[1] == (ref_a[1], ref_a[2], ref_a[3])  # two accepted, then the target's own
+    assert (out[2], out[3]) == (ref_b[1], ref_c[0])
+    pos = len(a) + 3  # written rolls back by length: the wrong draft's slot is rewritten
+    out = eng.run(Step(prefills=(Work(1, (ref_a[3], *ref_a[4:7]), pos, ta, True, draft=3),)))
+    assert out[1] == tuple(ref_a[4:8])  # every draft right: k + 1 tokens
+    got = [*ref_a[:8]]
+    for _ in range(2):
+        got.append(eng.run(Step(decodes=(Work(1, (got[-1],), len(a) + len(got) - 1, ta,
+                                              True),)))[1])
+    assert got == ref_a[:10]
+    for seq in (1, 2, 3):
+        eng.free_state(seq)
+
+
+def test_drafts_are_refused_off_greedy(eng):
+    with pytest.raises(ValueError, match="greedy"):
+        eng.run(Step(prefills=(Work(9, (1, 2, 3), 0, (0,), True, Sampling(temperature=0.7),
+                                    draft=2),)))
+    assert eng.speculation_refused == ""
