@@ -6,23 +6,19 @@ inherited file descriptor (:mod:`.engine_proc`). Codec and framing: msgpack, who
 is a msgpack array whose first item is a tag below.
 
 Why a socket pair and msgpack, measured on this CPU (2 cores shared with other jobs, load
-~6; the round trip of one step's message of 32 rows' token ids, echoed by a spawned
-process, 5,000 trips; ``bench/ipc.py``):
+~5; the round trip of one pass's message of 32 rows' token ids, 261 bytes, echoed by a
+spawned process; ``bench/ipc.py``, ``bench/results/ipc-cpu-2026-12-01.md``):
 
-======================================  ===================  ==============================
-candidate                               µs per round trip    what else it gives
-======================================  ===================  ==============================
-pyzmq ``PAIR`` over ``ipc://`` + msgpack   36-63             atomic messages; a peer that
-                                                             dies is silence (a monitor
-                                                             socket or a pid watch needed)
-socket pair + msgpack ``Unpacker``         34-67             a peer that dies is an EOF on
-                                                             the other end at once; stdlib
-                                                             transport, no native library
-======================================  ===================  ==============================
+- a socket pair, msgpack's ``Unpacker`` as framing: 33 µs median (27-55 over the rounds);
+  a peer that dies is an EOF on the other end at once; a stdlib transport;
+- pyzmq ``PAIR`` over ``ipc://``, msgpack: 132 µs median (125-285; 36-63 in a quieter run);
+  atomic messages, but a peer that dies is silence (a monitor socket or a pid watch would
+  be needed), and a native library more.
 
-Codec alone (encode + decode of that message): msgpack 13 µs, msgspec 7 µs. All of these
-are under 1 % of a decode step (≥ 2 ms for the tiny demo on this CPU, ~14 ms for a 4B model
-at 32 rows on an H200), so the transport is chosen for what it gives for nothing: the EOF.
+Codec alone (encode + decode of that message): msgpack 13-25 µs, msgspec 7-11 µs; msgspec
+has no streaming decoder, so it would need framing of its own. All of these are far under a
+decode step (≥ 2 ms for the tiny demo on this CPU, ~14 ms for a 4B model at 32 rows on an
+H200). The socket pair is the faster here and gives for nothing what matters most: the EOF.
 The engine process sees its API process go (a crash, a SIGKILL) as the end of its input and
 exits, so it is never orphaned holding memory; the API process sees the engine go the same
 way and ends every open request with the protocol's error event. The kernel orders the
