@@ -114,9 +114,6 @@ class EngineClient:
         if self._open.pop(gen.id, None) is not None and self._channel is not None:
             self._channel.send([ipc.CANCEL, gen.id])
 
-    def wake(self) -> None:
-        """(The scheduler's wake-up: a message wakes the engine process.)"""
-
     async def ensure_running(self) -> Refused | None:
         """Start the engine process if none runs, or wait for the start under way; None
         once one serves, else the 503 for the request that asked."""

@@ -1,9 +1,10 @@
 """The worker's scheduler: the one owner of the engine and the block pool.
 
-Why a thread: MLX compute blocks, so the engine runs on one thread and the HTTP side
-(asyncio) talks to it only through :meth:`Scheduler.submit` and per-request event sinks.
-Every engine call and pool verb happens on that thread, so neither needs a lock; the only
-shared state is the submission inbox and a published stats dict.
+Why a thread: MLX compute blocks, so the engine runs on one thread and the rest (the engine
+process's reader of the API's messages, :mod:`.engine_proc`; a clustered rank 0's HTTP side)
+talks to it only through :meth:`Scheduler.submit`, :meth:`Scheduler.cancel` and
+per-request event sinks. Every engine call and pool verb happens on that thread, so neither
+needs a lock; the only shared state is the submission inbox and a published stats dict.
 
 Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -155,3 +157,29 @@ def test_an_api_process_killed_takes_its_engine_process_along(tiny_model, tmp_pa
     finally:
         w.stop()
     assert "Traceback" not in (tmp_path / "worker.log").read_text()
+
+
+def test_the_api_process_loads_the_tokenizer_without_mlx_where_none_is_handed_over(tiny_model):
+    """The fallback for a tokenizer the engine cannot pickle: loaded in the API process from
+    the model directory with the engine's EOS ids, as mlx-lm loads it, and still no mlx."""
+    from mlx_lm.utils import load_tokenizer
+
+    code = ("import json, sys\n"
+            "from plimsoll.worker import tokenizer as T\n"
+            f"t = T.from_engine(None, {str(tiny_model)!r}, [2])\n"
+            "d = t.detokenizer\n"
+            "ids = t.encode('hello world, again')\n"
+            "print(json.dumps({'mlx': sorted(m for m in sys.modules if m.split('.')[0] == 'mlx'),"
+            " 'ids': ids, 'eos': sorted(t.eos_token_ids), 'detok': type(d).__name__,"
+            " 'chat': t.apply_chat_template([{'role': 'user', 'content': 'hi'}],"
+            " add_generation_prompt=True)}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    want = load_tokenizer(tiny_model)
+    assert got["mlx"] == []
+    assert got["ids"] == want.encode("hello world, again")
+    assert got["eos"] == sorted(want.eos_token_ids)
+    assert got["detok"] == type(want.detokenizer).__name__
+    assert got["chat"] == want.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                   add_generation_prompt=True)
