@@ -117,17 +117,21 @@ class Intake:
         self._sched.submit(req)
 
     def _constrain(self, req: GenRequest) -> Refused | None:
-        """Build the request's matcher (the vocabulary's token trie made on first use)."""
+        """Build the request's matcher (the vocabulary's token trie made on first use); the
+        refusal if it cannot be built."""
         from plimsoll import constrain
 
-        if self._constrainer is None:
-            self._constrainer = constrain.Constrainer(self._sched.engine.tokenizer)
-        if req.spec.kind == "tool_call" and self._constrainer.markup is None:
-            return None  # a format we cannot force: rendered, parsed, not enforced (logged once)
         try:
+            if self._constrainer is None:
+                self._constrainer = constrain.Constrainer(self._sched.engine.tokenizer)
+            if req.spec.kind == "tool_call" and self._constrainer.markup is None:
+                return None  # a format we cannot force: rendered, parsed, not enforced
             req.constraint = self._constrainer.constraint(req.spec)
         except constrain.SpecError as e:
             return Refused(400, f"{e}; simplify the schema.", "invalid_schema")
+        except Exception as e:  # the grammar library failed: this request, not the engine
+            log.exception("building the constraint of request %s failed", req.id)
+            return Refused(500, f"the constraint could not be built: {e}", "worker_error")
         return None
 
 
