@@ -1,6 +1,7 @@
 """The worker as two processes, for real: the engine process (mlx, pool, scheduler) killed
-mid-stream ends every open request with its protocol's error and the next request starts
-it again; the API process maps no mlx; an API process killed takes its engine along."""
+mid-stream ends every open request with its protocol's error (OpenAI, Anthropic, Responses,
+Ollama; a 503 when not streamed) and the next request starts it again; the API process maps
+no mlx; an API process killed takes its engine along."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ CHAT = {"model": "tiny", "max_tokens": 2000, "ignore_eos": True, "stream": True,
         "messages": [{"role": "user", "content": "tell me everything"}]}
 MESSAGES = {"model": "tiny", "max_tokens": 2000, "stream": True, "temperature": 0,
             "messages": [{"role": "user", "content": "tell me everything, slowly"}]}
+RESPONSES = {"model": "tiny", "max_output_tokens": 2000, "stream": True, "temperature": 0,
+             "input": "tell me everything, at length"}
+OLLAMA = {"model": "tiny", "messages": [{"role": "user", "content": "everything, please"}],
+          "options": {"num_predict": 2000, "temperature": 0}}
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +95,12 @@ def test_a_killed_engine_ends_every_open_stream_with_an_error_and_the_next_reque
     engine = before["engine_pid"]
     chat = Stream(worker.url + "/v1/chat/completions", CHAT, "openai")
     messages = Stream(worker.url + "/v1/messages", MESSAGES, "anthropic")
-    for s in (chat, messages):
+    responses = Stream(worker.url + "/v1/responses", RESPONSES, "responses")
+    ollama = Stream(worker.url + "/api/chat", OLLAMA, "ollama")
+    streams = (chat, messages, responses, ollama)
+    for s in streams:
         s.start()
-    for s in (chat, messages):
+    for s in streams:
         assert s.ready.wait(60)
     plain: dict = {}
     waiting = threading.Thread(target=lambda: plain.setdefault("r", httpx.post(
@@ -100,13 +108,14 @@ def test_a_killed_engine_ends_every_open_stream_with_an_error_and_the_next_reque
         json={**CHAT, "stream": False})), daemon=True)
     waiting.start()
     deadline = time.monotonic() + 30
-    while worker.status()["running"] < 3 and time.monotonic() < deadline:
+    while worker.status()["running"] < 5 and time.monotonic() < deadline:
         time.sleep(0.02)
     os.kill(engine, signal.SIGKILL)
-    for t in (chat, messages, waiting):
+    for t in (*streams, waiting):
         t.join(60)
         assert not t.is_alive()
-    assert chat.status == messages.status == 200 and chat.error is messages.error is None
+    for s in streams:
+        assert s.status == 200 and s.error is None, (s.kind, s.status, s.error)
 
     # OpenAI: an error object, then [DONE]; no finish chunk
     assert chat.lines[-1] == "data: [DONE]", chat.lines[-3:]
@@ -122,6 +131,14 @@ def test_a_killed_engine_ends_every_open_stream_with_an_error_and_the_next_reque
     body = json.loads(messages.lines[messages.lines.index("event: error") + 1]
                       .removeprefix("data: "))
     assert body["type"] == "error" and f"pid {engine}" in body["error"]["message"], body
+    # Responses: response.failed with the code; Ollama: an error line, no done object
+    events = [x.removeprefix("event: ") for x in responses.lines if x.startswith("event: ")]
+    assert events[-1] == "response.failed" and "response.completed" not in events, events[-3:]
+    failed = json.loads(responses.lines[-1].removeprefix("data: "))
+    assert failed["response"]["error"]["code"] == "engine_lost", failed
+    lines = [json.loads(x) for x in ollama.lines]
+    assert not any(x.get("done") for x in lines) and lines[-1]["code"] == "engine_lost", lines[-2:]
+    assert f"pid {engine}" in lines[-1]["error"]
     # not streamed: a 503 with the reason
     r = plain["r"]
     assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
