@@ -193,7 +193,7 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     live = await live_figures(request.app.state)
-    status = "stopped" if live.get("down") else "tripped" if live["tripped"] else "ok"
+    status = "stopped" if live.get("down") else "tripped" if live.get("tripped") else "ok"
     return JSONResponse({"status": status}, 200 if status == "ok" else 503)
 
 

@@ -231,9 +231,10 @@ class EngineClient:
                          why)
             logging.shutdown()
             os._exit(EXIT_FOOTPRINT)
-        self.down = why
+        serving, self.down = self.down is None, why
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(why))
+        if not serving:  # it ended while loading: its start answers for it
             return
         log.error("%s; %d open request(s) end with an error, the next request starts it again",
                   why, len(self._open))
