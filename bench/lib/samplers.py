@@ -112,16 +112,20 @@ def tree_rss(pid: int) -> tuple[int, int]:
     return total, counted
 
 
+#: The command line of a plimsoll worker's engine process (mlx and the step loop; no HTTP).
+ENGINE_PROCESS = "plimsoll.worker.engine_proc"
+
+
 def tree_cpu(server: ServerProcess) -> tuple[float, float]:
     """CPU seconds (user + system) the server's process tree has used so far, and those of the
     serving process's main thread (the HTTP event loop: uvicorn runs it there). The serving
-    process is the busiest of the tree."""
+    process is the busiest of the tree that serves HTTP (a plimsoll engine process does not)."""
     server.remember_tree()
     total, loop, busiest = 0.0, 0.0, -1.0
     for p in server.known.values():
         try:
             t = p.cpu_times()
-            if t.user + t.system > busiest:
+            if t.user + t.system > busiest and ENGINE_PROCESS not in " ".join(p.cmdline()):
                 busiest = t.user + t.system
                 loop = sum(th.user_time + th.system_time for th in p.threads()
                            if th.id == p.pid)

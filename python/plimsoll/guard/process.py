@@ -38,9 +38,10 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from plimsoll.core.units import MIB
 
@@ -164,10 +165,12 @@ class SelfGuard:
     soft_fraction: float
 
     @classmethod
-    def find(cls, soft_fraction: float | None = None) -> SelfGuard | FootprintGuard | None:
+    def find(cls, soft_fraction: float | None = None, also: Sequence[int] = ()
+             ) -> SelfGuard | FootprintGuard | None:
         """The guard that binds this process: its cgroup, else the footprint line the
         launcher passed (armed here: the hard line is watched from now on), else None
-        (then only the trip applies)."""
+        (then only the trip applies). ``also``: the other processes of this worker (the
+        engine process passes its API process), whose footprint the line counts too."""
         fraction = soft_fraction_from_env() if soft_fraction is None else soft_fraction
         soft_line(1, fraction)  # validate once, loudly
         cg = cgroups.own() if sys.platform.startswith("linux") else None
@@ -175,7 +178,7 @@ class SelfGuard:
             return cls(cg, fraction)
         raw = os.environ.get(FOOTPRINT_ENV)
         if raw:
-            guard = FootprintGuard(int(raw), fraction, *own_footprint_reader())
+            guard = FootprintGuard(int(raw), fraction, *own_footprint_reader(also))
             guard.arm()
             return guard
         return None
@@ -195,28 +198,45 @@ class SelfGuard:
                 "soft_bytes": soft_line(limit, self.soft_fraction) if limit else None}
 
 
-def own_footprint_reader() -> tuple[Callable[[], int], str]:
-    """This process's whole footprint and what it is: ``phys_footprint`` on macOS (what
-    jetsam and Activity Monitor count), anonymous resident memory (``RssAnon``) on Linux —
-    clean file pages (a safetensors file being read, shared libraries) are reclaimable and
-    never counted, as ``phys_footprint`` leaves them out — and the resident set elsewhere."""
+def own_footprint_reader(also: Sequence[int] = ()) -> tuple[Callable[[], int], str]:
+    """This process's whole footprint (and that of the pids in ``also``, while they live) and
+    what it is: ``phys_footprint`` on macOS (what jetsam and Activity Monitor count),
+    anonymous resident memory (``RssAnon``) on Linux — clean file pages (a safetensors file
+    being read, shared libraries) are reclaimable and never counted, as ``phys_footprint``
+    leaves them out — and the resident set elsewhere."""
+    pids = [os.getpid(), *also]
     if sys.platform == "darwin":
         from plimsoll.probes.darwin import read_phys_footprint
 
-        pid = os.getpid()
-        return (lambda: read_phys_footprint(pid)), "phys_footprint"
+        def footprint() -> int:
+            return sum(_alive_or_0(read_phys_footprint, pid) for pid in pids)
+
+        return footprint, "phys_footprint"
     if sys.platform.startswith("linux"):
         from plimsoll.probes.held import parse_rss_anon
 
+        def one(pid: int) -> int:
+            return parse_rss_anon(Path(f"/proc/{pid}/status").read_text()) or 0
+
         def rss_anon() -> int:
-            return parse_rss_anon(Path("/proc/self/status").read_text()) or 0
+            return sum(_alive_or_0(one, pid) for pid in pids)
 
         if rss_anon():
             return rss_anon, "RssAnon"
     import psutil
 
-    me = psutil.Process()
-    return (lambda: me.memory_info().rss), "rss"
+    procs = [psutil.Process(pid) for pid in pids]
+    return (lambda: sum(_alive_or_0(lambda p: p.memory_info().rss, p) for p in procs)), "rss"
+
+
+def _alive_or_0(read: Callable[[Any], int], what: Any) -> int:
+    """``read(what)``, or 0 for a process that is gone."""
+    import psutil
+
+    try:
+        return read(what)
+    except (OSError, psutil.Error):
+        return 0
 
 
 @dataclass

@@ -48,7 +48,7 @@ from plimsoll.launch.live_admission import (
 from plimsoll.launch.spawn import LaunchError, worker_config
 from plimsoll.web.serve import free_port
 
-from ..probes.held import held_bytes
+from ..probes.held import held_bytes, process_tree
 from ..probes.snapshot import MemorySnapshot
 from .errors import ProxyError
 from .events import EventLog, log
@@ -95,10 +95,15 @@ class Supervisor:
         return self.unaccounted(pid), held_bytes(pid)
 
     def observed_bytes(self, pid: int) -> int:
-        try:
-            return self._snapshot(pid).process_footprint_bytes
-        except (ProcessLookupError, OSError):
-            return 0
+        """The worker's footprint: its process and those below it (its engine process, a
+        sharded worker's ranks)."""
+        total = 0
+        for one in process_tree(pid) or {pid}:
+            try:
+                total += self._snapshot(one).process_footprint_bytes
+            except (ProcessLookupError, OSError):
+                continue
+        return total
 
     def figures(self, mode: Mode | None = None) -> MemoryFigures:
         return memory_figures(self.policy, mode or self.mode, MemoryOverrides(), self._snapshot)

@@ -1,19 +1,23 @@
-"""The worker process: one model behind an OpenAI/Anthropic HTTP API, refusing instead of growing.
+"""The worker: one model behind an OpenAI/Anthropic HTTP API, refusing instead of growing.
 
-Owns, by room: the HTTP side — :mod:`.app` (the Starlette app factory, the OpenAI routes and
-their streaming, the status report, serving under uvicorn), :mod:`.anthropic_routes` and
-:mod:`.responses_routes` (the other protocols on the same scheduler), :mod:`.submit`
-(handing a request to the scheduler and streaming its events back); the backend —
-:mod:`.backend` (the engine loaded with the process limits, the pool sized, the step's
-figures); the scheduler — :mod:`.scheduler` (the thread and the step loop), :mod:`.waiting`
-(intake, expiry, the decode-batch bound), :mod:`.prefix` (registered blocks, hybrid state
-snapshots), :mod:`.speculate` (prompt-lookup drafts and each sequence's draft length),
-:mod:`.trip` (the memory lines), :mod:`.stats` (the published figures),
-:mod:`.events` (what the scheduler and the edge exchange), :mod:`.pool` (the pure block pool
-the scheduler alone owns); the disk tier — :mod:`.disk_tier` (the files) and
-:mod:`.disk_restore` (spilling and reading blocks back). The worker's settings are
-:mod:`plimsoll.core.worker_config`.
+Two processes (docs/DESIGN.md, "The process model"). The API process — :mod:`.app` (the
+Starlette app factory, the OpenAI routes and their streaming, the status report, serving
+under uvicorn), :mod:`.anthropic_routes`, :mod:`.responses_routes` and :mod:`.ollama_routes`
+(the other protocols on the same path), :mod:`.submit` (a request handed to the scheduler,
+its events streamed back), :mod:`.engine_client` (the engine process started, spoken to,
+its crash noticed) and :mod:`.tokenizer` (the engine's tokenizer, without mlx). The engine
+process — :mod:`.engine_proc` (its main: the wire's reader, a pass's events as one
+message), :mod:`.backend` (the engine loaded with the process limits, the pool sized, the
+step's figures), the scheduler — :mod:`.scheduler` (the thread and the step loop),
+:mod:`.waiting` (intake, expiry, the decode-batch bound), :mod:`.prefix` (registered
+blocks, hybrid state snapshots), :mod:`.speculate` (prompt-lookup drafts and each
+sequence's draft length), :mod:`.trip` (the memory lines), :mod:`.stats` (the
+published figures), :mod:`.pool` (the pure block pool the scheduler alone owns) — and the
+disk tier, :mod:`.disk_tier` (the files) and :mod:`.disk_restore` (spilling and reading
+blocks back). Between them: :mod:`.events` (requests and events) and :mod:`.ipc` (the wire).
+The worker's settings are :mod:`plimsoll.core.worker_config`.
 
 May import: :mod:`plimsoll.engine`, :mod:`plimsoll.protocol`, :mod:`plimsoll.web`,
-:mod:`plimsoll.guard`, :mod:`plimsoll.probes`, :mod:`plimsoll.core`.
+:mod:`plimsoll.constrain`, :mod:`plimsoll.guard`, :mod:`plimsoll.probes`,
+:mod:`plimsoll.core`.
 """

@@ -30,8 +30,8 @@ from plimsoll.web.edge import access
 from plimsoll.worker.submit import (
     EARLY_HEADERS_S,
     PENDING,
+    constraint_spec,
     events,
-    make_constraint,
     reservation,
     reserved_headers,
     sse_stream,
@@ -73,10 +73,6 @@ async def _prompt(request: Request, parse: Any) -> tuple[Any, list[int]] | JSONR
     return req, prompt
 
 
-def _constraint(state: Any, req: Any) -> Any:
-    return make_constraint(state, structured.anthropic_spec(req))
-
-
 async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's tokens through the chat template."""
     got = await _prompt(request, anthropic.parse_count_tokens)
@@ -101,12 +97,12 @@ async def messages(request: Request) -> Response:
     if refused := stopping(request):
         return error(refused.status, refused.message, refused.retry_after)
     try:
-        constraint = await run_in_threadpool(_constraint, state, req)
+        spec = constraint_spec(state, structured.anthropic_spec(req))
     except protocol.ProtocolError as err:
         return protocol_error(err)
     first, queue, gen = await submit(request, prompt, res.max_tokens,
                                      temperature=req.temperature, top_p=req.top_p,
-                                     top_k=req.top_k, constraint=constraint,
+                                     top_k=req.top_k, spec=spec,
                                      wait_s=EARLY_HEADERS_S if req.stream else None)
     if first is None:
         return Response(status_code=499)

@@ -1,9 +1,11 @@
 """The worker's HTTP edge: a Starlette app over one scheduler (OpenAI-compatible).
 
 ``make_app(cfg)`` is an app factory with a lifespan, as Starlette recommends: the lifespan
-opens a *backend* — by default :func:`~.backend.local_backend` (the engine, the process
-limits, the pool and the scheduler thread); in clustered mode rank 0 passes its ring
-scheduler instead (:mod:`plimsoll.cluster.serve`) and every route below is the same code.
+opens a *backend* — by default :func:`~.engine_client.process_backend` (the engine, the
+process limits, the pool and the scheduler in an engine process of their own; this process
+parses, renders templates, detokenizes and streams); in clustered mode rank 0 passes its
+ring scheduler instead (:mod:`plimsoll.cluster.serve`) and every route below is the same
+code.
 Routes read ``request.app.state`` — no globals. Running out arrives from the scheduler as a
 ``Refused`` event and leaves here as a 503 (with ``Retry-After``) in the OpenAI error
 shape; bad input is a 400 that says what to change. This module holds the OpenAI routes,
@@ -23,7 +25,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -46,14 +47,14 @@ from plimsoll.web.graceful import Drain
 from plimsoll.web.worker_secret import SECRET_ENV, RequireSecret
 
 from . import anthropic_routes, ollama_routes, responses_routes
-from .backend import Backend, local_backend
+from .backend import Backend
+from .engine_client import process_backend
 from .events import Refused, Started
-from .scheduler import Scheduler
 from .submit import (
     EARLY_HEADERS_S,
+    constraint_spec,
     error,
     events,
-    make_constraint,
     protocol_error,
     reservation,
     reserved_headers,
@@ -85,8 +86,7 @@ async def generate(request: Request, kind: protocol.Kind) -> Response:
     render = protocol.render_chat if kind == "chat" else protocol.render_completion
     try:
         prompt = await run_in_threadpool(render, state.tokenizer, req)
-        spec = structured.chat_spec(req) if kind == "chat" else None
-        constraint = await run_in_threadpool(make_constraint, state, spec)
+        spec = constraint_spec(state, structured.chat_spec(req) if kind == "chat" else None)
     except protocol.ProtocolError as err:
         return protocol_error(err)
     rec.prompt = len(prompt)
@@ -100,7 +100,7 @@ async def generate(request: Request, kind: protocol.Kind) -> Response:
                      retry_after=refused.retry_after)
     first, queue, gen = await submit(request, prompt, res.max_tokens,
                                      temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                     top_k=req.top_k, min_p=req.min_p, constraint=constraint,
+                                     top_k=req.top_k, min_p=req.min_p, spec=spec,
                                      ignore_eos=req.ignore_eos,
                                      wait_s=EARLY_HEADERS_S if req.stream else None)
     if first is None:
@@ -194,23 +194,43 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    sched: Scheduler = request.app.state.scheduler
-    ok = not sched.tripped
-    return JSONResponse({"status": "ok" if ok else "tripped"}, 200 if ok else 503)
+    live = await live_figures(request.app.state)
+    status = "stopped" if live.get("down") else "tripped" if live.get("tripped") else "ok"
+    return JSONResponse({"status": status}, 200 if status == "ok" else 503)
 
 
 async def status(request: Request) -> Response:
-    return JSONResponse(status_report(request.app.state))
+    state = request.app.state
+    return JSONResponse(status_report(state, await live_figures(state)))
 
 
-def status_report(state: Any) -> dict[str, Any]:
+async def live_figures(state: Any) -> dict[str, Any]:
+    """What the status report reads from wherever the engine runs: the scheduler's published
+    ``stats``, whether it is ``tripped``, MLX's ``memory``, the worker's ``rss`` (every
+    process of it), the ``guard`` and its ``cgroup``, the ``engine_pid``, and ``down`` (why
+    no engine runs now; None while one does). A backend that has them elsewhere (the engine
+    process: :meth:`.engine_client.EngineClient.live`) gives ``live``; a scheduler in this
+    process is read here."""
+    if (live := getattr(state, "live", None)) is not None:
+        return await live()
+    guard = state.guard
+    guard_status = guard.status() if guard else None
+    return {"stats": dict(state.scheduler.stats), "tripped": state.scheduler.tripped,
+            "memory": state.engine_memory(), "rss": state.rss(), "guard": guard_status,
+            "cgroup": guard_status if isinstance(guard, SelfGuard) else None,
+            "engine_pid": os.getpid(), "down": None}
+
+
+def status_report(state: Any, live: dict[str, Any]) -> dict[str, Any]:
     cfg: WorkerConfig = state.cfg
-    stats = dict(state.scheduler.stats)
-    mem = state.engine_memory()
+    mem = live.get("memory") or {}
+    down = {"engine_down": live["down"]} if live.get("down") else {}
     return {
-        "ready": True,
+        "ready": not down,
         "model": cfg.model_name,
         "pid": os.getpid(),
+        "engine_pid": live.get("engine_pid"),
+        **down,
         "block_tokens": cfg.block_tokens,
         "block_bytes": state.block_bytes,
         "kv_bytes_per_token": state.kv_bytes_per_token,
@@ -218,12 +238,12 @@ def status_report(state: Any) -> dict[str, Any]:
         "kv_dtype": getattr(state, "kv_dtype", None),
         "transient_bytes": cfg.transient_bytes,
         "max_num_seqs": cfg.max_num_seqs,
-        **stats,
-        "mlx": {"active_bytes": mem["active"], "peak_bytes": mem["peak"],
-                "cache_bytes": mem["cache"]},
-        "rss_bytes": state.rss(),
-        "cgroup": state.guard.status() if isinstance(state.guard, SelfGuard) else None,
-        "guard": state.guard.status() if state.guard else None,
+        **live.get("stats", {}),
+        "mlx": {"active_bytes": mem.get("active"), "peak_bytes": mem.get("peak"),
+                "cache_bytes": mem.get("cache")},
+        "rss_bytes": live.get("rss"),
+        "cgroup": live.get("cgroup"),
+        "guard": live.get("guard"),
         "context": {"native_max": state.native_max_context, "configured": cfg.context,
                     "max_tokens": cfg.max_tokens, "default_max_tokens": cfg.default_max_tokens},
         "limits": {
@@ -235,17 +255,18 @@ def status_report(state: Any) -> dict[str, Any]:
             "total_ram_bytes": cfg.total_ram_bytes,
         },
         "uptime_s": round(time.monotonic() - state.started, 3),
+        **live.get("extra", {}),  # the engine's kernels, its step, speculation
         **(extra() if (extra := getattr(state, "status_extra", None)) else {}),
     }
 
 
 def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
-    """The worker's routes over ``backend`` (default: this process's own engine).
+    """The worker's routes over ``backend`` (default: the worker's engine process).
 
     A clustered load passes its own backend (rank 0's ring scheduler): the routes,
     protocol parsing, streaming, chat templates and error shapes are this same code.
     """
-    open_backend = backend or local_backend
+    open_backend = backend or process_backend
     drain = Drain(cfg.drain_s)
 
     @contextlib.asynccontextmanager
@@ -255,7 +276,8 @@ def make_app(cfg: WorkerConfig, backend: Backend | None = None) -> Starlette:
             for name, value in parts.items():
                 setattr(app.state, name, value)
             app.state.started = time.monotonic()
-            log.info("PLIMSOLL_READY %s", json.dumps(status_report(app.state)))
+            report = status_report(app.state, await live_figures(app.state))
+            log.info("PLIMSOLL_READY %s", json.dumps(report))
             yield
 
     app = Starlette(
@@ -290,8 +312,6 @@ def serve_worker(cfg: WorkerConfig) -> None:
 
     basic_logging()
     set_quiet(cfg.quiet)
-    if interval := os.environ.get("PLIMSOLL_SWITCH_INTERVAL_S"):  # a tuning knob (bench/)
-        sys.setswitchinterval(float(interval))  # how soon the engine thread gets the GIL
     app = make_app(cfg)
     limit = in_flight_limit(cfg)
     # h11 whatever else is installed: its cap on a request head bounds enormous headers.

@@ -1,28 +1,27 @@
 """The worker's backend: the engine loaded with the process limits, the pool sized, the scheduler.
 
-:func:`local_backend` is what :func:`plimsoll.worker.app.make_app` opens by default: on the
+:func:`start_scheduler` is what the engine process runs (:mod:`.engine_proc`): on the
 scheduler thread it loads the model (the engine edge), applies the process-wide MLX limits
-(restored at exit), builds the pool the flags describe against the loaded engine's real
-figures (:func:`make_pool`, admission's own start-up check) and the step's figures
-(:func:`scheduler_limits`: the prefill chunk and the decode batch under the transient
-admission counted), then yields what the routes read from ``app.state``. A clustered rank 0
-passes a backend of its own (:mod:`plimsoll.cluster.serve`).
+(restored when the thread ends), builds the pool the flags describe against the loaded
+engine's real figures (:func:`make_pool`, admission's own start-up check) and the step's
+figures (:func:`scheduler_limits`: the prefill chunk and the decode batch under the
+transient admission counted). What :func:`plimsoll.worker.app.make_app` opens by default is
+:func:`plimsoll.worker.engine_client.process_backend`, the API process's side of that engine
+process; a clustered rank 0 passes a backend of its own (:mod:`plimsoll.cluster.serve`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractAsyncContextManager
 from typing import Any
-
-from starlette.concurrency import run_in_threadpool
 
 from plimsoll.core import sizing
 from plimsoll.core.transients import decode_transient_bytes, default_prefill_chunk, prefill_chunk
 from plimsoll.core.worker_config import WorkerConfig
-from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
+from plimsoll.guard.process import FootprintGuard, SelfGuard, memory_probe_with_guard
 
 from . import speculate
 from .events import SchedulerLimits
@@ -82,17 +81,24 @@ def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
 
 
 #: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
-#: block_bytes, kv_bytes_per_token, applied_limits, engine_memory, rss, guard, and
+#: block_bytes, kv_bytes_per_token, applied_limits, and either ``live`` (an async callable:
+#: the figures of :func:`plimsoll.worker.app.live_figures`) or engine_memory, rss and guard;
 #: optionally ``status_extra`` (a callable whose dict is merged into the status report).
 Backend = Callable[[WorkerConfig], AbstractAsyncContextManager[dict[str, Any]]]
 
 
-@contextlib.asynccontextmanager
-async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
-    """This process's own engine: load it on the scheduler thread, stop it at exit."""
+def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None, *,
+                    flush: Callable[[], None] | None = None,
+                    also_rss: Collection[int] = ()) -> tuple[Scheduler, dict[str, Any]]:
+    """Start the scheduler thread that loads the engine; wait until it is ready.
+
+    Returns the scheduler (``setup_error`` set if loading failed) and what loading gave
+    beside it: ``applied`` (the process limits as applied). ``also_rss``: other processes
+    of this worker (the API process) whose resident set the trip counts with this one's.
+    """
     import psutil
 
-    proc = psutil.Process()
+    procs = [psutil.Process(), *(psutil.Process(pid) for pid in also_rss)]
     loaded: dict[str, Any] = {}
 
     def setup(stack: contextlib.ExitStack):
@@ -123,32 +129,19 @@ async def local_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
             log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
         return eng, pool, limits
 
-    def memory_probe() -> dict[str, int]:
-        return {"mlx_active": loaded["active_memory"](), "rss": proc.memory_info().rss}
+    def rss() -> int:
+        total = 0
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                total += p.memory_info().rss
+        return total
 
-    self_guard = SelfGuard.find()  # the cgroup limit that binds us, if any
+    def memory_probe() -> dict[str, int]:
+        return {"mlx_active": loaded["active_memory"](), "rss": rss()}
+
     sched = Scheduler(setup, SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s,
                                              cfg.trip_bytes),
-                      memory_probe_with_guard(memory_probe, self_guard))
+                      memory_probe_with_guard(memory_probe, guard), flush=flush)
     sched.start()
-    await run_in_threadpool(sched.ready.wait)
-    if sched.setup_error is not None:
-        raise sched.setup_error
-    eng = sched.engine
-    try:
-        yield {"scheduler": sched, "tokenizer": eng.tokenizer,
-               "native_max_context": eng.facts.native_max_context,
-               "block_bytes": eng.block_bytes,
-               "kv_bytes_per_token": eng.block_bytes // cfg.block_tokens,
-               "kv_dtype": eng.facts.kv_format,  # q8 / q4 when quantized
-               "applied_limits": loaded["applied"], "engine_memory": eng.memory,
-               "rss": lambda: proc.memory_info().rss, "guard": self_guard,
-               "constrained_decoding": True,
-               "status_extra": lambda: {"kernels": eng.kernels.report(),
-                                        "one_forward": eng.mixers.report(),
-                                        **({} if sched.drafter is None else
-                                           {"speculative": sched.drafter.report()})}}
-    finally:  # the disk tier's shutdown spill runs on the scheduler thread: give it time
-        await run_in_threadpool(sched.stop, 10.0 if sched.disk is None else 120.0)
-        if sched.disk is not None:
-            await run_in_threadpool(sched.disk.close)
+    sched.ready.wait()
+    return sched, loaded

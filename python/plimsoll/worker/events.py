@@ -1,5 +1,10 @@
 """What the scheduler and the HTTP edge exchange: requests, limits and the events a request's
-sink receives (on the scheduler thread; sinks must not block). Pure values, no engine."""
+sink receives (on the scheduler thread; sinks must not block). Pure values, no engine.
+
+A request crosses to the engine process as data (:mod:`.ipc`): every field the scheduler
+reads is a number, a list of ids or ``spec``; ``constraint`` (the matcher) is built from
+``spec`` where the engine runs, and ``sink``, ``cancelled``, ``deadline`` and ``hashes``
+belong to the side that holds them."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from plimsoll.core.transients import PREFILL_CHUNK
 from plimsoll.engine.work import TokenConstraint
@@ -27,6 +33,8 @@ class Token:
 class Finished:
     reason: str  # "length" | "eos" | "stop" (a constraint finished) | "cancelled"
     completion_tokens: int
+    drafted: int = 0   # tokens speculation proposed for the request
+    accepted: int = 0  # of those, accepted
 
 
 @dataclass(frozen=True)
@@ -51,8 +59,9 @@ class GenRequest:
     seed: int | None = None
     top_k: int = 0        # 0 is off
     min_p: float = 0.0    # 0 is off
-    constraint: TokenConstraint | None = None
+    constraint: TokenConstraint | None = None  # the matcher, where the engine runs
     ignore_eos: bool = False  # only max_tokens (or the edge's stop strings) end it
+    spec: Any = None  # the constraint as data (a plimsoll.constrain.Spec), or None
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
     deadline: float = 0.0

@@ -54,14 +54,15 @@ def refused(r: Refused) -> JSONResponse:
 
 def _prepare(state: Any, req: ollama.ChatRequest | ollama.GenerateRequest
              ) -> tuple[protocol.Request, list[int], Any]:
-    """On a thread: the OpenAI request, its prompt ids and its constraint (or raise the 400)."""
+    """On a thread: the OpenAI request, its prompt ids and its constraint's spec (or raise the
+    400)."""
     if isinstance(req, ollama.GenerateRequest) and req.raw:
         target: protocol.Request = ollama.to_completion(req)
         prompt = protocol.render_completion(state.tokenizer, target)
     else:
         target = ollama.to_chat(req)
         prompt = protocol.render_chat(state.tokenizer, target, **req.template_kwargs)
-    return target, prompt, submit.make_constraint(state, ollama.format_spec(req))
+    return target, prompt, submit.constraint_spec(state, ollama.format_spec(req))
 
 
 async def _answer(request: Request, kind: ollama.Kind) -> Response:
@@ -84,7 +85,7 @@ async def _answer(request: Request, kind: ollama.Kind) -> Response:
     if ollama.loads_only(req):
         return JSONResponse(ollama.loaded(meta))
     try:
-        target, prompt, constraint = await run_in_threadpool(_prepare, state, req)
+        target, prompt, spec = await run_in_threadpool(_prepare, state, req)
     except protocol.ProtocolError as err:
         return protocol_error(err)
     rec.prompt = len(prompt)
@@ -102,7 +103,7 @@ async def _answer(request: Request, kind: ollama.Kind) -> Response:
     first, queue, gen = await submit.submit(request, prompt, res.max_tokens,
                                        temperature=target.temperature, top_p=target.top_p,
                                        top_k=target.top_k, min_p=target.min_p,
-                                       seed=target.seed, constraint=constraint,
+                                       seed=target.seed, spec=spec,
                                        wait_s=submit.EARLY_HEADERS_S if req.stream else None)
     if first is None:
         return Response(status_code=499)

@@ -30,9 +30,9 @@ from plimsoll.web.edge import access
 from .events import Refused, Started
 from .submit import (
     EARLY_HEADERS_S,
+    constraint_spec,
     error,
     events,
-    make_constraint,
     protocol_error,
     reservation,
     reserved_headers,
@@ -68,7 +68,7 @@ def _echo(req: responses_request.ResponsesRequest, model: str, max_tokens: int) 
 
 def _prepare(state: Any, req: responses_request.ResponsesRequest
              ) -> tuple[Any, list[int], Any, list[dict[str, Any]]]:
-    """On a thread: the chat request, its prompt ids, its constraint and the conversation to
+    """On a thread: the chat request, its prompt ids, its constraint's spec and the conversation to
     store (or raise the 400/404)."""
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
@@ -92,7 +92,7 @@ def _prepare(state: Any, req: responses_request.ResponsesRequest
             err.message = err.message.replace("response_format.json_schema.schema",
                                               "text.format.schema")
         raise
-    return chat, prompt, make_constraint(state, spec), responses_request.conversation(req, history)
+    return chat, prompt, constraint_spec(state, spec), responses_request.conversation(req, history)
 
 
 async def responses(request: Request) -> Response:
@@ -109,7 +109,7 @@ async def responses(request: Request) -> Response:
     if err := protocol.check_model(req.model, cfg.model_name):
         return protocol_error(err)
     try:
-        chat, prompt, constraint, convo = await run_in_threadpool(_prepare, state, req)
+        chat, prompt, spec, convo = await run_in_threadpool(_prepare, state, req)
     except ProtocolError as err:
         return protocol_error(err)
     rec.prompt = len(prompt)
@@ -121,7 +121,7 @@ async def responses(request: Request) -> Response:
         return error(refused.status, refused.message, code=refused.code,
                      retry_after=refused.retry_after)
     first, queue, gen = await submit(request, prompt, max_tokens, temperature=req.temperature,
-                                     top_p=req.top_p, seed=req.seed, constraint=constraint,
+                                     top_p=req.top_p, seed=req.seed, spec=spec,
                                      wait_s=EARLY_HEADERS_S if req.stream else None)
     if first is None:
         return Response(status_code=499)

@@ -1,9 +1,10 @@
 """The worker's scheduler: the one owner of the engine and the block pool.
 
-Why a thread: MLX compute blocks, so the engine runs on one thread and the HTTP side
-(asyncio) talks to it only through :meth:`Scheduler.submit` and per-request event sinks.
-Every engine call and pool verb happens on that thread, so neither needs a lock; the only
-shared state is the submission inbox and a published stats dict.
+Why a thread: MLX compute blocks, so the engine runs on one thread and the rest (the engine
+process's reader of the API's messages, :mod:`.engine_proc`; a clustered rank 0's HTTP side)
+talks to it only through :meth:`Scheduler.submit`, :meth:`Scheduler.cancel` and
+per-request event sinks. Every engine call and pool verb happens on that thread, so neither
+needs a lock; the only shared state is the submission inbox and a published stats dict.
 
 Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
 
@@ -68,11 +69,15 @@ class Scheduler:
     """Owns engine + pool on one thread; see the module docstring for the loop."""
 
     def __init__(self, setup: Callable[[contextlib.ExitStack], tuple[Any, BlockPool]],
-                 limits: SchedulerLimits, memory_probe: Callable[[], dict[str, int]]):
+                 limits: SchedulerLimits, memory_probe: Callable[[], dict[str, int]],
+                 flush: Callable[[], None] | None = None):
         """``setup`` runs on the scheduler thread (MLX streams are per thread): it loads the
         engine, enters process-wide limits on the exit stack (restored when the thread
-        ends) and returns the engine and its pool."""
+        ends) and returns the engine and its pool. ``flush``, if given, is called once at
+        the end of every pass of the loop: sinks that gather a pass's events (the engine
+        process's) send them there as one message."""
         self._setup = setup
+        self._flush = flush or (lambda: None)
         self.limits = limits
         self.line = MemoryLine(memory_probe)  # the trip and the guard's soft line
         self.engine: Any = None
@@ -130,6 +135,12 @@ class Scheduler:
         with self._wake:
             self._wake.notify()
 
+    def cancel(self, req: GenRequest) -> None:
+        """End ``req`` (a client that left, a stop string, a drain that ran out): its blocks
+        are freed at the next pass."""
+        req.cancelled.set()
+        self.wake()
+
     # --- the scheduler thread -----------------------------------------------------------
     def _run(self) -> None:
         with contextlib.ExitStack() as stack:
@@ -159,11 +170,16 @@ class Scheduler:
                         and not self._stop.is_set())
             if idle:  # fresh figures for whoever reads them while nothing runs
                 self._publish()
+            self._flush()
             with self._wake:
                 if (not self._inbox and not self._running and self._pending is None
                         and not self._stop.is_set()):
                     self._wake.wait(timeout=0.25 if self._waiting else None)
+        if self._pending is not None:  # the step in flight ends before its blocks are freed
+            with contextlib.suppress(Exception):
+                self._pending[0].result()
         self._fail_all("the worker is shutting down")
+        self._flush()
         if self.disk is not None:  # a clean stop: every cached block goes to disk
             self.disk.shutdown(self.pool)
 
@@ -351,7 +367,7 @@ class Scheduler:
     def _finish(self, run: Run, reason: str) -> None:
         self._end(run, reason)
         self.counters[reason] += 1
-        run.req.sink(Finished(reason, run.generated))
+        run.req.sink(Finished(reason, run.generated, run.req.drafted, run.req.accepted))
 
     def _end(self, run: Run, reason: str | None) -> None:
         """Release a sequence: its full blocks stay cached (every written token is known)."""

@@ -6,11 +6,13 @@ of a shutdown, and its events as assembler deltas.
 Its own module so that :mod:`.app` (the OpenAI routes and the app factory) and
 :mod:`.anthropic_routes` both import it, and neither imports the other's routes back.
 
-Events cross from the scheduler thread in bursts (a decode step emits one token for every
-running stream at once): a :class:`Mailbox` per event loop wakes the loop once per burst
-(one ``call_soon_threadsafe``, one self-pipe write), not once per token, and
-:func:`events` feeds every event already queued for a request before it yields, so a
-request that fell behind sends its tokens as one write.
+Events come in bursts (a decode step emits one token for every running stream at once).
+From the engine process (the worker's own backend) a burst is one message, read on the
+event loop, whose events go straight into the requests' queues; from a scheduler thread in
+this process (a clustered rank 0's ring) a :class:`Mailbox` per event loop wakes the loop
+once per burst (one ``call_soon_threadsafe``, one self-pipe write), not once per token.
+Either way :func:`events` feeds every event already queued for a request before it yields,
+so a step's tokens for one connection are detokenized together and sent as one write.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from starlette.responses import JSONResponse
 
 from plimsoll import protocol
 from plimsoll.core.worker_config import WorkerConfig
-from plimsoll.engine.work import TokenConstraint
 from plimsoll.protocol import ProtocolError
 from plimsoll.protocol.reservation import HEADER as MAX_TOKENS_HEADER
 from plimsoll.protocol.reservation import Reservation, reserve
@@ -128,11 +129,11 @@ def protocol_error(err: ProtocolError) -> JSONResponse:
     return JSONResponse(err.body(), err.status)
 
 
-def make_constraint(state: Any, spec: Any) -> Any:
-    """The engine constraint for ``spec`` (None for none), built with this worker's
-    :class:`~plimsoll.constrain.Constrainer` (made on first use: a token trie of the
-    vocabulary). A backend without the hook (``constrained_decoding`` unset: the clustered
-    ring) refuses with a 400 rather than answering unconstrained."""
+def constraint_spec(state: Any, spec: Any) -> Any:
+    """``spec`` as it goes to the engine (None for none): the engine process builds its
+    matcher (a grammar the matcher refuses comes back as a 400 ``invalid_schema``). A
+    backend without constrained decoding (``constrained_decoding`` unset: the clustered
+    ring) refuses with a 400 here rather than answering unconstrained."""
     if spec is None:
         return None
     if not getattr(state, "constrained_decoding", False):
@@ -140,34 +141,34 @@ def make_constraint(state: Any, spec: Any) -> Any:
                             "decoding, which this (clustered) worker does not run; drop "
                             "response_format / the forced tool_choice.",
                             code="constraint_unsupported")
-    from plimsoll import constrain
-
-    if getattr(state, "constrainer", None) is None:
-        state.constrainer = constrain.Constrainer(state.tokenizer)
-    if spec.kind == "tool_call" and state.constrainer.markup is None:
-        return None  # a format we cannot force: rendered, parsed, not enforced (logged once)
-    try:
-        return state.constrainer.constraint(spec)
-    except constrain.SpecError as e:
-        raise ProtocolError(400, f"{e}; simplify the schema.", code="invalid_schema") from e
+    return spec
 
 
 async def submit(request: Request, prompt: list[int], max_tokens: int, *, temperature: float,
                  top_p: float, seed: int | None = None, top_k: int = 0, min_p: float = 0.0,
-                 constraint: TokenConstraint | None = None,
+                 spec: Any = None,
                  wait_s: float | None = None, ignore_eos: bool = False
                  ) -> tuple[Started | Refused | _Pending | None, asyncio.Queue, GenRequest]:
     """Hand a request to the scheduler; wait for admission (Started) or a Refused.
 
     ``None`` means the client left while waiting (the request is then cancelled);
     :data:`PENDING` that ``wait_s`` passed first (the caller waits on with :func:`started`).
+    A scheduler in another process (:class:`~.engine_client.EngineClient`) is started first
+    if it is not running, and calls each sink on this loop; one on a thread of this process
+    posts through the loop's :class:`Mailbox`.
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    gen = GenRequest(prompt=prompt, max_tokens=max_tokens, sink=mailbox(loop).sink(queue),
-                     temperature=temperature, top_p=top_p, seed=seed, top_k=top_k, min_p=min_p,
-                     constraint=constraint, ignore_eos=ignore_eos)
-    request.app.state.scheduler.submit(gen)
+    sched = request.app.state.scheduler
+    on_loop = getattr(sched, "sinks_on_loop", False)
+    gen = GenRequest(prompt=prompt, max_tokens=max_tokens,
+                     sink=queue.put_nowait if on_loop else mailbox(loop).sink(queue),
+                     temperature=temperature, top_p=top_p, seed=seed, top_k=top_k,
+                     min_p=min_p, spec=spec,
+                     ignore_eos=ignore_eos)
+    if on_loop and (refused := await sched.ensure_running()) is not None:
+        return refused, queue, gen
+    sched.submit(gen)
     return await next_event(queue, request, gen, wait_s), queue, gen
 
 
@@ -193,8 +194,7 @@ async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest,
         if until is not None and time.monotonic() >= until:
             return PENDING
         if drain.expired:
-            gen.cancelled.set()
-            request.app.state.scheduler.wake()
+            request.app.state.scheduler.cancel(gen)
             return Refused(503, f"the worker is shutting down and its drain time "
                            f"({drain.drain_s:g} s) ran out before this request finished",
                            "worker_stopping", 1)
@@ -207,8 +207,7 @@ async def next_event(queue: asyncio.Queue, request: Request, gen: GenRequest,
                 return await queue.get()
         except TimeoutError:
             if await request.is_disconnected():
-                gen.cancelled.set()
-                request.app.state.scheduler.wake()
+                request.app.state.scheduler.cancel(gen)
                 return None
 
 
@@ -239,6 +238,7 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
                     deltas += assembler.feed(ev.token_id)
                 elif isinstance(ev, Finished):
                     deltas += assembler.close("length" if ev.reason == "length" else "stop")
+                    gen.drafted, gen.accepted = ev.drafted, ev.accepted  # from the engine
                 elif isinstance(ev, Refused):
                     if deltas:
                         yield deltas
@@ -253,8 +253,7 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
         if gen.drafted:
             rec.drafted, rec.accepted = gen.drafted, gen.accepted
         if not gen.cancelled.is_set():  # stop string, tool call, or client gone
-            gen.cancelled.set()
-            request.app.state.scheduler.wake()
+            request.app.state.scheduler.cancel(gen)
 
 
 async def sse_stream(waiting: tuple, assembler: protocol.TextAssembler, *, opening: Iterable[bytes],
