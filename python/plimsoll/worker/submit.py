@@ -250,6 +250,9 @@ async def events(queue: asyncio.Queue, request: Request, gen: GenRequest,
             yield deltas
     finally:
         rec.completion = assembler.completion_tokens
+        while not queue.empty():  # an engine process's Finished (its speculation figures)
+            if isinstance(ev := queue.get_nowait(), Finished):  # comes with the last token
+                gen.drafted, gen.accepted = ev.drafted, ev.accepted
         if gen.drafted:
             rec.drafted, rec.accepted = gen.drafted, gen.accepted
         if not gen.cancelled.is_set():  # stop string, tool call, or client gone
