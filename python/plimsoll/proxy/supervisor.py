@@ -48,7 +48,12 @@ from plimsoll.launch.live_admission import (
 from plimsoll.launch.spawn import LaunchError, worker_config
 from plimsoll.web.serve import free_port
 
-from ..probes.held import anon_bytes_except, held_bytes, process_tree, read_content_bytes
+from ..probes.held import (
+    anon_bytes_except,
+    descendants_held_bytes,
+    held_bytes,
+    read_content_bytes,
+)
 from ..probes.snapshot import MemorySnapshot
 from .errors import ProxyError
 from .events import EventLog, log
@@ -107,15 +112,13 @@ class Supervisor:
         return self.unaccounted(pid), held_bytes(pid)
 
     def observed_bytes(self, pid: int) -> int:
-        """The worker's footprint: its process and those below it (its engine process, a
-        sharded worker's ranks)."""
-        total = 0
-        for one in process_tree(pid) or {pid}:
-            try:
-                total += self._snapshot(one).process_footprint_bytes
-            except (ProcessLookupError, OSError):
-                continue
-        return total
+        """The worker's footprint: its process's, and what the processes below it (its
+        engine process, a sharded worker's ranks) hold that their exit releases."""
+        try:
+            return (self._snapshot(pid).process_footprint_bytes
+                    + descendants_held_bytes(pid))
+        except (ProcessLookupError, OSError):
+            return 0
 
     def figures(self, mode: Mode | None = None) -> MemoryFigures:
         return memory_figures(self.policy, mode or self.mode, MemoryOverrides(), self._snapshot)
