@@ -87,6 +87,14 @@ def held_bytes(pid: int) -> int:
     return sum(_one_held(p) for p in process_tree(pid))
 
 
+def descendants_held_bytes(pid: int) -> int:
+    """What the processes below ``pid`` hold that their exit releases (a worker's engine
+    process, a sharded worker's ranks). A worker's footprint is its own figure plus this:
+    the file pages its descendants map (the same interpreter and libraries) are counted
+    in its own already."""
+    return sum(_one_held(p) for p in process_tree(pid) - {pid})
+
+
 def anon_bytes_except(pid: int) -> int:
     """Anonymous memory of every visible process outside ``pid``'s tree (Linux; 0
     elsewhere): the release check must not count a sharded worker's ranks as other

@@ -48,7 +48,10 @@ from plimsoll.launch.live_admission import (
 from plimsoll.launch.spawn import LaunchError, worker_config
 from plimsoll.web.serve import free_port
 
-from ..probes.held import held_bytes, process_tree
+from ..probes.held import (
+    descendants_held_bytes,
+    held_bytes,
+)
 from ..probes.snapshot import MemorySnapshot
 from .errors import ProxyError
 from .events import EventLog, log
@@ -95,15 +98,13 @@ class Supervisor:
         return self.unaccounted(pid), held_bytes(pid)
 
     def observed_bytes(self, pid: int) -> int:
-        """The worker's footprint: its process and those below it (its engine process, a
-        sharded worker's ranks)."""
-        total = 0
-        for one in process_tree(pid) or {pid}:
-            try:
-                total += self._snapshot(one).process_footprint_bytes
-            except (ProcessLookupError, OSError):
-                continue
-        return total
+        """The worker's footprint: its process's, and what the processes below it (its
+        engine process, a sharded worker's ranks) hold that their exit releases."""
+        try:
+            return (self._snapshot(pid).process_footprint_bytes
+                    + descendants_held_bytes(pid))
+        except (ProcessLookupError, OSError):
+            return 0
 
     def figures(self, mode: Mode | None = None) -> MemoryFigures:
         return memory_figures(self.policy, mode or self.mode, MemoryOverrides(), self._snapshot)

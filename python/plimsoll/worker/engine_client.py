@@ -2,8 +2,8 @@
 
 :func:`process_backend` is the worker's default backend (:func:`plimsoll.worker.app.make_app`):
 it starts the engine process (:mod:`.engine_proc`) and yields what the routes read from
-``app.state``, the :class:`EngineClient` standing where the scheduler stood. The routes
-call it as they called the scheduler — ``submit``, ``cancel`` — and its events reach each
+``app.state``, the :class:`EngineClient` in the scheduler's place. The routes call it as
+they would a scheduler — ``submit``, ``cancel`` — and its events reach each
 request's queue on the event loop as one ``EVENTS`` message a scheduler pass arrives
 (:mod:`.ipc`): no thread, no mailbox, no per-token wake-up. This process holds no KV and
 imports no mlx; the tokenizer is the engine's own, handed over at start
@@ -16,7 +16,7 @@ otherwise — and the next request starts a new engine process through the same 
 after the old one is gone and its memory back (one start at a time; requests arriving
 meanwhile wait for it). An engine ended by the footprint guard
 (:data:`~plimsoll.guard.process.EXIT_FOOTPRINT`) ends this process with that status, as
-the guard ended the single worker process before: the proxy sees the exit it knows. A
+a worker the guard ends: the proxy sees the exit it knows. A
 crashed API process takes the engine with it: the engine reads the EOF and exits
 (:mod:`.engine_proc`), and the proxy restarts the worker as it does for any crash.
 """

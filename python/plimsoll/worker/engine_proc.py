@@ -2,10 +2,10 @@
 
 Started by the API process (:mod:`.engine_client`) as ``python -m plimsoll.worker.engine_proc
 FD API_PID``, FD being its end of the socket pair (:mod:`.ipc`). It reads the worker's
-settings, then runs exactly what the worker ran on its engine thread before there were two
-processes (:func:`.backend.start_scheduler`: the engine loaded, the process-wide MLX limits
-set and restored in one place, the pool sized, admission, reservations and the trip), and
-answers with the loaded figures and the tokenizer. From then on:
+settings, then starts the scheduler (:func:`.backend.start_scheduler`: the engine loaded,
+the process-wide MLX limits set and restored in one place, the pool sized, admission,
+reservations and the trip), and answers with the loaded figures and the tokenizer. From
+then on:
 
 - the main thread reads the API's messages: a request becomes a ``GenRequest`` (its
   constraint's matcher built here from its spec), a cancellation sets the request's flag, a
