@@ -8,10 +8,11 @@ its events streamed back), :mod:`.engine_client` (the engine process started, sp
 its crash noticed) and :mod:`.tokenizer` (the engine's tokenizer, without mlx). The engine
 process — :mod:`.engine_proc` (its main: the wire's reader, a pass's events as one
 message), :mod:`.backend` (the engine loaded with the process limits, the pool sized, the
-step's figures), the scheduler — :mod:`.scheduler` (the thread and the step loop),
-:mod:`.waiting` (intake, expiry, the decode-batch bound), :mod:`.prefix` (registered
-blocks, hybrid state snapshots), :mod:`.speculate` (prompt-lookup drafts and each
-sequence's draft length), :mod:`.trip` (the memory lines), :mod:`.stats` (the
+step's figures), the scheduler — :mod:`.scheduler` (the thread, the step loop, the plan),
+:mod:`.waiting` (intake, the waiters a step admits, expiry, the decode-batch bound),
+:mod:`.prefix` (an admission's hit blocks, prompt chunks, registered blocks, hybrid state
+snapshots), :mod:`.speculate` (prompt-lookup drafts, each sequence's draft length, drafts
+verified and settled), :mod:`.trip` (the memory lines, what a trip sheds), :mod:`.stats` (the
 published figures), :mod:`.pool` (the pure block pool the scheduler alone owns) — and the
 disk tier, :mod:`.disk_tier` (the files) and :mod:`.disk_restore` (spilling and reading
 blocks back). Between them: :mod:`.events` (requests and events) and :mod:`.ipc` (the wire).

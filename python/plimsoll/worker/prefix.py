@@ -1,5 +1,7 @@
 """What a step leaves for later prompts: full blocks registered as prefix hits, and the state
-snapshots of hybrid models (pure bookkeeping over the pool; the engine only snapshots).
+snapshots of hybrid models (pure bookkeeping over the pool; the engine only snapshots); and
+what an admitted prompt takes from earlier ones (:func:`admit`: its hit blocks mapped, a
+snapshot or disk blocks restored) and how its prompt is cut into chunks (:func:`chunk`).
 
 A full block's hash is registered once every token in it is known (a prompt token, or a
 token already read back) and its write is planned: a prompt chunk's blocks when the chunk is
@@ -19,12 +21,51 @@ and a later prompt maps the blocks up to the last one with a snapshot and resume
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
-from plimsoll.engine.work import Step
+from plimsoll.engine.work import Step, Work
 
-from .pool import BlockPool
+from .events import GenRequest
+from .pool import BlockPool, Grant
 from .waiting import Run
+
+
+def admit(pool: BlockPool, engine: Any, disk: Any, req: GenRequest, grant: Grant) -> Run:
+    """``req`` admitted under ``grant``: map the hit blocks, count the reservation, restore a
+    hybrid state snapshot and the prompt's next blocks from ``disk`` (the tier, or None);
+    returns its Run, its hit tokens already written."""
+    pool.allocate(req.id, grant)
+    if grant.snapshot is not None:
+        engine.restore_state(grant.snapshot, req.id)
+    hit = grant.hit_count * pool.block_tokens
+    if disk is not None:  # the prompt's next blocks, read back from disk
+        hit += disk.restore(pool, req.id, grant.hashes, grant.hit_count, len(req.prompt))
+    run = Run(req, list(req.prompt), len(req.prompt), hit, hit)
+    if disk is not None:
+        commit(pool, run)  # restored blocks: prefix hits for the next prompt
+    return run
+
+
+def chunk(pool: BlockPool, chunk_for: Callable[[int], int] | None, run: Run,
+          budget: int) -> Work:
+    """The next chunk of ``run``'s prompt, at most ``budget`` tokens (and ``chunk_for``'s
+    transient bound at its length); a hybrid prompt's chunk ends on a block, so a state
+    snapshot can go there. Its full blocks are registered as it is planned."""
+    n = min(run.prompt_len - run.written, budget)
+    if chunk_for is not None:  # the transient bound at this prompt's length
+        n = max(1, min(n, chunk_for(run.prompt_len)))
+    block = pool.block_tokens
+    if pool.hybrid and n >= block:  # end on a block: a state snapshot can go there
+        if run.written + n < run.prompt_len:
+            n -= (run.written + n) % block
+        elif (last := (run.prompt_len - 1) // block * block) > run.written:
+            n = last - run.written  # the prompt's last boundary, so all of it can be hit
+    table = pool.grow(run.req.id, run.written + n)
+    end = run.written + n
+    register_planned(pool, run, end)  # a prompt admitted next maps them
+    return Work(run.req.id, tuple(run.tokens[run.written:end]), run.written, table,
+                end == run.prompt_len, run.sampling, run.req.constraint)
 
 
 def commit(pool: BlockPool, run: Run) -> None:

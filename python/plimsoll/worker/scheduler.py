@@ -11,11 +11,12 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
 1. take new submissions into the bounded waiting queue (over the bound: refused at once),
    check the trip, end cancelled sequences;
 2. plan one :class:`~plimsoll.engine.work.Step`: a decode for every running sequence,
-   then prompt chunks of prefilling sequences — and of waiters admitted now, FIFO, while
-   ``max_batch`` and the pool allow — up to ``prefill_tokens`` per step. So a long prompt
-   delays running streams by at most one chunk per step. Admission maps every prompt block
-   already held or cached (a shared prefix: no copy, no recompute) and reserves ``ceil((prompt
-   + max_tokens) / block)`` blocks; physical blocks are taken as tokens are written;
+   then prompt chunks of prefilling sequences and of waiters admitted now (FIFO, while
+   ``max_batch`` and the pool allow: :func:`.waiting.admit_waiting`) up to
+   ``prefill_tokens`` per step, so a long prompt delays running streams by at most one chunk
+   per step. Admission maps every prompt block already held or cached (a shared prefix: no
+   copy, no recompute) and reserves ``ceil((prompt + max_tokens) / block)`` blocks;
+   physical blocks are taken as tokens are written;
 3. submit it (``engine.run_async``) *before* reading the previous step's tokens, so graph
    building overlaps compute: a running sequence's decode names ``tokens=None`` ("the
    token you sampled last step"); the token a sequence that ended last step samples
@@ -28,18 +29,19 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
    EOS or a finished constraint. Their full blocks stay cached (hashes registered): no
    compaction, no moves.
 
-Speculation (:mod:`.speculate`, ``--prompt-lookup``): a greedy, unconstrained sequence with
-drafts runs as a chunk of its last token and the drafts (``Work.draft``); a sequence that may
-draft is never pipelined (before planning, the previous step is read when one has a token in
-flight), and reading a verified step rolls ``written`` back to the accepted tokens.
+Speculation (``--prompt-lookup``) is :mod:`.speculate`'s: a sequence's drafts verified as
+one chunk, the previous step read before planning when a sequence that may draft has a token
+in flight (it is never pipelined), and a verified step's tokens settled when read.
 
 Running out is an event (``Refused``) for the HTTP edge to turn into a 503 with
-``Retry-After`` — never a crash, never growth past the pool. This module is the thread and
-the loop; :mod:`.waiting` is admission's side (intake, expiry, what a waiter waits for),
-:mod:`.prefix` what a step leaves for later prompts, :mod:`.trip` the memory lines,
-:mod:`.stats` the published figures. Per step (Python here is decode time lost on a GPU):
-the memory probe and the status snapshot run on a cadence; full blocks are hashed only when
-a block fills; ``Sampling`` is built once; the pool hands back one table until it grows.
+``Retry-After`` — never a crash, never growth past the pool. This module is the thread, the
+loop and the plan; :mod:`.waiting` is admission's side (intake, which waiters a step admits,
+expiry, what a waiter waits for), :mod:`.prefix` what a prompt takes from earlier ones and
+leaves for later ones (an admission's hit blocks, the chunks, registered blocks, snapshots),
+:mod:`.trip` the memory lines and what a trip sheds, :mod:`.stats` the published figures.
+Per step (Python here is decode time lost on a GPU): the memory probe and the status
+snapshot run on a cadence; full blocks are hashed only when a block fills; ``Sampling`` is
+built once; the pool hands back one table until it grows.
 """
 
 from __future__ import annotations
@@ -54,13 +56,13 @@ from typing import Any
 
 from plimsoll.engine.threads import wait_gone
 from plimsoll.engine.work import Step, Work
-from plimsoll.worker.pool import BlockPool, Grant, Refusal
+from plimsoll.worker.pool import BlockPool, Grant
 
 from . import prefix, speculate
 from .events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
 from .stats import PUBLISH_INTERVAL_S, status_figures
-from .trip import MemoryLine
-from .waiting import Run, decode_fits, end_reason, expire, in_flight, intake, why_waiting
+from .trip import MemoryLine, shed
+from .waiting import Run, admit_waiting, end_reason, expire, hashes, intake, why_waiting
 
 log = logging.getLogger("plimsoll.worker")
 
@@ -189,7 +191,7 @@ class Scheduler:
         if self.line.due(bool(self._running)):
             self._check_trip()
         self._end_cancelled()
-        if self._pending is not None and self._drafting_waits():
+        if self._pending is not None and speculate.drafting_waits(self.drafter, self._running):
             previous, self._pending = self._pending, None  # its drafts need its tokens
             self.counters["speculation_unpipelined"] += 1
             self._read(*previous)
@@ -226,7 +228,7 @@ class Scheduler:
         if cancelled:
             self.counters["cancelled"] += cancelled
         for req in expired:
-            grant = self.pool.can_allocate(req.prompt, req.max_tokens, self._hashes(req))
+            grant = self.pool.can_allocate(req.prompt, req.max_tokens, hashes(self.pool, req))
             code, why = why_waiting(req, grant, self._running.values(), self.limits)
             self._refuse(req, 503, f"waited {self.limits.max_wait_s:g} s: {why}", code)
 
@@ -249,8 +251,7 @@ class Scheduler:
                 log.error("sequence %s would pass its reservation; ended", run.req.id)
                 self._finish(run, "length")
                 continue
-            if self.drafter is not None and (
-                    verify := speculate.verify_work(self.drafter, self.pool, run)) is not None:
+            if (verify := speculate.verify_work(self.drafter, self.pool, run)) is not None:
                 prefills.append(verify)
                 continue
             token = None if run.pending else (run.tokens[-1],)
@@ -261,77 +262,26 @@ class Scheduler:
                 break
             if run.prefilling:
                 budget -= self._chunk(run, budget, prefills, chunks)
-        deferred = 0  # waiters at the head left for a running prefill's blocks
-        while (budget > 0 and len(self._waiting) > deferred
-               and len(self._running) < self.limits.max_batch):
-            req = self._waiting[deferred]
-            if self._running and not decode_fits(self.limits, req, self._running.values()):
-                break
-            grant = self.pool.can_allocate(req.prompt, req.max_tokens, self._hashes(req))
-            if isinstance(grant, Refusal):
-                if not grant.never_fits:
-                    break  # FIFO: the head waits for blocks; nothing jumps the queue
-                del self._waiting[deferred]
-                self._refuse(req, 503, grant.message, "pool_exhausted")
-                continue
-            if prefills and in_flight(req, grant.hit_count, self.pool.block_tokens,
-                                      self._running.values()):
-                deferred += 1  # its next blocks are being computed: wait, not recompute
-                continue
-            if self._running and self.line.over(self.limits.trip_bytes):  # each prefill
-                break  # can be a spike: a fresh probe before every admission
-            del self._waiting[deferred]
-            budget -= self._chunk(self._admit(req, grant), budget, prefills, chunks)
+        admit_waiting(self._waiting, self._running, self.limits, self.pool, self.line.over,
+                      budget, prefills, self._refuse,
+                      lambda req, grant, left: self._chunk(self._admit(req, grant), left,
+                                                           prefills, chunks))
         self.step_log.append((self._steps + 1, tuple(w.seq_id for w in decodes), chunks))
         return Step(tuple(decodes), tuple(prefills))
 
-    def _drafting_waits(self) -> bool:
-        """A sequence that may draft this step has a token in flight: read it first."""
-        return self.drafter is not None and any(
-            run.pending and not run.prefilling and speculate.may_draft(self.drafter, run)
-            for run in self._running.values())
-
     def _admit(self, req: GenRequest, grant: Grant) -> Run:
-        """Map the hit blocks, count the reservation, restore a hybrid state snapshot."""
-        self.pool.allocate(req.id, grant)
-        if grant.snapshot is not None:
-            self.engine.restore_state(grant.snapshot, req.id)
-        hit = grant.hit_count * self.pool.block_tokens
-        if self.disk is not None:  # the prompt's next blocks, read back from disk
-            hit += self.disk.restore(self.pool, req.id, grant.hashes, grant.hit_count,
-                                     len(req.prompt))
-        run = Run(req, list(req.prompt), len(req.prompt), hit, hit)
-        self._running[req.id] = run
-        if self.disk is not None:
-            prefix.commit(self.pool, run)  # restored blocks: prefix hits for the next prompt
+        """``req`` joins the running batch (its blocks: :func:`.prefix.admit`)."""
+        run = self._running[req.id] = prefix.admit(self.pool, self.engine, self.disk, req, grant)
         self.counters["admitted"] += 1
         self._dirty = True
-        req.sink(Started(len(req.prompt), hit))
+        req.sink(Started(len(req.prompt), run.cached_tokens))
         return run
 
-    def _chunk(self, run: Run, budget: int, prefills: list[Work],
-               chunks: dict[int, int]) -> int:
-        """The next chunk of ``run``'s prompt, at most ``budget`` tokens; returns its size."""
-        n = min(run.prompt_len - run.written, budget)
-        if self.limits.chunk_for is not None:  # the transient bound at this prompt's length
-            n = max(1, min(n, self.limits.chunk_for(run.prompt_len)))
-        block = self.pool.block_tokens
-        if self.pool.hybrid and n >= block:  # end on a block: a state snapshot can go there
-            if run.written + n < run.prompt_len:
-                n -= (run.written + n) % block
-            elif (last := (run.prompt_len - 1) // block * block) > run.written:
-                n = last - run.written  # the prompt's last boundary, so all of it can be hit
-        table = self.pool.grow(run.req.id, run.written + n)
-        end = run.written + n
-        prefix.register_planned(self.pool, run, end)  # a prompt admitted next maps them
-        prefills.append(Work(run.req.id, tuple(run.tokens[run.written:end]), run.written,
-                             table, end == run.prompt_len, run.sampling, run.req.constraint))
-        chunks[run.req.id] = n
-        return n
-
-    def _hashes(self, req: GenRequest) -> list[bytes]:
-        req.hashes = req.hashes if req.hashes is not None else self.pool.prompt_hashes(req.prompt)
-        return req.hashes
+    def _chunk(self, run: Run, budget: int, prefills: list[Work], chunks: dict[int, int]) -> int:
+        """The next chunk of ``run``'s prompt, planned (:func:`.prefix.chunk`); its size."""
+        prefills.append(work := prefix.chunk(self.pool, self.limits.chunk_for, run, budget))
+        chunks[run.req.id] = work.length
+        return work.length
 
     # --- after a step -------------------------------------------------------------------
     def _read(self, pending: Any, step: int) -> None:
@@ -342,13 +292,7 @@ class Scheduler:
             if run is None:
                 continue
             run.pending -= 1
-            tokens = (out,) if isinstance(out, int) else out
-            if not isinstance(out, int):  # verified drafts: written rolls back by length
-                start, drafts = self.drafter.settle(seq_id, len(out) - 1)
-                run.written = start + len(out)
-                run.req.drafted += drafts
-                run.req.accepted += len(out) - 1
-            for token in tokens:
+            for token in speculate.settle(self.drafter, run, out):  # drafts: written rolls back
                 if self._emit(run, token):
                     break
             else:
@@ -384,13 +328,10 @@ class Scheduler:
 
     def _free_stale_states(self) -> None:
         read_through = self._steps - (1 if self._pending is not None else 0)
-        keep = []
         for seq_id, after in self._stale_states:
             if after <= read_through:
                 self.engine.free_state(seq_id)
-            else:
-                keep.append((seq_id, after))
-        self._stale_states = keep
+        self._stale_states = [(i, after) for i, after in self._stale_states if after > read_through]
 
     def _refuse(self, req: GenRequest, status: int, message: str, code: str) -> None:
         self._dirty = True
@@ -422,20 +363,15 @@ class Scheduler:
     def _check_trip(self) -> None:
         if self.line.check(self.limits.trip_bytes, self.pool, self.engine, self.counters):
             self._dirty = True
-        if self.tripped:
-            self._shed(self.tripped)
-
-    def _shed(self, why: str) -> None:
-        """Still over after the clear: refuse everyone waiting and abort the newest running
-        request (one per iteration, so the oldest work finishes if that is enough)."""
-        message = f"memory trip: {why}; request aborted to keep the worker under its line"
-        while self._waiting:
-            self._refuse(self._waiting.popleft(), 503, message, "memory_trip")
-        if self._running:
-            run = self._running[max(self._running)]
-            self._end(run, None)
+        if not self.tripped:
+            return
+        message, waiters, newest = shed(self.tripped, self._waiting, self._running)
+        for req in waiters:
+            self._refuse(req, 503, message, "memory_trip")
+        if newest is not None:
+            self._end(newest, None)
             self.engine.clear_cache()
-            self._refuse(run.req, 503, message, "memory_trip")
+            self._refuse(newest.req, 503, message, "memory_trip")
 
     def _maybe_publish(self) -> None:
         """Publish if something a reader acts on changed, or the snapshot is stale."""

@@ -1,4 +1,5 @@
-"""Speculative decoding's side of the scheduler (pure): what to propose, and how much.
+"""Speculative decoding's side of the scheduler (pure): what to propose, how much, and what a
+verified step leaves.
 
 A speculating sequence's step verifies its drafts in the one forward
 (:class:`~plimsoll.engine.work.Work` with ``draft`` > 0): its last sampled token and ``k``
@@ -14,6 +15,10 @@ row's mask needs each previous token).
   everything (up to ``most``), one fewer after a step that accepted none or found no match,
   down to 0, where the sequence decodes plainly (and pipelined) and tries one draft again
   every :data:`RETRY_STEPS` steps. Its counters are the status's ``speculative`` figures.
+- The scheduler's side, as functions over the drafter and a sequence: :func:`drafting_waits`
+  (a sequence that may draft has a token in flight: the previous step is read before
+  planning, so it is never pipelined), :func:`verify_work` (its drafts as the step's Work)
+  and :func:`settle` (a verified step's tokens read back, ``written`` rolled back to them).
 
 Drafts never pass the reservation: ``k`` is at most the tokens the request may still
 generate less one, so the last drafted position is below ``prompt + max_tokens``.
@@ -155,11 +160,20 @@ def may_draft(drafter: Drafter, run: Run) -> bool:
             and drafter.wants(run.req.id))
 
 
-def verify_work(drafter: Drafter, pool: Any, run: Run) -> Work | None:
+def drafting_waits(drafter: Drafter | None, running: dict[int, Run]) -> bool:
+    """Whether a sequence that may draft this step has a token in flight (the scheduler reads
+    the previous step first: its drafts need that token)."""
+    return drafter is not None and any(
+        run.pending and not run.prefilling and may_draft(drafter, run)
+        for run in running.values())
+
+
+def verify_work(drafter: Drafter | None, pool: Any, run: Run) -> Work | None:
     """``run``'s drafts as a Work to verify, its table grown over them (None: it decodes
-    plainly this step). The drafts stop one short of ``max_tokens``, so they stay inside the
-    reservation."""
-    if not drafter.on or not run.sampling.greedy or run.req.constraint is not None:
+    plainly this step, or speculation is off). The drafts stop one short of ``max_tokens``,
+    so they stay inside the reservation."""
+    if (drafter is None or not drafter.on or not run.sampling.greedy
+            or run.req.constraint is not None):
         return None
     if run.pending:
         drafter.skip(run.req.id)
@@ -174,3 +188,16 @@ def verify_work(drafter: Drafter, pool: Any, run: Run) -> Work | None:
     drafter.started(run.req.id, run.written, len(draft))
     return Work(run.req.id, (run.tokens[-1], *draft), run.written, table, True,
                 run.sampling, None, draft=len(draft))
+
+
+def settle(drafter: Drafter | None, run: Run, out: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The tokens a step read back for ``run``: a plain decode's one, or a verifying step's
+    accepted drafts and the target's next token, whose settling rolls ``written`` back to
+    them and counts the request's drafted and accepted tokens."""
+    if isinstance(out, int):
+        return (out,)
+    start, drafts = drafter.settle(run.req.id, len(out) - 1)
+    run.written = start + len(out)
+    run.req.drafted += drafts
+    run.req.accepted += len(out) - 1
+    return out

@@ -4,14 +4,14 @@ the emergency clear (docs/DESIGN.md, "The invariants": the trip).
 :class:`MemoryLine` is held by the scheduler and runs on its thread. Over a line, the clear
 comes first (cached blocks and state snapshots dropped, MLX's buffer cache emptied); still
 over after it, the scheduler sheds work: every waiting request, then the newest running one,
-one per iteration (:meth:`plimsoll.worker.scheduler.Scheduler._shed`).
+one per iteration (:func:`shed` picks them; the scheduler refuses and ends them).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -43,10 +43,11 @@ class MemoryLine:
         :func:`plimsoll.worker.waiting.decode_fits` kept under ``transient_bytes`` when the
         row joined. The probe is the line for what accounting cannot see (allocator
         fragmentation, a guard's limit lowered from outside); the spikes it exists for —
-        prefills — are probed before every admission (the scheduler's ``_plan``) and in the
-        iteration right after every prefill step, and a cgroup's hard line or the footprint
-        guard's thread act on their own. So a decode-only stretch is re-checked within
-        :data:`PROBE_INTERVAL_S`, a few steps.
+        prefills — are probed before every admission
+        (:func:`plimsoll.worker.waiting.admit_waiting`) and in the iteration right after
+        every prefill step, and a cgroup's hard line or the footprint guard's thread act on
+        their own. So a decode-only stretch is re-checked within :data:`PROBE_INTERVAL_S`, a
+        few steps.
         """
         return (self.spiked or not running
                 or time.monotonic() - self.probed_at >= PROBE_INTERVAL_S)
@@ -86,3 +87,13 @@ class MemoryLine:
             log.error("trip: %s after the emergency clear; refusing new work", over)
         self.tripped = over
         return bool(over or was)
+
+
+def shed(why: str, waiting: deque, running: dict[int, Any]) -> tuple[str, list, Any]:
+    """What a trip still over after the clear sheds, with the refusal's message: every
+    waiting request (taken from ``waiting``), and the newest running one or None (one per
+    iteration, so the oldest work finishes if that is enough)."""
+    message = f"memory trip: {why}; request aborted to keep the worker under its line"
+    waiters = list(waiting)
+    waiting.clear()
+    return message, waiters, running[max(running)] if running else None

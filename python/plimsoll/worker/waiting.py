@@ -1,5 +1,7 @@
-"""Admission's side of the scheduler (pure): the bounded queue's intake, a running sequence's
-state, whether one more fits the decode batch, expiry, and what a waiter waits for.
+"""Admission's side of the scheduler: the bounded queue's intake, a running sequence's
+state, whether one more fits the decode batch, which waiters a step admits
+(:func:`admit_waiting`, through the scheduler's admit and refuse), expiry, and what a waiter
+waits for. The rest is pure.
 
 A waiter joins the running batch, FIFO, while ``max_batch``, the pool (its reservation of
 ``ceil((prompt + max_tokens) / block)`` blocks) and the decode step's transient bound allow;
@@ -12,13 +14,13 @@ decode slot, or other prompts' prefill — never a vague "slots busy".
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from plimsoll.engine.work import Sampling
 
 from .events import GenRequest, SchedulerLimits
-from .pool import Refusal
+from .pool import BlockPool, Grant, Refusal
 
 
 @dataclass
@@ -74,6 +76,43 @@ def in_flight(req: GenRequest, hits: int, block_tokens: int, running: Iterable[R
         return False
     return any(r.prefilling and r.req.hashes is not None and hits < len(r.req.hashes)
                and r.req.hashes[hits] == hashes[hits] for r in running)
+
+
+def hashes(pool: BlockPool, req: GenRequest) -> list[bytes]:
+    """``req``'s prompt block hashes, computed once and kept on it."""
+    req.hashes = req.hashes if req.hashes is not None else pool.prompt_hashes(req.prompt)
+    return req.hashes
+
+
+def admit_waiting(queue: deque[GenRequest], running: dict[int, Run], limits: SchedulerLimits,
+                  pool: BlockPool, over: Callable[[int], bool], budget: int, prefills: list,
+                  refuse: Callable[[GenRequest, int, str, str], None],
+                  admit: Callable[[GenRequest, Grant, int], int]) -> None:
+    """Admit waiters from the head of ``queue``, FIFO, while ``budget`` prefill tokens,
+    ``max_batch``, the decode bound and the pool allow: ``admit(req, grant, budget)`` plans
+    its first chunk (into ``prefills``) and returns its size; one that can never fit is
+    refused. A waiter whose next blocks a running prefill writes waits while the step has
+    prompt work, and those behind it go first; ``over`` probes memory before each admission
+    but the first (each prefill can be a spike)."""
+    deferred = 0  # waiters at the head left for a running prefill's blocks
+    while budget > 0 and len(queue) > deferred and len(running) < limits.max_batch:
+        req = queue[deferred]
+        if running and not decode_fits(limits, req, running.values()):
+            break
+        grant = pool.can_allocate(req.prompt, req.max_tokens, hashes(pool, req))
+        if isinstance(grant, Refusal):
+            if not grant.never_fits:
+                break  # FIFO: the head waits for blocks; nothing jumps the queue
+            del queue[deferred]
+            refuse(req, 503, grant.message, "pool_exhausted")
+            continue
+        if prefills and in_flight(req, grant.hit_count, pool.block_tokens, running.values()):
+            deferred += 1  # its next blocks are being computed: wait, not recompute
+            continue
+        if running and over(limits.trip_bytes):
+            break
+        del queue[deferred]
+        budget -= admit(req, grant, budget)
 
 
 def why_waiting(req: GenRequest, grant: object, running: Collection[Run],

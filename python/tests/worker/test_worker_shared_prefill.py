@@ -162,5 +162,5 @@ def test_a_waiter_waits_for_the_blocks_a_running_prefill_is_still_to_write(
     assert admitted and min(admitted) == 4  # with the first's chunk that ends the prefix
     assert tokens(reqs[3]) == reference(rec.eng.model, prompts[3], 2)
     # admitted as soon as the budget allows instead, they compute parts of it again
-    monkeypatch.setattr("plimsoll.worker.scheduler.in_flight", lambda *args: False)
+    monkeypatch.setattr("plimsoll.worker.waiting.in_flight", lambda *args: False)
     assert run_capped(tiny_dir)[0].prefill_tokens() > 256 + 8 * 48
