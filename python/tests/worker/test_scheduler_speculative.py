@@ -74,7 +74,7 @@ def test_speculation_gives_the_plain_tokens(prompt, accepts):
     s, _eng, pool = speculating(total=256)
     req, ev = request(s, prompt, 80)
     drain(s)
-    assert tokens(ev) == want and ev[-1] == Finished("length", 80)
+    assert tokens(ev) == want and ev[-1] == Finished("length", 80, req.drafted, req.accepted)
     figures = s.drafter.figures
     assert figures.proposed > 0 and req.drafted == figures.proposed
     assert (figures.accepted > 0) is accepts and req.accepted == figures.accepted
