@@ -73,6 +73,8 @@ let
     idleTtlS = 300;
     diskCache = null;
     maxTokensOverLimit = "clamp";
+    promptLookup = 0;
+    numDraftTokens = 3;
   };
 
   # The disk tier for KV blocks (host-wide in settings, or per model): off when null.
@@ -82,7 +84,7 @@ let
   declKeys = [ "host" "totalRamGb" "osFloorGb" "maxLocalLlmGb" "transientReserve" "models" "settings" "aliases" "defaultModel" ];
   modeNames = [ "standalone" "clustered" ];
   settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "ollamaApi" "cluster" "pressure" "diskCache" ];
-  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" "diskCache" "maxTokensOverLimit" ];
+  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" "diskCache" "maxTokensOverLimit" "promptLookup" "numDraftTokens" ];
   listenKeys = [ "host" "port" ];
   clusterKeys = [ "interface" "peers" "backend" ];
   peerKeys = [ "host" "address" ];
@@ -303,6 +305,8 @@ let
         ++ numberChecks { field = "defaultMaxTokens"; where = "${where}: defaultMaxTokens"; value = e.defaultMaxTokens; integer = true; ok = v: v >= 1; range = "at least 1"; }
         ++ numberChecks { field = "maxTokens"; where = "${where}: maxTokens"; value = e.maxTokens; integer = true; ok = v: v >= 1; range = "at least 1"; }
         ++ numberChecks { field = "idleTtlS"; where = "${where}: idleTtlS"; value = e.idleTtlS; integer = false; ok = v: v >= 0; range = "at least 0 seconds (0: never unload)"; }
+        ++ numberChecks { field = "promptLookup"; where = "${where}: promptLookup"; value = e.promptLookup; integer = true; ok = v: v >= 0 && v <= 8; range = "between 0 (off) and 8"; }
+        ++ numberChecks { field = "numDraftTokens"; where = "${where}: numDraftTokens"; value = e.numDraftTokens; integer = true; ok = v: v >= 1 && v <= 16; range = "between 1 and 16"; }
         ++ [
           (check (!(ints "defaultMaxTokens" && ints "maxTokens") || e.defaultMaxTokens <= e.maxTokens)
             "${who}: ${where}: defaultMaxTokens (${fmt e.defaultMaxTokens}) exceeds maxTokens (${fmt e.maxTokens}): lower defaultMaxTokens")
