@@ -79,6 +79,8 @@ RESPONSES = {
     "text": {"format": {"type": "text"}},
 }
 COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+OLLAMA_CHAT = {"model": MODEL, "stream": False, "messages": [{"role": "user", "content": "hi"}],
+               "options": {"num_predict": 2, "temperature": 0}}
 RICH = {"/v1/messages": MESSAGES, "/v1/messages/count_tokens": COUNT,
         "/v1/chat/completions": CHAT, "/v1/responses": RESPONSES}
 #: scope → (route, the request, the path of the object the scope names)
@@ -103,7 +105,12 @@ SCOPES: dict[str, tuple[str, dict[str, Any], tuple]] = {
     "openai.responses.text": ("/v1/responses", RESPONSES, ("text",)),
     "openai.responses.message": ("/v1/responses", RESPONSES, ("input", 0)),
     "openai.responses.content": ("/v1/responses", RESPONSES, ("input", 3, "content", 0)),
+    "ollama.request": ("/api/chat", OLLAMA_CHAT, ()),
+    "ollama.options": ("/api/chat", OLLAMA_CHAT, ("options",)),
+    "ollama.show": ("/api/show", {"model": MODEL}, ()),  # the proxy's route (PROXY_ONLY)
 }
+#: routes only the proxy serves (every model's catalogue): a worker target goes there too
+PROXY_ONLY = ("/api/show",)
 TOOL_TYPES = "openai.responses.tool_type"
 FIELD_SCOPES = sorted(set(TOLERATED) - {TOOL_TYPES})
 TOLERATED_FIELDS = [(scope, field) for scope in FIELD_SCOPES for field in TOLERATED[scope]]
@@ -134,7 +141,8 @@ class Servers:
         self.client = httpx.Client(timeout=120)
 
     def post(self, target: str, path: str, **kw) -> httpx.Response:
-        base = self.worker.url if target == "worker" else self.proxy.url
+        worker = target == "worker" and path not in PROXY_ONLY
+        base = self.worker.url if worker else self.proxy.url
         return self.client.post(base + path, **kw)
 
 
