@@ -30,6 +30,25 @@ for _folder in [TESTS, *sorted({p.parent for p in TESTS.glob("*/test_*.py")})]:
         sys.path.insert(0, str(_folder))
 
 
+def gauge_text(status: dict[str, dict]) -> str:
+    """The proxy's /metrics text of its per-model gauges, every model ready with ``status``
+    (model → its worker's status report), through the real collector and exposition."""
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from plimsoll.proxy.gauges import Poll, gauges
+
+    p = Poll(workers={m: {"state": "ready"} for m in status}, status=status)
+
+    class One:
+        def collect(self):
+            return gauges(p, lambda _: 0)
+
+    reg = CollectorRegistry()
+    reg.register(One())
+    return generate_latest(reg).decode()
+
+
 def worker_env() -> dict[str, str]:
     """float32 matmul through OpenBLAS is ~70x faster than MLX's own CPU kernels here."""
     env = dict(os.environ)

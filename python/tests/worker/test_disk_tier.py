@@ -229,24 +229,12 @@ def test_the_policy_disk_cache_reaches_the_worker_flags(tmp_path):
 
 
 def test_metrics_carry_the_disk_tier_per_model():
-    from prometheus_client.exposition import generate_latest
-    from prometheus_client.registry import CollectorRegistry
-
-    from plimsoll.proxy.gauges import Poll, gauges
+    from conftest import gauge_text
 
     disk = {"state": "off", "reason": "ENOSPC", "hits": 7, "misses": 2, "corrupt": 1,
             "bytes_read": 700, "bytes_written": 900, "files": 3, "size_bytes": 900,
             "cap_bytes": 1000}
-    p = Poll(workers={"m": {"state": "ready"}, "n": {"state": "ready"}},
-             status={"m": {"disk": disk}, "n": {"disk": None}})
-
-    class One:
-        def collect(self):
-            return gauges(p, lambda _: 0)
-
-    reg = CollectorRegistry()
-    reg.register(One())
-    text = generate_latest(reg).decode()
+    text = gauge_text({"m": {"disk": disk}, "n": {"disk": None}})
     assert 'plimsoll_disk_tier_hits{model="m"} 7.0' in text
     assert 'plimsoll_disk_tier_on{model="m"} 0.0' in text
     assert 'plimsoll_disk_tier_cap_bytes{model="m"} 1000.0' in text

@@ -156,25 +156,13 @@ def test_the_policy_entry_and_flags_reach_the_worker_argv():
 
 
 def test_metrics_carry_the_acceptance_per_model():
-    from prometheus_client.exposition import generate_latest
-    from prometheus_client.registry import CollectorRegistry
-
-    from plimsoll.proxy.gauges import Poll, gauges
+    from conftest import gauge_text
 
     d = Drafter(3, 3)
     d.started(1, 10, 3)
     d.settle(1, 2)
-    p = Poll(workers={"m": {"state": "ready"}, "n": {"state": "ready"}},
-             status={"m": {"speculative": d.report()},
-                     "n": {"speculative": Drafter(3, 3, "no rollback").report()}})
-
-    class One:
-        def collect(self):
-            return gauges(p, lambda _: 0)
-
-    reg = CollectorRegistry()
-    reg.register(One())
-    text = generate_latest(reg).decode()
+    text = gauge_text({"m": {"speculative": d.report()},
+                       "n": {"speculative": Drafter(3, 3, "no rollback").report()}})
     assert 'plimsoll_speculative_accepted{model="m"} 2.0' in text
     assert 'plimsoll_speculative_acceptance_rate{model="m"} 0.6667' in text
     assert 'plimsoll_speculative_accepted_per_step{model="m"} 2.0' in text
