@@ -64,7 +64,10 @@ def test_a_wrong_kernel_is_rejected_with_its_reason():
     assert not failed.used and "failed on this device: RuntimeError" in failed.reason
 
 
-def test_a_correct_kernel_is_accepted():
+def test_a_correct_kernel_is_accepted(monkeypatch):
+    # the kernel here IS the reference, so its timing is a coin toss on a loaded CPU; the
+    # speed rule has its own test (test_the_decision): here only agreement decides
+    monkeypatch.setattr(kernels, "MARGIN", float("inf"))
     good, calls = _counting()
     verdict = kernels.check(good, mx.float32, 8, SHAPES)
     assert verdict.used, verdict.reason
