@@ -26,6 +26,25 @@ figures (other work on the box moves them).
 
 Writes ``--out-dir``/``--name``.{json,md}. Run (from the repo root):
     python bench/cluster.py [--presets tiny hybrid] [--repeats 3]
+
+**A built model** (``--model DIR``, e.g. bench/gpu_model.py's Qwen3-4B-shaped one on the
+GPU: bench/gpu_cluster.sh) runs instead, one after another (``--phases``, in that order;
+:mod:`lib.cluster_runs`), every rank a process on this machine with its own slice
+(``--rank-gib``: ceiling = total = budget, on its command line, so two ranks sharing one
+GPU each admit against their slice, not the device or the host's RAM):
+
+- ``one``: one rank; ``ring``: two ranks over ring on 127.0.0.1; ``nccl``: two ranks over
+  MLX's nccl (a refusal, e.g. two ranks on one device, or no CUDA build, is the figure);
+  each at ``--streams`` (1, 8, 32) streams of ``--tokens`` tokens released together,
+  ``--repeats`` rounds: aggregate tok/s, per-stream decode tok/s, TTFT, and each rank's
+  memory against its admitted footprint;
+- ``too-big``: a per-rank budget (``--too-big-gib``; ``auto``: halfway between the least
+  at which two ranks commit at ``--too-big-streams``' largest concurrency and the least at
+  which one rank commits at all, from the pure plan) that one rank refuses (its runtime
+  refusal recorded) and two ranks (ring) serve, at ``--too-big-streams``.
+
+The results are rewritten after every run, so a deadline (``--deadline-s``) or a kill keeps
+what was measured.
 Every request has a timeout and every wait a deadline; traffic goes only to 127.0.0.1; the
 clusters are closed (every rank by pid) before it exits.
 """
@@ -36,6 +55,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,10 +63,12 @@ import time
 from pathlib import Path
 
 from lib import report
+from lib.cluster_runs import GIB, least_budget, pure_plan, serve_run
+from lib.cluster_runs import markdown as served_markdown
+from lib.samplers import Gpu
 from lib.servers import OPENBLAS, server_env
 from lib.workloads import concurrent_streams, decode_tps, timed_stream
 
-GIB = 1 << 30
 #: two-rank figures per preset (GiB ceilings): even for tiny (2 + 2 layers), 6 + 2 for hybrid
 SPLITS = {"tiny": (4, 4), "hybrid": (6, 2)}
 PROMPT = "def main():\n    print('hello')\n"
@@ -185,11 +207,36 @@ def main(argv: list[str] | None = None) -> int:
     report.output_args(ap, "cluster")
     ap.add_argument("--render", type=Path, metavar="JSON",
                     help="only rewrite the markdown of an earlier run's JSON (beside it)")
+    served = ap.add_argument_group("a built model (--model): one rank against two")
+    served.add_argument("--model", type=Path, help="a built model directory: the served runs")
+    served.add_argument("--phases", default="one,ring,nccl,too-big",
+                        help="comma list of one, ring, nccl, too-big, run in that order")
+    served.add_argument("--stage", choices=["engine", "loop"], default="engine")
+    served.add_argument("--rank-gib", type=float, default=24.0,
+                        help="each rank's slice in the one/ring/nccl runs")
+    served.add_argument("--too-big-gib", default="auto",
+                        help="each rank's slice in the too-big runs (GiB, or auto)")
+    served.add_argument("--streams", default="1,8,32")
+    served.add_argument("--too-big-streams", default="1,8")
+    served.add_argument("--concurrency", type=int, help="default: the most streams")
+    served.add_argument("--context", type=int, default=2048)
+    served.add_argument("--max-tokens", type=int, default=512)
+    served.add_argument("--preload", default=OPENBLAS,
+                        help="LD_PRELOAD for the ranks where the file exists ('' for none)")
+    served.add_argument("--log-dir", type=Path, help="every rank's log, by run")
+    served.add_argument("--deadline-s", type=float, default=480.0,
+                        help="no run starts, and no round, past this many seconds")
+    served.add_argument("--min-run-s", type=float, default=40.0,
+                        help="a run starts only with this many seconds left")
+    served.add_argument("--start-timeout", type=float, default=150.0)
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(args.render.read_text())
-        args.render.with_suffix(".md").write_text(markdown(result))
+        writer = served_markdown if "runs" in result else markdown
+        args.render.with_suffix(".md").write_text(writer(result))
         return 0
+    if args.model:
+        return served_main(args)
     from plimsoll.demo.model import build_demo_model
 
     result = {"command": report.command(),
@@ -208,6 +255,112 @@ def main(argv: list[str] | None = None) -> int:
     result["loadavg"]["end"] = os.getloadavg()[0]
     report.write(result, args.out_dir, args.name or report.default_name("cluster"), markdown)
     print(markdown(result))
+    return 0
+
+
+def too_big_budget(model: Path, request, asked: str) -> dict:
+    """The per-rank budget of the too-big runs, and the thresholds it sits between."""
+    one = least_budget(model, 1, request, full=False)
+    two = least_budget(model, 2, request, full=True)
+    out = {"one_rank_least_bytes": one, "two_ranks_least_bytes": two,
+           "concurrency": request.concurrency, "context": request.context}
+    if asked != "auto":
+        return out | {"budget_bytes": int(float(asked) * GIB), "how": "--too-big-gib"}
+    if one is not None and two is not None and two >= one:
+        # the request unclamped needs more per rank on two than one rank needs at all
+        two = least_budget(model, 2, request, full=False) or two
+        out |= {"two_ranks_least_bytes": two, "clamped": True}
+    if one is None or two is None or two >= one:
+        return out | {"budget_bytes": None, "how": (
+            "auto: no per-rank budget that one rank refuses and two ranks commit (a model "
+            "this small is outweighed by each rank's backend buffers): pass --too-big-gib")}
+    return out | {"budget_bytes": (one + two) // 2,
+                  "how": "auto: halfway between the two thresholds"}
+
+
+def served_main(args) -> int:
+    """The built model's runs (--model): one after another, the report rewritten after each."""
+    from plimsoll.cluster.plan import ClusterRequest
+    from plimsoll.core.model_facts import inspect_model
+
+    # a SIGTERM (the script's timeout) closes the run in progress: every rank by pid
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    t0 = time.monotonic()
+    deadline = t0 + args.deadline_s
+    streams = [int(x) for x in args.streams.split(",") if x]
+    tb_streams = [int(x) for x in args.too_big_streams.split(",") if x]
+    phases = [x for x in args.phases.split(",") if x]
+    unknown = set(phases) - {"one", "ring", "nccl", "too-big"}
+    if unknown:
+        raise SystemExit(f"unknown phases {sorted(unknown)}")
+    model = args.model.resolve()
+    base = {"context": args.context, "max_tokens": args.max_tokens, "stage": args.stage}
+    request = ClusterRequest(concurrency=args.concurrency or max(streams), **base)
+    tb_request = ClusterRequest(concurrency=max(tb_streams), **base)
+    facts = inspect_model(model)
+    name = args.name or report.default_name("cluster")
+    log_dir = args.log_dir or args.out_dir / "logs" / name
+    env = server_env(args.preload)
+    gpu = Gpu()
+    host = report.host_facts()
+    result = {"command": report.command(), "host": host, "model": str(model),
+              "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "model_facts": {"weights_bytes": facts.weights_bytes, "layers": facts.num_layers,
+                              "kv_bytes_per_token": facts.kv_bytes_per_token},
+              "stage": args.stage, "request": request.model_dump(), "streams": streams,
+              "tokens": args.tokens, "repeats": args.repeats,
+              "rank_bytes": int(args.rank_gib * GIB), "phases": phases, "runs": {}}
+
+    def say(line: str) -> None:
+        print(f"[cluster +{time.monotonic() - t0:5.0f}s] {line}", flush=True)
+
+    def save() -> None:
+        host["loadavg_end"] = report.loadavg()
+        report.write(result, args.out_dir, name, served_markdown)
+
+    def run(key: str, budgets: list[int], req, counts: list[int], extra_env=None) -> None:
+        left = deadline - time.monotonic()
+        if left < args.min_run_s:
+            say(f"{key}: skipped, {left:.0f} s left")
+            result["runs"][key] = {"ranks": len(budgets), "backend": req.backend,
+                                   "budget_bytes": budgets, "plan": pure_plan(model, budgets, req),
+                                   "error": f"not run: {left:.0f} s left of the deadline"}
+            return
+        say(f"{key}: {len(budgets)} rank(s) of {budgets[0] / GIB:.2f} GiB"
+            + (f" over {req.backend}" if len(budgets) > 1 else "") + f", stage {req.stage}")
+        req = req.model_copy(update={"stage": result["stage"]})
+        got = serve_run(model, budgets, req, env=env | (extra_env or {}), workdir=log_dir / key,
+                        streams=counts, tokens=args.tokens, repeats=args.repeats,
+                        deadline=deadline, start_timeout=args.start_timeout, gpu=gpu, say=say)
+        if (got.get("error") and req.stage == "engine" and req.backend != "nccl"
+                and not result["runs"]):
+            # the first run failed on the engine stage: every run goes on the per-layer loop
+            result["stage"], result["stage_fallback"] = "loop", got["error"]
+            result["runs"][f"{key}-engine"] = got
+            save()
+            say(f"{key}: the engine stage failed; again, and every later run, on the loop")
+            return run(key, budgets, req, counts, extra_env)
+        result["runs"][key] = got
+        save()
+
+    rank = int(args.rank_gib * GIB)
+    for phase in phases:
+        if phase == "one":
+            run("one", [rank], request, streams)
+        elif phase in ("ring", "nccl"):
+            req = request.model_copy(update={"backend": phase})
+            run(phase, [rank, rank], req, streams,
+                {"NCCL_DEBUG": "WARN"} if phase == "nccl" else None)
+        else:
+            tb = too_big_budget(model, tb_request, args.too_big_gib)
+            result["too_big"] = tb
+            if (b := tb["budget_bytes"]) is None:
+                say(f"too-big: not run: {tb['how']}")
+                continue
+            run("too-big-one", [b], tb_request, tb_streams)
+            run("too-big-two", [b, b], tb_request, tb_streams)
+    save()
+    print(served_markdown(result))
     return 0
 
 
