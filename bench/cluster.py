@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     served.add_argument("--min-run-s", type=float, default=40.0,
                         help="a run starts only with this many seconds left")
     served.add_argument("--start-timeout", type=float, default=150.0)
+    served.add_argument("--nccl-start-timeout", type=float, default=90.0,
+                        help="the nccl run's (a group that will not form does not wait long)")
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(args.render.read_text())
@@ -331,7 +333,9 @@ def served_main(args) -> int:
         req = req.model_copy(update={"stage": result["stage"]})
         got = serve_run(model, budgets, req, env=env | (extra_env or {}), workdir=log_dir / key,
                         streams=counts, tokens=args.tokens, repeats=args.repeats,
-                        deadline=deadline, start_timeout=args.start_timeout, gpu=gpu, say=say)
+                        deadline=deadline, gpu=gpu, say=say,
+                        start_timeout=args.nccl_start_timeout if req.backend == "nccl"
+                        and len(budgets) > 1 else args.start_timeout)
         if (got.get("error") and req.stage == "engine" and req.backend != "nccl"
                 and not result["runs"]):
             # the first run failed on the engine stage: every run goes on the per-layer loop

@@ -13,6 +13,8 @@ Owns:
 - :mod:`.phases`: the serving phases run against one started server (agentic session,
   decode, concurrent streams, stall, sub-agents);
 - :mod:`.serving_figures`: the serving comparison's figures, ratios and targets;
+- :mod:`.cluster_runs`: bench/cluster.py's runs of a built model on one rank and on two
+  (start, measure streams and each rank's memory, close; a refusal or failure as the figure);
 - :mod:`.engine`: the in-process engine driver of the benchmarks (decode loops, mlx-lm's own
   generators as anchors), on :mod:`plimsoll.engine.drive`;
 - :mod:`.kv_layouts`: bench/engine.py's two layout figures (sliding-window bytes held,

@@ -292,8 +292,9 @@ def markdown(result: dict) -> str:
                         _gib(x.get("active_memory_at_load_bytes")), _gib(gpu), _gib(rss),
                         _num(peak / x["footprint_bytes"], ".2f")
                         if peak and x.get("footprint_bytes") else "–"])
-    outcomes = [[name, _label(run), _gib(run["budget_bytes"][0]), run["plan"]["action"],
-                 _outcome(run), _num(run.get("start_s"))] for name, run in runs.items()]
+    outcomes = [[name, _label(run), run.get("stage", "–"), _gib(run["budget_bytes"][0]),
+                 run["plan"]["action"], _outcome(run), _num(run.get("start_s"))]
+                for name, run in runs.items()]
     tb = result.get("too_big") or {}
     machine = result["host"].get("gpu") or result["host"].get("platform")
     lines = [f"# Clustered mode on one machine: one rank against two ({machine})",
@@ -311,8 +312,8 @@ def markdown(result: dict) -> str:
               f"{result['repeats']} round(s), medians; a warm-up at every stream count "
               "first."), "",
              "## Each run", "",
-             *report.table(["run", "ranks", "budget per rank GiB", "pure plan", "outcome",
-                            "start s"], outcomes),
+             *report.table(["run", "ranks", "stage", "budget per rank GiB", "pure plan",
+                            "outcome", "start s"], outcomes),
              "", "## Throughput and TTFT", "",
              ("Aggregate tok/s = all completion tokens ÷ first send to last end (prefill "
               "included); per-stream decode = (tokens − 1) ÷ (last − first token), median over "
