@@ -354,8 +354,8 @@ class Engine:
             if w.tokens is None:
                 raise ValueError(f"sequence {w.seq_id}: a prefill names its tokens")
             if w.draft and (why := self.speculation_refused or (
-                    "" if w.sample and w.constraint is None and w.draft < w.length
+                    "" if w.sample and w.constraint is None and w.draft == w.length - 1
                     and (w.draft_probs is None or tuple(w.draft_probs.shape[:1]) == (w.draft,))
-                    else "only an unconstrained, sampling Work with fewer drafts than tokens "
+                    else "only an unconstrained, sampling Work of one token and its drafts "
                     "(and one distribution per draft, if any) is verified")):
                 raise ValueError(f"sequence {w.seq_id}: drafts not verified: {why}")
