@@ -85,8 +85,6 @@ def _draft_probs(works: tuple[Work, ...], drafts: mx.array, vocab: int) -> mx.ar
     """q at every row, (rows, vocab): each Work's ``draft_probs`` or a point mass at its
     draft; 0 at a Work's last row (nothing was drafted there)."""
     point = (mx.arange(vocab, dtype=mx.int32)[None] == drafts[:, None]).astype(mx.float32)
-    if all(w.draft_probs is None for w in works):
-        return point
     parts, row = [], 0
     for w in works:
         if w.draft_probs is None:
@@ -110,14 +108,20 @@ def check(logits: mx.array, works: tuple[Work, ...], keys: Keys) -> mx.array:
     if all(greedy):
         return mx.stack([target == drafts, target], axis=-1).astype(mx.uint32)
     scaled = scaled_logits(logits, rules).astype(mx.float32)
-    p = mx.exp(scaled - mx.logsumexp(scaled, axis=-1, keepdims=True))
-    q = _draft_probs(works, drafts, vocab)
+    logp = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
     at = mx.maximum(drafts, 0)[:, None]
-    p_x = mx.take_along_axis(p, at, axis=-1)[:, 0]
-    q_x = mx.take_along_axis(q, at, axis=-1)[:, 0]
+    p_x = mx.exp(mx.take_along_axis(logp, at, axis=-1)[:, 0])
     u = _uniforms(works, keys)
-    ok = (drafts >= 0) & (u[:, 0] * q_x < p_x)
-    token = categorical(mx.log(mx.maximum(p - q, 0.0)), u[:, 1:])  # log 0: -inf, never drawn
+    if all(w.draft_probs is None for w in works):  # point masses: q(x) = 1, p - q is p less x
+        ok = (drafts >= 0) & (u[:, 0] < p_x)
+        drafted = mx.arange(vocab, dtype=mx.int32)[None] == drafts[:, None]
+        residual = mx.where(drafted, -mx.inf, logp)
+    else:
+        p, q = mx.exp(logp), _draft_probs(works, drafts, vocab)
+        q_x = mx.take_along_axis(q, at, axis=-1)[:, 0]
+        ok = (drafts >= 0) & (u[:, 0] * q_x < p_x)
+        residual = mx.log(mx.maximum(p - q, 0.0))  # log 0: -inf, never drawn
+    token = categorical(residual, u[:, 1:])
     if any(greedy):
         is_greedy = mx.array(greedy)
         ok = mx.where(is_greedy, target == drafts, ok)

@@ -161,3 +161,16 @@ def test_a_seeded_row_draws_the_same_alone_or_batched():
     mixed = trials(rule, [DRAFTS, DRAFTS[:1]] * 20)[::2]  # beside rows of another length
     assert mixed == alone[::2]
     assert len(set(batched)) > 3
+
+
+def test_a_one_hot_q_is_a_point_mass_beside_other_rows():
+    """The general path (some Work has q) gives a one-hot q's rows what the point-mass path
+    gives them: the same verdicts, and the same draws up to float rounding."""
+    rule, n = RULES[0], 400
+    one_hot = mx.array(np.eye(8, dtype=np.float32)[list(DRAFTS)])
+    point = trials(rule, [DRAFTS] * n)
+    general = trials(rule, [DRAFTS] * n, probs=[one_hot] * n)
+    mixed = trials(rule, [DRAFTS] * n, probs=[one_hot if i % 2 else None for i in range(n)])
+    assert [len(e) for e in general] == [len(e) for e in point] == [len(e) for e in mixed]
+    assert sum(g == e for g, e in zip(general, point, strict=True)) >= 0.99 * n
+    assert sum(m == e for m, e in zip(mixed, point, strict=True)) >= 0.99 * n
