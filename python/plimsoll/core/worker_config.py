@@ -137,7 +137,7 @@ class WorkerConfig(BaseModel):
     prompt_lookup: int = Field(default=0, ge=0, le=8, description=(
         "Speculate by prompt lookup: draft the tokens that followed the last N tokens' (N "
         "down to 1) latest earlier occurrence in the prompt and output, verified in the "
-        "batch's one forward; greedy, unconstrained requests only; 0: off."))
+        "batch's one forward; unconstrained requests only, greedy or sampled; 0: off."))
     num_draft_tokens: int = Field(default=3, gt=0, le=16, description=(
         "Most tokens drafted per sequence and step (each sequence's draft length adapts "
         "to its acceptance, down to 0)."))

@@ -42,7 +42,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from plimsoll.core.capability import ENGINE_SUPPORT
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
-from plimsoll.engine import composite, forward, kernels, mixers, sampled_rows
+from plimsoll.engine import composite, forward, kernels, mixers, sampled_rows, verify
 from plimsoll.engine import state as seq_state
 from plimsoll.engine.attention import fused_prefill, route_attention
 from plimsoll.engine.decode_index import DecodeReads
@@ -60,16 +60,6 @@ from plimsoll.engine.work import Step
 SLAB_BYTES = 256 << 20
 
 
-def accepted(drafts, targets: list[int]) -> tuple[int, ...]:
-    """Greedy verification: the longest prefix of ``drafts`` equal to the target's argmax at
-    each position (``targets[i]`` follows the i-th token written), then the target's next
-    token, so 1 .. len(drafts) + 1 tokens."""
-    m = 0
-    while m < len(drafts) and drafts[m] == targets[m]:
-        m += 1
-    return (*drafts[:m], targets[m])
-
-
 class Pending:
     """A submitted step; :meth:`result` blocks until its sampled tokens are known."""
 
@@ -85,8 +75,12 @@ class Pending:
                     result[w.seq_id] = t
                     if w.constraint is not None:
                         w.constraint.advance(t)
-                for w, targets in verified:
-                    result[w.seq_id] = accepted(w.tokens[1:], targets.tolist())
+                if verified:
+                    checks, row = verified[1].tolist(), 0
+                    for w in verified[0]:
+                        rows = checks[row:row + w.draft + 1]
+                        result[w.seq_id] = verify.accepted(w.tokens[1:], rows)
+                        row += w.draft + 1
             self._result, self._outs = result, []
         return self._result
 
@@ -360,7 +354,8 @@ class Engine:
             if w.tokens is None:
                 raise ValueError(f"sequence {w.seq_id}: a prefill names its tokens")
             if w.draft and (why := self.speculation_refused or (
-                    "" if w.sample and w.sampling.greedy and w.constraint is None
-                    and w.draft < w.length else "only a greedy, unconstrained, sampling "
-                    "Work with fewer drafts than tokens is verified")):
+                    "" if w.sample and w.constraint is None and w.draft == w.length - 1
+                    and (w.draft_probs is None or tuple(w.draft_probs.shape[:1]) == (w.draft,))
+                    else "only an unconstrained, sampling Work of one token and its drafts "
+                    "(and one distribution per draft, if any) is verified")):
                 raise ValueError(f"sequence {w.seq_id}: drafts not verified: {why}")

@@ -17,8 +17,9 @@ Logits are taken only at each sequence's last scheduled token that samples (a de
 a chunk's last token): the last decoder layer's output is cut to those rows
 (:mod:`plimsoll.engine.sampled_rows`), so no forward runs for a sampled token alone
 and the lm head sees only the sampled rows. A speculating sequence's Work (``draft`` > 0)
-is a chunk whose every row is sampled: the target's argmax at each verifies its drafts
-(:class:`~plimsoll.engine.core.Pending` accepts the longest agreeing prefix). A quantized
+is a chunk whose every row is sampled: all such rows of a step are checked at once
+(:mod:`plimsoll.engine.verify`: greedy by the argmax, sampled by the rejection-sampling
+rule), and :class:`~plimsoll.engine.core.Pending` takes each one's accepted prefix. A quantized
 pool's chunk that samples attends its last token to the quantized blocks as mlx-lm's own
 last-token step does
 (:attr:`Batch.tail`, :mod:`plimsoll.engine.quantized`).
@@ -29,7 +30,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from plimsoll.engine import mixers, sampled_rows, state
+from plimsoll.engine import mixers, sampled_rows, state, verify
 from plimsoll.engine.attention import Batch
 from plimsoll.engine.groups import Flat, Group, group_view
 from plimsoll.engine.paged import RecurrentState, read_of, slots_of, write_of
@@ -162,13 +163,14 @@ def _arrays(eng, groups: list[Group]) -> list:
     return pools + [a for g in groups for c in g.states for a in c.cache if a is not None]
 
 
-Out = tuple[tuple[Work, ...], mx.array | None, tuple[tuple[Work, mx.array], ...]]
+#: a step's sampled works and their tokens (lazy), and its verifying works with their rows'
+#: checks (lazy, :func:`plimsoll.engine.verify.check`)
+Out = tuple[tuple[Work, ...], mx.array | None, tuple[tuple[Work, ...], mx.array] | None]
 
 
 def run(eng, groups: list[Group]) -> Out | None:
-    """Run ``groups`` as one forward (see the module docstring) and queue it; the sampled
-    works and their tokens (lazy), and each speculating work with the target's argmax at
-    each of its rows (lazy); None when nothing samples."""
+    """Run ``groups`` as one forward (see the module docstring) and queue it; None when
+    nothing samples."""
     works = tuple(w for g in groups for w in g.works if w.sample)
     if len(groups) == 1 or not eng.mixers.ok:
         parts = []
@@ -189,34 +191,43 @@ def run(eng, groups: list[Group]) -> Out | None:
         logits = _call(eng, inputs, caches, [r for g in groups for r in g.sampled()])
     _check(eng, groups)
     _keep_states(eng, groups)
-    verified: tuple[tuple[Work, mx.array], ...] = ()
+    verified = None
     if any(w.draft for w in works):
-        logits, works, verified = _split_verified(logits, works)
+        logits, works, verifying, rows = _split_verified(logits, works)
+        verified = (verifying, verify.check(rows, verifying, eng._keys))
     tokens = sample(logits, works, eng._keys) if works else None
     for row, w in enumerate(works):
         eng._last[w.seq_id] = (tokens, row)
-    for w, _ in verified:  # its next step names its tokens (never pipelined)
+    for w in verified[0] if verified else ():  # its next step names its tokens (never pipelined)
         eng._last.pop(w.seq_id, None)
     mx.async_eval(_arrays(eng, groups) + ([] if tokens is None else [tokens])
-                  + [t for _, t in verified])
+                  + ([verified[1]] if verified else []))
     return (works, tokens, verified) if works or verified else None
 
 
 def _split_verified(logits: mx.array, works: tuple[Work, ...]):
-    """The rows of sampled works apart from the speculating works' rows (``draft + 1``
-    each, in order): those are verified greedily, by the target's argmax at every row."""
-    plain_rows, plain, verified, row = [], [], [], 0
+    """The rows of the plain sampled works and those works; the speculating works
+    (``draft + 1`` rows each, in order) and their rows."""
+    plain_rows, plain, verify_rows, verifying, row = [], [], [], [], 0
     for w in works:
         if w.draft:
-            targets = mx.argmax(logits[row:row + w.draft + 1], axis=-1).astype(mx.uint32)
-            verified.append((w, targets))
+            verify_rows.extend(range(row, row + w.draft + 1))
+            verifying.append(w)
             row += w.draft + 1
         else:
             plain_rows.append(row)
             plain.append(w)
             row += 1
-    picked = logits[mx.array(plain_rows, dtype=mx.int32)] if plain else logits[:0]
-    return picked, tuple(plain), tuple(verified)
+    return (_rows(logits, plain_rows), tuple(plain), tuple(verifying),
+            _rows(logits, verify_rows))
+
+
+def _rows(logits: mx.array, rows: list[int]) -> mx.array:
+    if not rows:
+        return logits[:0]
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0]:rows[0] + len(rows)]
+    return logits[mx.array(rows, dtype=mx.int32)]
 
 
 def _keep_states(eng, groups: list[Group]) -> None:

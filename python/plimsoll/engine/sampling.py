@@ -192,15 +192,23 @@ def categorical(logits: mx.array, uniforms: mx.array) -> mx.array:
     return (cdf <= uniforms * mx.sum(w, axis=-1, keepdims=True)).sum(axis=-1) - 1
 
 
+def scaled_logits(logits: mx.array, rules: list[Sampling]) -> mx.array:
+    """What each row of ``logits`` (rows, vocab) is drawn from, as logits: its
+    log-probabilities filtered (top-p, min-p, top-k) and divided by its temperature, so
+    ``softmax`` of a row is the distribution its draw follows (a greedy row: its
+    log-probabilities)."""
+    rows = _Rows.of(rules, logits.shape[-1], logits.dtype)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return filter_logprobs(logprobs, rows.top_p, rows.log_min_p, rows.top_k) * rows.inv_temp
+
+
 def sample(logits: mx.array, works: tuple[Work, ...], keys: Keys) -> mx.array:
     """One token per row of ``logits`` (rows, vocab), still lazy: shape (rows,)."""
     logits = _constrain(logits, works)
     greedy = [w.sampling.greedy for w in works]
     if all(greedy):
         return mx.argmax(logits, axis=-1)
-    rows = _Rows.of([w.sampling for w in works], logits.shape[-1], logits.dtype)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    scaled = filter_logprobs(logprobs, rows.top_p, rows.log_min_p, rows.top_k) * rows.inv_temp
+    scaled = scaled_logits(logits, [w.sampling for w in works])
     tokens = categorical(scaled, _uniforms(works, keys)).astype(mx.uint32)
     if any(greedy):
         tokens = mx.where(mx.array(greedy), mx.argmax(logits, axis=-1), tokens)

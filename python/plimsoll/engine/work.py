@@ -14,7 +14,7 @@ the scheduler never gives two sequences the same block to write.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,10 +62,14 @@ class Work:
     (decodes only) means "the token this engine sampled for ``seq_id`` in the previous
     step", still lazy on the device (pipelining).
 
-    ``draft`` > 0 (a speculating sequence, greedy and unconstrained only): the last ``draft``
-    of ``tokens`` are proposals to verify; the Work runs as a chunk at ``start`` with logits
+    ``draft`` > 0 (a speculating sequence, unconstrained only): the last ``draft`` of
+    ``tokens`` are proposals to verify; the Work runs as a chunk at ``start`` with logits
     at every row, and its result is the accepted drafts plus the target's next token
-    (1 .. ``draft`` + 1 tokens). Positions past the accepted ones are overwritten later.
+    (1 .. ``draft`` + 1 tokens; :mod:`plimsoll.engine.verify`: the argmax's agreeing prefix
+    when greedy, the rejection-sampling rule when sampled). Positions past the accepted ones
+    are overwritten later. ``draft_probs``: the distributions the proposer drew its drafts
+    from, an array (``draft``, vocab) of probabilities over the target's vocabulary; None
+    when each draft is certain (a point mass, as prompt lookup's are).
     """
 
     seq_id: int
@@ -76,6 +80,7 @@ class Work:
     sampling: Sampling = Sampling()
     constraint: TokenConstraint | None = None
     draft: int = 0
+    draft_probs: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def length(self) -> int:

@@ -3,10 +3,13 @@ verified step leaves.
 
 A speculating sequence's step verifies its drafts in the one forward
 (:class:`~plimsoll.engine.work.Work` with ``draft`` > 0): its last sampled token and ``k``
-proposed tokens, logits at all ``k + 1`` rows, and the engine accepts the longest prefix of
-drafts equal to the target's argmax, plus the target's next token. Only greedy, unconstrained
-sequences speculate (a sampled row would need the rejection-sampling rule; a constrained
-row's mask needs each previous token).
+proposed tokens, logits at all ``k + 1`` rows (:mod:`plimsoll.engine.verify`). A greedy
+sequence accepts the longest prefix of drafts equal to the target's argmax, plus the target's
+next token, so its output is the target's alone; a sampled one (temperature > 0) accepts by
+the rejection-sampling rule (a draft ``x`` with probability ``p(x)`` under the distribution
+the plain sampler draws from, the token after the accepted prefix drawn from ``p`` without
+the rejected draft), so its tokens follow the target's distribution, and its seed reproduces
+them. Constrained sequences decode plainly (a row's mask needs each previous token).
 
 - :func:`prompt_lookup` proposes by n-gram matching (mlx-lm / vLLM style): the sequence's
   last ``n`` tokens (``n`` from the longest down to 1) at their most recent earlier place in
@@ -150,14 +153,13 @@ class Drafter:
         return {"enabled": True, "prompt_lookup": self.longest,
                 "num_draft_tokens": self.most, **figures,
                 "by_proposer": {"prompt_lookup": figures},
-                "speculates": "greedy, unconstrained sequences (sampled and constrained "
+                "speculates": "unconstrained sequences, greedy and sampled (constrained "
                               "ones decode plainly)"}
 
 
 def may_draft(drafter: Drafter, run: Run) -> bool:
-    """Whether ``run`` may draft at its next step: greedy, unconstrained, its length > 0."""
-    return (drafter.on and run.sampling.greedy and run.req.constraint is None
-            and drafter.wants(run.req.id))
+    """Whether ``run`` may draft at its next step: unconstrained, its length > 0."""
+    return drafter.on and run.req.constraint is None and drafter.wants(run.req.id)
 
 
 def drafting_waits(drafter: Drafter | None, running: dict[int, Run]) -> bool:
@@ -172,8 +174,7 @@ def verify_work(drafter: Drafter | None, pool: Any, run: Run) -> Work | None:
     """``run``'s drafts as a Work to verify, its table grown over them (None: it decodes
     plainly this step, or speculation is off). The drafts stop one short of ``max_tokens``,
     so they stay inside the reservation."""
-    if (drafter is None or not drafter.on or not run.sampling.greedy
-            or run.req.constraint is not None):
+    if drafter is None or not drafter.on or run.req.constraint is not None:
         return None
     if run.pending:
         drafter.skip(run.req.id)

@@ -4,8 +4,8 @@ tiny demo model (sharpened so greedy output varies), mlx-lm's own greedy tokens 
 One step holds a speculating sequence (a right, a right and a wrong draft), another
 sequence's decode row and a third's prompt chunk; the speculating one accepts exactly the
 agreeing prefix plus the target's next token, and after rolling back by length (the wrong
-draft's slot is simply overwritten) it decodes mlx-lm's tokens on. Drafts where rollback is
-not exact, or on a row that is not greedy, are refused."""
+draft's slot is simply overwritten) it decodes mlx-lm's tokens on. Drafts on a constrained
+row are refused."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ mx = pytest.importorskip("mlx.core")
 
 from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
-from plimsoll.engine.core import accepted  # noqa: E402
 from plimsoll.engine.drive import reference, sharpen, text  # noqa: E402
+from plimsoll.engine.verify import accepted  # noqa: E402
 from plimsoll.engine.work import Sampling, Step, Work  # noqa: E402
 
 BLOCK = 16
@@ -30,10 +30,10 @@ def eng(tmp_path_factory):
     return e
 
 
-def test_accepted_is_the_agreeing_prefix_and_the_next_token():
-    assert accepted((5, 6, 7), [5, 6, 9, 1]) == (5, 6, 9)
-    assert accepted((5, 6, 7), [5, 6, 7, 1]) == (5, 6, 7, 1)
-    assert accepted((5,), [4, 2]) == (4,)
+def test_accepted_is_the_prefix_before_the_first_rejection_and_its_token():
+    assert accepted((5, 6, 7), [[1, 5], [1, 6], [0, 9], [0, 1]]) == (5, 6, 9)
+    assert accepted((5, 6, 7), [[1, 5], [1, 6], [1, 7], [0, 1]]) == (5, 6, 7, 1)
+    assert accepted((5,), [[0, 4], [0, 2]]) == (4,)
 
 
 def test_drafts_verify_beside_decodes_and_chunks(eng):
@@ -62,8 +62,22 @@ def test_drafts_verify_beside_decodes_and_chunks(eng):
         eng.free_state(seq)
 
 
-def test_drafts_are_refused_off_greedy(eng):
-    with pytest.raises(ValueError, match="greedy"):
+class _AnyToken:
+    def allowed(self):
+        return None
+
+    def advance(self, token_id: int) -> None:
+        pass
+
+    def done(self) -> bool:
+        return False
+
+
+def test_drafts_are_refused_on_a_constrained_row(eng):
+    with pytest.raises(ValueError, match="unconstrained"):
         eng.run(Step(prefills=(Work(9, (1, 2, 3), 0, (0,), True, Sampling(temperature=0.7),
-                                    draft=2),)))
+                                    _AnyToken(), draft=2),)))
+    with pytest.raises(ValueError, match="one distribution per draft"):
+        eng.run(Step(prefills=(Work(9, (1, 2, 3), 0, (0,), True, Sampling(temperature=0.7),
+                                    draft=2, draft_probs=mx.ones((1, 8)) / 8),)))
     assert eng.speculation_refused == ""
