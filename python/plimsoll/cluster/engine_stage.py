@@ -58,6 +58,14 @@ class StageModel:
         #: runs one local probe forward while it measures its cache kinds)
         self.linked = False
 
+    def parameters(self) -> dict:
+        """This stage's weights as an ``nn.Module`` tree (the engine reads their names: a
+        decode kernel is used only where no attention layer has sinks)."""
+        tree: dict = {"layers": [layer.parameters() for layer in self.layers]}
+        if self.last and self.head is not None:
+            tree["lm_head"] = self.head.parameters()
+        return tree
+
     def make_cache(self) -> list:
         """This stage's layers' caches (mlx-lm's ``make_prompt_cache`` asks for them)."""
         return [copy.deepcopy(t) for t in self.templates]

@@ -212,3 +212,30 @@ def test_a_rank_that_runs_out_on_the_engine_tears_down_every_peer(tiny_model):
     assert any("exited 6 (ran out of its admitted memory)" in line for line in err.reasons[1])
     assert any("ran out of its admitted memory at step 3" in line for line in err.reasons[1])
     assert all(gone(pid) for pid in c.pids)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_stage_names_its_weights_as_the_engine_reads_them(tiny_model, rank):
+    """The engine reads the model's parameter names where a decode kernel is on (a GPU):
+    a stage answers ``parameters()`` with exactly its own layers' weights (and the head
+    on the last rank)."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    from plimsoll.cluster.engine_stage import StageModel
+
+    model, _ = load(str(tiny_model))
+    n = len(model.model.layers)
+    start, end = (0, n // 2) if rank == 0 else (n // 2, n)
+    plan = SimpleNamespace(layer_start=start, layer_end=end)
+    stage = StageModel(mx, SimpleNamespace(rank=rank, size=2), model, plan,
+                       [None] * n)
+    names = {name for name, _ in tree_flatten(stage.parameters())}
+    mine = {f"layers.{i - start}.{name}" for i in range(start, end)
+            for name, _ in tree_flatten(model.model.layers[i].parameters())}
+    assert mine and mine <= names
+    assert all(name.startswith(("layers.", "lm_head.")) for name in names)
+    assert names - mine == ({name for name in names if name.startswith("lm_head.")})
