@@ -112,11 +112,29 @@ class PagedView(PoolCache):
             keys, values = self.pool.gather(self.batch.read)
             if keys.dtype != queries.dtype:
                 keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                    mask=self.batch.mask, sinks=sinks)
+        return causal_on_grid(queries, keys, values, scale, self.batch.mask, sinks,
+                              backend.causal_grid())
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         return None  # the mask is the batch's own, applied in attend()
+
+
+def causal_on_grid(queries, keys, values, scale: float, mask, sinks, grid: int) -> mx.array:
+    """Attention with ``mask``; a causal chunk's queries and keys padded at the end by the
+    same ``p`` to a multiple of ``grid`` queries (0: as they are). Exact: the causal mask is
+    aligned bottom-right, so a real query still sees exactly the keys up to its own
+    position, the padded queries see the zero keys, and their rows are cut off. Only
+    without a cast (the gather's second copy is then headroom the transient counts)."""
+    n = queries.shape[2]
+    pad = (-n) % grid if grid and isinstance(mask, str) and mask == "causal" else 0
+    if not pad or keys.dtype != queries.dtype:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=mask, sinks=sinks)
+    widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
+    out = mx.fast.scaled_dot_product_attention(
+        mx.pad(queries, widths), mx.pad(keys, widths), mx.pad(values, widths),
+        scale=scale, mask=mask, sinks=sinks)
+    return out[:, :, :n]
 
 
 def fused_prefill(dtype: mx.Dtype, head_dims: set[int]) -> bool:

@@ -23,6 +23,20 @@ def name() -> str:
     return "metal" if metal_available() else "cuda"
 
 
+#: queries (and keys, by as many) a causal prefill chunk's attention is padded to a multiple
+#: of on CUDA: cuDNN builds a plan for every new (queries, keys) shape, 40-55 ms each on an
+#: H200 (bench/results/cuda-attention-h200-2026-12-01.md), and a chunk at a prefix has a new
+#: key length almost every time; on the grid, chunks of one length class at one cached
+#: prefix (sub-agents sharing a system prompt) share one plan
+CUDA_CAUSAL_GRID = 128
+
+
+def causal_grid() -> int:
+    """The multiple a causal chunk's attention shape is padded to here (0: none; the CPU
+    and Metal kernels have no per-shape plans)."""
+    return CUDA_CAUSAL_GRID if name() == "cuda" else 0
+
+
 def gpu() -> bool:
     return name() != "cpu"
 

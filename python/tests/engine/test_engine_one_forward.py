@@ -221,3 +221,40 @@ def test_several_first_chunks_in_one_step_equal_mlx_lm(tmp_path):
         for sid, tok in pending.result().items():
             out[sid].append(tok)
     assert [out[i][:new] for i in range(4)] == want
+
+
+@pytest.mark.parametrize(("queries", "keys"), [(1, 1), (5, 5), (7, 40), (130, 130), (33, 97)])
+def test_a_causal_chunk_padded_to_the_grid_attends_as_unpadded(queries, keys):
+    """engine/attention.causal_on_grid pads queries and keys by the same count (the CUDA
+    plan-cache grid): the real rows are what the unpadded causal attention gives."""
+    from plimsoll.engine.attention import causal_on_grid
+
+    mx.random.seed(queries * 1000 + keys)
+    q = mx.random.normal((1, 4, queries, 16))
+    k, v = (mx.random.normal((1, 2, keys, 16)) for _ in range(2))
+    want = causal_on_grid(q, k, v, 0.25, "causal", None, 0)
+    got = causal_on_grid(q, k, v, 0.25, "causal", None, 64)
+    assert got.shape == want.shape == (1, 4, queries, 16)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    # a padded key visible to a real query would change it: the check can fail
+    wrong = mx.fast.scaled_dot_product_attention(
+        q, mx.pad(k, [(0, 0), (0, 0), (0, 3), (0, 0)]),
+        mx.pad(v, [(0, 0), (0, 0), (0, 3), (0, 0)]) + 1.0, scale=0.25, mask="causal")
+    assert not mx.allclose(wrong, want, atol=1e-5).item()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_next", "gpt_oss", "deepseek_v3"])
+def test_the_mixed_step_on_the_causal_grid_gives_mlx_lm_greedy_output(engines, name,
+                                                                       monkeypatch):
+    """With the CUDA grid forced on here, the mixed step's chunks (first chunks and one at
+    a prefix hit) still give mlx-lm's greedy tokens."""
+    from plimsoll.engine import backend
+
+    if name not in NAMES:
+        pytest.skip(f"{name} is not a served family here")
+    eng = engines(name)
+    prompts = mixed_prompts()
+    want = [reference(eng.model, p, NEW) for p in prompts]
+    monkeypatch.setattr(backend, "causal_grid", lambda: 64)
+    got, _ = run_mixed(eng, prompts)
+    assert got == want
