@@ -142,6 +142,7 @@ class Ctx:
             sp, last = self.status.window_peaks(), self.status.last
             out |= {"mlx_active_peak": sp.get("mlx_active"), "mlx_peak_reported":
                     last.get("mlx_peak"), "kv_bytes_held_peak": sp.get("kv_bytes_held"),
+                    "kv_bytes_live_peak": sp.get("kv_bytes_live"),
                     "kv_bytes_allocated_peak": sp.get("kv_bytes_allocated"),
                     "kv_bytes_held_end": last.get("kv_bytes_held")}
         return out

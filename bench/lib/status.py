@@ -20,6 +20,7 @@ PATH = "/v1/plimsoll/status"
 # figure -> predicate on the flattened, lower-cased key path (first match wins)
 KEYS: dict[str, Callable[[str], bool]] = {
     "kv_bytes_held": lambda k: k.endswith("kv_bytes_held"),
+    "kv_bytes_live": lambda k: k.endswith("kv_bytes_live"),
     "kv_bytes_allocated": lambda k: k.endswith("kv_bytes_allocated"),
     "kv_bytes_bound": lambda k: k.endswith("kv_bytes_bound"),
     "mlx_active": lambda k: "mlx" in k and "active" in k,
