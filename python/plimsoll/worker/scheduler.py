@@ -195,6 +195,7 @@ class Scheduler:
             previous, self._pending = self._pending, None  # its drafts need its tokens
             self.counters["speculation_unpipelined"] += 1
             self._read(*previous)
+        speculate.prepare(self.drafter, self.pool, self._running)  # a draft model's batch
         step = self._plan()
         submitted = None
         self.line.spiked = bool(step.prefills)  # a prefill's transient: probe next iteration

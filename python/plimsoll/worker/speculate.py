@@ -78,8 +78,11 @@ class Figures:
 
 @dataclass
 class Drafter:
-    """Prompt lookup with a per-sequence adaptive draft length (see the module docstring)."""
+    """Prompt lookup with a per-sequence adaptive draft length (see the module docstring).
+    A proposer of another kind (:class:`plimsoll.worker.draft_model.DraftModel`) overrides
+    :meth:`lookup` and :meth:`prepare`."""
 
+    proposer = "prompt_lookup"  # the status's name for it (by_proposer)
     longest: int  # the longest n-gram matched (--prompt-lookup)
     most: int     # the longest draft (--num-draft-tokens)
     refused: str = ""  # why this engine does not speculate ("" when it does)
@@ -99,6 +102,22 @@ class Drafter:
         return seq_id in self.inflight or self._length.get(seq_id, self.most) > 0 \
             or self._idle.get(seq_id, 0) >= RETRY_STEPS - 1
 
+    def length(self, seq_id: int) -> int:
+        """The drafts :meth:`propose` will ask for ``seq_id`` now (before ``room``); changes
+        nothing."""
+        k = self._length.get(seq_id, self.most)
+        if k == 0:
+            return 1 if self._idle.get(seq_id, 0) + 1 >= RETRY_STEPS else 0
+        return k
+
+    def prepare(self, pool: Any, running: dict[int, Run]) -> None:
+        """Before a step is planned: work every sequence's proposal needs done at once
+        (nothing for prompt lookup)."""
+
+    def lookup(self, seq_id: int, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        """Up to ``k`` drafts following ``tokens``."""
+        return prompt_lookup(tokens, self.longest, k)
+
     def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:
         """The drafts for ``seq_id``'s next step (``room``: tokens it may still draft)."""
         k = self._length.get(seq_id, self.most)
@@ -108,7 +127,7 @@ class Drafter:
             if idle < RETRY_STEPS:
                 return ()
             self._idle[seq_id], k = 0, 1
-        draft = prompt_lookup(tokens, self.longest, min(k, room))
+        draft = self.lookup(seq_id, tokens, min(k, room))
         if not draft and room > 0:
             self._length[seq_id] = k - 1
         return draft
@@ -147,9 +166,9 @@ class Drafter:
         if self.refused:
             return {"enabled": False, "reason": self.refused}
         figures = self.figures.report()
-        return {"enabled": True, "prompt_lookup": self.longest,
+        return {"enabled": True, "proposer": self.proposer, "prompt_lookup": self.longest,
                 "num_draft_tokens": self.most, **figures,
-                "by_proposer": {"prompt_lookup": figures},
+                "by_proposer": {self.proposer: figures},
                 "speculates": "greedy, unconstrained sequences (sampled and constrained "
                               "ones decode plainly)"}
 
@@ -158,6 +177,12 @@ def may_draft(drafter: Drafter, run: Run) -> bool:
     """Whether ``run`` may draft at its next step: greedy, unconstrained, its length > 0."""
     return (drafter.on and run.sampling.greedy and run.req.constraint is None
             and drafter.wants(run.req.id))
+
+
+def prepare(drafter: Drafter | None, pool: Any, running: dict[int, Run]) -> None:
+    """Before planning: the proposer's batched work for this step (a draft model's)."""
+    if drafter is not None and drafter.on:
+        drafter.prepare(pool, running)
 
 
 def drafting_waits(drafter: Drafter | None, running: dict[int, Run]) -> bool:
