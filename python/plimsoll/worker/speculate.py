@@ -8,9 +8,11 @@ drafts equal to the target's argmax, plus the target's next token. Only greedy, 
 sequences speculate (a sampled row would need the rejection-sampling rule; a constrained
 row's mask needs each previous token).
 
-- :func:`prompt_lookup` proposes by n-gram matching (mlx-lm / vLLM style): the sequence's
-  last ``n`` tokens (``n`` from the longest down to 1) at their most recent earlier place in
-  the prompt and the output so far; the tokens that followed there are the drafts.
+- proposers: a draft model (:mod:`.draft_model`, overriding :meth:`Drafter.prepare` and
+  :meth:`Drafter.lookup`) or :func:`prompt_lookup`, which proposes by n-gram matching
+  (mlx-lm / vLLM style): the sequence's last ``n`` tokens (``n`` from the longest down to 1)
+  at their most recent earlier place in the prompt and the output so far; the tokens that
+  followed there are the drafts.
 - :class:`Drafter` keeps each sequence's draft length: one more after a step that accepted
   everything (up to ``most``), one fewer after a step that accepted none or found no match,
   down to 0, where the sequence decodes plainly (and pipelined) and tries one draft again

@@ -147,3 +147,22 @@ def test_a_draft_that_does_not_fit_is_refused_by_admission():
     assert not d.admitted
     assert any("the draft model's weights 1.00 GiB" in r for r in d.reasons), d.reasons
     assert any("a smaller draft model" in r for r in d.reasons)
+
+
+def test_the_policy_entry_and_the_flags_carry_the_draft_model(models):
+    from plimsoll.cli.serve_model import served_policy
+    from plimsoll.core.policy import ModelEntry
+    from plimsoll.core.worker_config import worker_flags
+    from plimsoll.launch.live_admission import MemoryFigures, Wanted, plan
+    from plimsoll.launch.spawn import worker_config
+
+    target, other = models
+    entry = ModelEntry.model_validate({"path": str(target), "context": 8192,
+                                       "draftModel": str(other)})
+    facts, _, d = plan(target, entry, None, MemoryFigures(2 << 30, 4 << 30, 1 << 30, "test"),
+                       Wanted())
+    assert d.admitted and d.draft_weights_bytes > 0  # the entry's draft, counted
+    flags = worker_flags(worker_config(target, "t", facts, d, entry, None, port=1))
+    assert flags[flags.index("--draft-model") + 1] == str(other)
+    pol = served_policy(None, str(target), 4096, 1, None, None, str(other))
+    assert pol.models["target"].draft_model == str(other)
