@@ -105,8 +105,12 @@ def load_draft(cfg: WorkerConfig, eng: Any, engine_cls: Any) -> Any:
 
 
 def draft_drafter(cfg: WorkerConfig, eng: Any, draft: Any) -> draft_model.DraftModel:
-    """The proposer over ``draft``; its catch-up chunk keeps the draft's prefill transient
-    under the bound admission counted, as the model's chunk does."""
+    """The proposer over ``draft`` (None: refused, the model cannot speculate); its catch-up
+    chunk keeps the draft's prefill transient under the bound admission counted, as the
+    model's chunk does."""
+    if draft is None:
+        return draft_model.DraftModel(0, cfg.num_draft_tokens, eng.speculation_refused,
+                                      name=str(cfg.draft_model))
     fused = bool(getattr(draft, "fused_prefill", False))
     most = cfg.prefill_chunk or default_prefill_chunk(fused)
     chunk = most if cfg.transient_bytes is None else prefill_chunk(
@@ -146,7 +150,9 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
         eng = engine.Engine.load(cfg.model_dir, block_tokens=cfg.block_tokens,
                             max_blocks=cfg.max_cache_blocks, kv_dtype=cfg.kv_dtype,
                             context=cfg.context)
-        draft = None if cfg.draft_model is None else load_draft(cfg, eng, engine.Engine)
+        draft = None  # a model that cannot speculate holds no draft model (the status says why)
+        if cfg.draft_model is not None and not eng.speculation_refused:
+            draft = load_draft(cfg, eng, engine.Engine)
         loaded["applied"] = stack.enter_context(engine.process_limits(
             cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
         loaded["active_memory"] = engine.active_memory
@@ -159,7 +165,7 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
             sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
             sched.disk.attach(pool)
         limits = scheduler_limits(cfg, eng)
-        if draft is not None:  # the draft model wins over prompt lookup
+        if cfg.draft_model is not None:  # the draft model wins over prompt lookup
             sched.drafter = draft_drafter(cfg, eng, draft)
         elif cfg.prompt_lookup:
             sched.drafter = speculate.Drafter(cfg.prompt_lookup, cfg.num_draft_tokens,

@@ -73,7 +73,8 @@ class DraftModel(Drafter):
     """Drafts from a draft model's greedy tokens (see the module docstring)."""
 
     proposer = "draft_model"
-    engine: Any = None  # the draft model's Engine (its pools: the target's block ids)
+    engine: Any = None  # the draft model's Engine (its pools: the target's block ids); None
+    #                     where refused (the model cannot speculate: no draft is loaded)
     chunk: int = 512    # most catch-up tokens per draft step, over every sequence
     vocab: int = 0      # the target's embedding rows: a draft token at or past it ends a draft
     name: str = ""      # the draft model's directory, for the status
@@ -151,7 +152,8 @@ class DraftModel(Drafter):
         super().forget(seq_id)
         self._seen.pop(seq_id, None)
         self._ready.pop(seq_id, None)
-        self.engine.free_state(seq_id)
+        if self.engine is not None:
+            self.engine.free_state(seq_id)
 
     def report(self) -> dict:
         out = super().report()

@@ -166,3 +166,15 @@ def test_the_policy_entry_and_the_flags_carry_the_draft_model(models):
     assert flags[flags.index("--draft-model") + 1] == str(other)
     pol = served_policy(None, str(target), 4096, 1, None, None, str(other))
     assert pol.models["target"].draft_model == str(other)
+
+
+def test_a_model_that_cannot_speculate_loads_no_draft(family_dir):
+    w = Worker(family_dir("qwen3_next"), draft_model=family_dir("qwen3"))
+    try:
+        st = w.status()["speculative"]
+        assert st["enabled"] is False and "RecurrentState" in st["reason"]
+        r = httpx.post(w.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "a b a b a b", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+    finally:
+        w.stop()
