@@ -183,7 +183,11 @@ def markdown(result: dict) -> str:
              "as the model's, so this measures the mechanism, not a speed-up a small draft "
              "would give). `other-draft`: the same architecture built with another seed (its "
              "drafts are wrong: each sequence's draft length falls to 0 in 3 steps, then one "
-             "retry every 16). A shared 2-core machine: compare each mode's runs column."
+             "retry every 16). Each retry costs a draft prefill of the ~16 tokens it missed "
+             "and an unpipelined verifying step: on this CPU a 16-token chunk of the tiny "
+             "model takes 2-4 decode steps' time (a draft as large as the model), so the "
+             "retries cost more here than a small draft on a GPU would. A shared 2-core "
+             "machine: compare each mode's runs column."
              if draft else
              "`repeat`: the demo model's looping greedy output and a repeated sentence (high "
              "acceptance). `random`: matrices × 4 (varied output) and random words: lookup "
