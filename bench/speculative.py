@@ -10,7 +10,8 @@ the prompt:
 - ``random``: the same model with its matrices scaled by 4 (its greedy output varies from
   token to token, as ``plimsoll.engine.drive.sharpen``) and a prompt of random words:
   lookup's few matches are wrong, each sequence's draft length falls to 0 and it retries one
-  draft every 16 steps: acceptance near 0.
+  draft after 16 steps, then 32, 64 ... (each retry that accepts nothing doubles the wait):
+  acceptance near 0.
 
 For each regime both modes' workers (``plain``; ``lookup``: ``--prompt-lookup 3
 --num-draft-tokens K``) are started and warmed by one request, then ``--runs`` rounds of one
@@ -182,18 +183,19 @@ def markdown(result: dict) -> str:
              "model: every draft right, but each drafted token costs a draft forward as large "
              "as the model's, so this measures the mechanism, not a speed-up a small draft "
              "would give). `other-draft`: the same architecture built with another seed (its "
-             "drafts are wrong: each sequence's draft length falls to 0 in 3 steps, then one "
-             "retry every 16). Each retry costs a draft prefill of the ~16 tokens it missed "
-             "and an unpipelined verifying step: on this CPU a 16-token chunk of the tiny "
-             "model takes 2-4 decode steps' time (a draft as large as the model), so the "
+             "drafts are wrong: each sequence's draft length falls to 0 in 3 steps, then it "
+             "retries after 16, 32, 64 ... steps). Each retry costs a draft prefill of the "
+             "tokens it missed "
+             "and an unpipelined verifying step: on this CPU a chunk of 16 or more tokens of "
+             "the tiny model takes 2-4 decode steps' time (a draft as large as the model), so the "
              "retries cost more here than a small draft on a GPU would. A shared 2-core "
              "machine: compare each mode's runs column."
              if draft else
              "`repeat`: the demo model's looping greedy output and a repeated sentence (high "
              "acceptance). `random`: matrices × 4 (varied output) and random words: lookup "
              "rarely matches, and a sequence whose drafts find no match or are rejected falls "
-             "to draft length 0 in 3 steps; what remains is one unpipelined retry step every "
-             "16. A shared 2-core machine: compare each mode's runs column, not just medians.")
+             "to draft length 0 in 3 steps; what remains is an unpipelined retry step after "
+             "16, 32, 64 ... steps. A shared 2-core machine: compare each mode's runs column, not just medians.")
     lines = [f"# {title} speculation, 1 stream, {result['machine']}", "",
              f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
              f"Model: the tiny demo ({result['tokens']} greedy tokens per request, "

@@ -16,7 +16,8 @@ row's mask needs each previous token).
 - :class:`Drafter` keeps each sequence's draft length: one more after a step that accepted
   everything (up to ``most``), one fewer after a step that accepted none or found no match,
   down to 0, where the sequence decodes plainly (and pipelined) and tries one draft again
-  every :data:`RETRY_STEPS` steps. Its counters are the status's ``speculative`` figures.
+  after :data:`RETRY_STEPS` steps (twice as many after each retry that accepted nothing, up
+  to :data:`MAX_RETRY_STEPS`). Its counters are the status's ``speculative`` figures.
 - The scheduler's side, as functions over the drafter and a sequence: :func:`drafting_waits`
   (a sequence that may draft has a token in flight: the previous step is read before
   planning, so it is never pipelined), :func:`verify_work` (its drafts as the step's Work)
@@ -36,8 +37,11 @@ from plimsoll.engine.work import Work
 
 from .waiting import Run
 
-#: steps a sequence at draft length 0 decodes plainly before it tries one draft again
+#: steps a sequence at draft length 0 decodes plainly before it tries one draft again; each
+#: retry that accepts nothing doubles its wait, up to MAX_RETRY_STEPS (one that accepts
+#: resets it): where drafts stay wrong, what the retries cost shrinks towards nothing
 RETRY_STEPS = 16
+MAX_RETRY_STEPS = 256
 
 
 def prompt_lookup(tokens: Sequence[int], longest: int, k: int) -> tuple[int, ...]:
@@ -91,6 +95,7 @@ class Drafter:
     figures: Figures = field(default_factory=Figures)
     _length: dict[int, int] = field(default_factory=dict)
     _idle: dict[int, int] = field(default_factory=dict)
+    _wait: dict[int, int] = field(default_factory=dict)  # its retry interval, where backed off
     #: seq id -> (start, drafts) of its verifying step in flight
     inflight: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -102,14 +107,21 @@ class Drafter:
         """Whether ``seq_id`` may draft at its next step, or has drafts in flight (either
         way its next step needs its tokens read: it is not pipelined)."""
         return seq_id in self.inflight or self._length.get(seq_id, self.most) > 0 \
-            or self._idle.get(seq_id, 0) >= RETRY_STEPS - 1
+            or self._idle.get(seq_id, 0) >= self._retry(seq_id) - 1
+
+    def _retry(self, seq_id: int) -> int:
+        return self._wait.get(seq_id, RETRY_STEPS)
+
+    def _back_off(self, seq_id: int) -> None:
+        """A retry accepted nothing: the next waits twice as long."""
+        self._wait[seq_id] = min(MAX_RETRY_STEPS, 2 * self._retry(seq_id))
 
     def length(self, seq_id: int) -> int:
         """The drafts :meth:`propose` will ask for ``seq_id`` now (before ``room``); changes
         nothing."""
         k = self._length.get(seq_id, self.most)
         if k == 0:
-            return 1 if self._idle.get(seq_id, 0) + 1 >= RETRY_STEPS else 0
+            return 1 if self._idle.get(seq_id, 0) + 1 >= self._retry(seq_id) else 0
         return k
 
     def prepare(self, pool: Any, running: dict[int, Run]) -> None:
@@ -122,16 +134,18 @@ class Drafter:
 
     def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:
         """The drafts for ``seq_id``'s next step (``room``: tokens it may still draft)."""
-        k = self._length.get(seq_id, self.most)
+        k = retry = self._length.get(seq_id, self.most)
         if k == 0:
             idle = self._idle.get(seq_id, 0) + 1
             self._idle[seq_id] = idle
-            if idle < RETRY_STEPS:
+            if idle < self._retry(seq_id):
                 return ()
             self._idle[seq_id], k = 0, 1
         draft = self.lookup(seq_id, tokens, min(k, room))
         if not draft and room > 0:
             self._length[seq_id] = k - 1
+            if retry == 0:
+                self._back_off(seq_id)  # a retry that found nothing to draft
         return draft
 
     def skip(self, seq_id: int) -> None:
@@ -152,6 +166,10 @@ class Drafter:
             self._length[seq_id] = min(self.most, max(k, drafts) + 1)
         elif accepted == 0:
             self._length[seq_id] = max(0, min(k, drafts) - 1)
+        if accepted:
+            self._wait.pop(seq_id, None)
+        elif k == 0:  # a retry (its length stays 0 while it drafts one)
+            self._back_off(seq_id)
         self.figures.proposed += drafts
         self.figures.accepted += accepted
         self.figures.steps += 1
@@ -161,6 +179,7 @@ class Drafter:
         """``seq_id`` ended: drop its state."""
         self._length.pop(seq_id, None)
         self._idle.pop(seq_id, None)
+        self._wait.pop(seq_id, None)
         self.inflight.pop(seq_id, None)
 
     def report(self) -> dict:
