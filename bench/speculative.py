@@ -195,7 +195,8 @@ def markdown(result: dict) -> str:
              "acceptance). `random`: matrices × 4 (varied output) and random words: lookup "
              "rarely matches, and a sequence whose drafts find no match or are rejected falls "
              "to draft length 0 in 3 steps; what remains is an unpipelined retry step after "
-             "16, 32, 64 ... steps. A shared 2-core machine: compare each mode's runs column, not just medians.")
+             "16, 32, 64 ... steps. A shared 2-core machine: compare each mode's runs column, "
+             "not just medians.")
     lines = [f"# {title} speculation, 1 stream, {result['machine']}", "",
              f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
              f"Model: the tiny demo ({result['tokens']} greedy tokens per request, "
