@@ -172,8 +172,9 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
                                               eng.speculation_refused)
         if sched.drafter is not None and sched.drafter.refused:
             log.warning("speculation off: %s", sched.drafter.refused)
-        if took := engine.warm_up(eng):  # GPU backends only: see engine/warmup
-            log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
+        for warmed in (eng, draft):  # GPU backends only: see engine/warmup
+            if warmed is not None and (took := engine.warm_up(warmed)):
+                log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
         return eng, pool, limits
 
     def rss() -> int:
