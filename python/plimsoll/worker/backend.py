@@ -167,6 +167,9 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
         limits = scheduler_limits(cfg, eng)
         if cfg.draft_model is not None:  # the draft model wins over prompt lookup
             sched.drafter = draft_drafter(cfg, eng, draft)
+            if cfg.prompt_lookup:
+                log.info("--prompt-lookup %d unused: --draft-model proposes instead",
+                         cfg.prompt_lookup)
         elif cfg.prompt_lookup:
             sched.drafter = speculate.Drafter(cfg.prompt_lookup, cfg.num_draft_tokens,
                                               eng.speculation_refused)

@@ -78,6 +78,7 @@ class DraftModel(Drafter):
     chunk: int = 512    # most catch-up tokens per draft step, over every sequence
     vocab: int = 0      # the target's embedding rows: a draft token at or past it ends a draft
     name: str = ""      # the draft model's directory, for the status
+    kv_bytes: int = 0   # the draft pools' bytes allocated after the last draft pass (status)
     _seen: dict[int, int] = field(default_factory=dict)
     _ready: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
@@ -139,6 +140,7 @@ class DraftModel(Drafter):
             cut = next((i for i, t in enumerate(drafts) if self.vocab and t >= self.vocab),
                        len(drafts))
             out[sid] = tuple(drafts[:cut])
+        self.kv_bytes = eng.kv_bytes_allocated()  # read here, on the engine's thread
         return out
 
     def settle(self, seq_id: int, accepted: int) -> tuple[int, int]:
@@ -160,6 +162,6 @@ class DraftModel(Drafter):
         if self.on:
             out.pop("prompt_lookup", None)
             out.update(draft_model=self.name,
-                       draft_kv_bytes_allocated=self.engine.kv_bytes_allocated(),
+                       draft_kv_bytes_allocated=self.kv_bytes,
                        draft_block_bytes=self.engine.block_bytes)
         return out
