@@ -73,30 +73,3 @@ def test_a_different_draft_changes_only_the_acceptance(dirs):
     assert fig.proposed > 0 and fig.accepted < 0.3 * fig.proposed
     assert max(draft.tokens) <= CHUNK
 
-
-def test_retries_back_off_while_they_accept_nothing():
-    from plimsoll.worker.speculate import MAX_RETRY_STEPS, RETRY_STEPS, Drafter
-
-    d, toks = Drafter(3, 1), [1, 2, 1, 2, 1, 2]
-
-    def wait_and_retry(accepted: int) -> int:
-        """Pipelined steps until the sequence may draft again; then its retry, settled."""
-        n = 0
-        while not d.wants(7):
-            d.skip(7)
-            n += 1
-        assert d.propose(7, toks, 10) == (1,)
-        d.started(7, 5, 1)
-        d.settle(7, accepted)
-        return n
-
-    assert d.propose(7, toks, 10) == (1,)
-    d.started(7, 5, 1)
-    d.settle(7, 0)  # down to 0
-    waits = [wait_and_retry(0) for _ in range(6)]
-    assert waits == [RETRY_STEPS - 1, 31, 63, 127, MAX_RETRY_STEPS - 1, MAX_RETRY_STEPS - 1]
-    wait_and_retry(1)  # accepted: its length is back up, its wait reset
-    assert d.wants(7) and d.propose(7, toks, 10) == (1,)
-    d.started(7, 5, 1)
-    d.settle(7, 0)
-    assert wait_and_retry(0) == RETRY_STEPS - 1

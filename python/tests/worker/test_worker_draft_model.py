@@ -17,7 +17,6 @@ import pytest
 from click.testing import CliRunner
 from conftest import Worker
 
-from plimsoll.core.admission import AdmissionRequest, admit
 from plimsoll.demo.model import build_demo_model
 
 PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
@@ -134,19 +133,6 @@ def test_admission_counts_the_draft(models):
                                        + both["pool_bytes"] + both["draft_pool_bytes"])
     text = CliRunner().invoke(cli, [*base[:-1], "--draft-model", str(other)]).output
     assert "draft model     weights" in text and "(the draft model's included)" in text
-
-
-def test_a_draft_that_does_not_fit_is_refused_by_admission():
-    req = AdmissionRequest(ceiling_bytes=16 << 30, total_ram_bytes=16 << 30,
-                           budget_bytes=4 << 30, weights_bytes=3 << 30,
-                           kv_bytes_per_token=4096, transient_reserve=0.05, block_tokens=16,
-                           concurrency=1, context=4096, max_tokens=512)
-    assert admit(req).admitted
-    d = admit(req.model_copy(update={"draft_weights_bytes": 1 << 30,
-                                     "draft_kv_bytes_per_token": 1024}))
-    assert not d.admitted
-    assert any("the draft model's weights 1.00 GiB" in r for r in d.reasons), d.reasons
-    assert any("a smaller draft model" in r for r in d.reasons)
 
 
 def test_the_policy_entry_and_the_flags_carry_the_draft_model(models):
