@@ -11,7 +11,10 @@ sequence that drafts (greedy, unconstrained, length > 0):
 
 1. catch up: the tokens its draft KV has not seen (the whole prompt the first time, then the
    one or two tokens the last verification added) as one chunk (a one-token catch-up joins
-   the decode rows), in draft steps of at most ``chunk`` tokens, which samples its first draft;
+   the decode rows) of one draft step of at most ``chunk`` tokens over every sequence, which
+   samples its first draft. A catch-up that does not fit takes what is left of the step and
+   goes on at the next step, the sequence decoding plainly meanwhile (so running streams
+   wait for at most one draft chunk a step, as for one prompt chunk);
 2. propose: ``k - 1`` more draft decode steps (``k`` from the :class:`.speculate.Drafter`'s
    adaptive length), every sequence a row of one batch, pipelined (each names the token the
    step before sampled); then every step's tokens are read.
@@ -81,13 +84,14 @@ class DraftModel(Drafter):
     kv_bytes: int = 0   # the draft pools' bytes allocated after the last draft pass (status)
     _seen: dict[int, int] = field(default_factory=dict)
     _ready: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    _catching: set[int] = field(default_factory=set)  # still catching up at this step
 
     def lookup(self, seq_id: int, tokens: Sequence[int], k: int) -> tuple[int, ...]:
         return self._ready.get(seq_id, ())[:k]
 
     def prepare(self, pool: Any, running: dict[int, Run]) -> None:
         """Every drafting sequence's drafts for this step, batched (the module docstring)."""
-        self._ready = {}
+        self._ready, self._catching = {}, set()
         want: list[tuple[Run, int, tuple[int, ...]]] = []
         for run in running.values():
             if (run.prefilling or run.pending or run.generated >= run.req.max_tokens
@@ -100,43 +104,42 @@ class DraftModel(Drafter):
         if want:
             self._ready = self._draft(want)
 
+    def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:
+        if seq_id in self._catching:  # its draft KV is still catching up: no drafts this
+            return ()                 # step, and no shorter draft length for it either
+        return super().propose(seq_id, tokens, room)
+
     def _draft(self, want: list[tuple[Run, int, tuple[int, ...]]]) -> dict[int, tuple[int, ...]]:
-        eng, first = self.engine, {}
-        pieces = []  # (seq id, start, tokens, table, samples)
-        for run, _k, table in want:
-            seen, end = self._seen.get(run.req.id, 0), len(run.tokens)
-            while seen < end:
-                upto = min(end, seen + self.chunk)
-                pieces.append((run.req.id, seen, tuple(run.tokens[seen:upto]), table, upto == end))
-                seen = upto
-        steps: list[list] = [[]]
-        used, ids = 0, set()
-        for piece in pieces:  # packed in order into steps of at most `chunk` tokens
-            if steps[-1] and (used + len(piece[2]) > self.chunk or piece[0] in ids):
-                steps.append([])
-                used, ids = 0, set()
-            steps[-1].append(piece)
-            used += len(piece[2])
-            ids.add(piece[0])
-        for pieces_of_step in steps:
-            works = [Work(sid, toks, start, table, samples)
-                     for sid, start, toks, table, samples in pieces_of_step]
-            pending = eng.run_async(Step(tuple(w for w in works if w.length == 1),
-                                         tuple(w for w in works if w.length > 1)))
-            for w in works:
-                if w.sample:
-                    first[w.seq_id] = pending
+        """One catch-up step (at most ``chunk`` tokens over every sequence: a sequence whose
+        catch-up does not fit takes what is left and drafts at a later step), then the draft
+        decode steps; every drafting sequence's drafts."""
+        eng, left = self.engine, self.chunk
+        works, drafting = [], []
+        for run, k, table in want:
+            sid = run.req.id
+            seen, end = self._seen.get(sid, 0), len(run.tokens)
+            take = min(end - seen, left)
+            if take > 0:
+                works.append(Work(sid, tuple(run.tokens[seen:seen + take]), seen, table,
+                                  seen + take == end))
+                left -= take
+                self._seen[sid] = seen + take  # written by the step below, in order
+            if seen + take == end:
+                drafting.append((run, k, table))
+            else:
+                self._catching.add(sid)
+        first = eng.run_async(Step(tuple(w for w in works if w.length == 1),
+                                   tuple(w for w in works if w.length > 1)))
         later = []  # draft decode steps 2..k, each naming the token the step before sampled
-        for j in range(1, max(k for _, k, _ in want)):
+        for j in range(1, max((k for _, k, _ in drafting), default=1)):
             rows = tuple(Work(run.req.id, None, run.written + j, table, True)
-                         for run, k, table in want if k > j)
+                         for run, k, table in drafting if k > j)
             later.append((eng.run_async(Step(rows)), {w.seq_id for w in rows}))
         out = {}
-        for run, k, _table in want:
+        for run, k, _table in drafting:
             sid = run.req.id
-            drafts = [first[sid].result()[sid]]
+            drafts = [first.result()[sid]]
             drafts += [p.result()[sid] for p, ids in later[:k - 1] if sid in ids]
-            self._seen[sid] = len(run.tokens)  # through its last token; settle adds the rest
             cut = next((i for i, t in enumerate(drafts) if self.vocab and t >= self.vocab),
                        len(drafts))
             out[sid] = tuple(drafts[:cut])
@@ -154,6 +157,7 @@ class DraftModel(Drafter):
         super().forget(seq_id)
         self._seen.pop(seq_id, None)
         self._ready.pop(seq_id, None)
+        self._catching.discard(seq_id)
         if self.engine is not None:
             self.engine.free_state(seq_id)
 

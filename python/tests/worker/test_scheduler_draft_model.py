@@ -2,8 +2,9 @@
 demo sharpened, CPU), driven step by step on this thread: three sequences (two sharing a
 prompt prefix) at once, a draft catch-up chunk of 8 tokens so a prompt's catch-up spans many
 draft steps. Greedy output is mlx-lm's own; the model as its own draft accepts (nearly)
-everything; no draft step computes more than its chunk; a different-seed draft changes
-nothing but the acceptance."""
+everything; no scheduler step's draft catch-up computes more than its chunk (a catch-up that
+does not fit goes on at the next step); a different-seed draft changes nothing but the
+acceptance."""
 
 from __future__ import annotations
 
@@ -21,13 +22,17 @@ CHUNK = 8
 
 
 class Recording:
-    """The draft engine, its steps' token counts recorded."""
+    """The draft engine, its steps' token counts recorded, and the catch-up tokens (given,
+    not pipelined) per scheduler step."""
 
-    def __init__(self, eng):
-        self.eng, self.tokens = eng, []
+    def __init__(self, eng, clock):
+        self.eng, self.clock, self.tokens, self.catch_up = eng, clock, [], {}
 
     def run_async(self, step):
-        self.tokens.append(sum(w.length for w in (*step.decodes, *step.prefills)))
+        works = (*step.decodes, *step.prefills)
+        self.tokens.append(sum(w.length for w in works))
+        given = sum(w.length for w in works if w.tokens is not None)
+        self.catch_up[self.clock()] = self.catch_up.get(self.clock(), 0) + given
         return self.eng.run_async(step)
 
     def __getattr__(self, name):
@@ -43,15 +48,15 @@ def dirs(tmp_path_factory):
 
 def run(target_dir, draft_dir):
     eng = load(target_dir, 256)
-    draft = Recording(load(draft_dir, 256))
     s = scheduler(eng, 256, prefill=32)
+    draft = Recording(load(draft_dir, 256), lambda: s._steps)
     s.drafter = DraftModel(0, 3, engine=draft, chunk=CHUNK, vocab=eng.model.args.vocab_size)
     system = text(eng.tokenizer, 3 * BLOCK, salt=1)
     prompts = [system + text(eng.tokenizer, 7, salt=2), system + text(eng.tokenizer, 12, salt=3),
                text(eng.tokenizer, 41, salt=4)]
-    reqs = [Req(s, p, 30) for p in prompts]
+    reqs = [Req(s, p, 48) for p in prompts]
     drain(s)
-    want = [reference(eng.model, p, 30) for p in prompts]
+    want = [reference(eng.model, p, 48) for p in prompts]
     return s, draft, [r.tokens for r in reqs], want, reqs
 
 
@@ -62,6 +67,7 @@ def test_the_model_as_its_own_draft(dirs):
     assert fig.proposed > 40 and fig.accepted >= 0.95 * fig.proposed
     assert sum(r.gen.drafted for r in reqs) == fig.proposed
     assert max(draft.tokens) <= CHUNK  # every draft step within the catch-up chunk
+    assert max(draft.catch_up.values()) <= CHUNK  # and all of a step's catch-up together
     assert s.drafter._seen == {} and s.drafter._ready == {}  # ended sequences forgotten
     assert s.drafter.report()["by_proposer"]["draft_model"]["accepted"] == fig.accepted
 
