@@ -1,5 +1,6 @@
-"""Single-stream greedy decode with and without prompt-lookup speculation, at controlled
-acceptance, through the HTTP API of a real ``plimsoll worker``.
+"""Single-stream greedy decode with and without speculation (prompt lookup, or a draft model
+with ``--draft-model``), at controlled acceptance, through the HTTP API of a real
+``plimsoll worker``.
 
 Random weights give no realistic acceptance, so the acceptance is set by the model and
 the prompt:
@@ -9,7 +10,8 @@ the prompt:
 - ``random``: the same model with its matrices scaled by 4 (its greedy output varies from
   token to token, as ``plimsoll.engine.drive.sharpen``) and a prompt of random words:
   lookup's few matches are wrong, each sequence's draft length falls to 0 and it retries one
-  draft every 16 steps: acceptance near 0.
+  draft after 16 steps, then 32, 64 ... (each retry that accepts nothing doubles the wait):
+  acceptance near 0.
 
 For each regime both modes' workers (``plain``; ``lookup``: ``--prompt-lookup 3
 --num-draft-tokens K``) are started and warmed by one request, then ``--runs`` rounds of one
@@ -17,10 +19,17 @@ streamed request to each (interleaved, so a shared machine's drifting load hits 
 ``--tokens`` output tokens are timed: ``tok_s`` is tokens / (the last token's arrival - the
 request's start); the prompt is short, so its prefill is a small part (a speculating
 stream's tokens come in bursts, so first-to-last token time would overstate it). The
-lookup worker's status gives proposed / accepted. Run with OpenBLAS::
+speculating worker's status gives proposed / accepted.
+
+``--draft-model`` measures the draft-model proposer instead, in one regime (``draft``: the
+sharpened model and the random words): ``plain``; ``self-draft``, the model as its own draft
+model (every draft right: acceptance ≈ 1, at the cost of a draft forward as large as the
+model's for every drafted token); ``other-draft``, the same architecture built with another
+seed and sharpened alike (its drafts are wrong: acceptance ≈ 0, each sequence's draft length
+falls to 0). Run with OpenBLAS::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-      PYTHONPATH=python python bench/speculative.py \\
+      PYTHONPATH=python python bench/speculative.py [--draft-model] \\
       --out-dir bench/results --name speculative-cpu-2026-12-01
 """
 
@@ -167,18 +176,34 @@ def markdown(result: dict) -> str:
                          report.num(m["tok_s"] / plain, ".2f"),
                          m["proposed"], m["accepted"], report.num(m["acceptance"], ".2f")))
     eng = result["engine"]
-    lines = [f"# Prompt-lookup speculation, 1 stream, {result['machine']}", "",
+    draft = result.get("proposer") == "draft_model"
+    title = "Draft-model" if draft else "Prompt-lookup"
+    about = ("`draft`: the tiny demo with its matrices × 4 (varied greedy output) and random "
+             "words. `self-draft`: the model as its own draft model (`--draft-model` = the "
+             "model: every draft right, but each drafted token costs a draft forward as large "
+             "as the model's, so this measures the mechanism, not a speed-up a small draft "
+             "would give). `other-draft`: the same architecture built with another seed (its "
+             "drafts are wrong: each sequence's draft length falls to 0 in 3 steps, then it "
+             "retries after 16, 32, 64 ... steps). Each retry costs a draft prefill of the "
+             "tokens it missed "
+             "and an unpipelined verifying step: on this CPU a chunk of 16 or more tokens of "
+             "the tiny model takes 2-4 decode steps' time (a draft as large as the model), so the "
+             "retries cost more here than a small draft on a GPU would. A shared 2-core "
+             "machine: compare each mode's runs column."
+             if draft else
+             "`repeat`: the demo model's looping greedy output and a repeated sentence (high "
+             "acceptance). `random`: matrices × 4 (varied output) and random words: lookup "
+             "rarely matches, and a sequence whose drafts find no match or are rejected falls "
+             "to draft length 0 in 3 steps; what remains is an unpipelined retry step after "
+             "16, 32, 64 ... steps. A shared 2-core machine: compare each mode's runs column, "
+             "not just medians.")
+    lines = [f"# {title} speculation, 1 stream, {result['machine']}", "",
              f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
              f"Model: the tiny demo ({result['tokens']} greedy tokens per request, "
              f"{result['runs']} runs, median; k = {result['num_draft_tokens']}).", "",
              *report.table(("regime", "mode", "tok/s", "runs", "× plain", "proposed",
                             "accepted", "acceptance"), rows), "",
-             "`repeat`: the demo model's looping greedy output and a repeated sentence (high "
-             "acceptance). `random`: matrices × 4 (varied output) and random words: lookup "
-             "rarely matches, and a sequence whose drafts find no match or are rejected falls "
-             "to draft length 0 in 3 steps; what remains is one unpipelined retry step every "
-             "16. A shared 2-core machine: compare each mode's runs column, not just medians.",
-             "",
+             about, "",
              "The engine alone (in process, interleaved, the tiny model at 100-560 tokens): a "
              f"decode step {eng['decode_step_ms']:.1f} ms, a step verifying 3 drafts (4 "
              f"tokens) {eng['verify4_step_ms']:.1f} ms ({eng['ratio']:.2f} x).", ""]
@@ -191,6 +216,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--num-draft-tokens", type=int, default=3)
+    ap.add_argument("--draft-model", action="store_true",
+                    help="measure the draft-model proposer (the model as its own draft, and a "
+                         "different-seed draft) instead of prompt lookup")
     ap.add_argument("--out-dir", type=Path, default=report.RESULTS)
     ap.add_argument("--name", default=report.default_name("speculative"))
     args = ap.parse_args()
@@ -203,20 +231,27 @@ def main() -> None:
              "harbor", "tundra", "pixel", "lumen", "saffron", "glacier", "nimbus", "zephyr"]
     regimes = {"repeat": (base, SENTENCE * 6),
                "random": (sharp, " ".join(rng.choice(words) for _ in range(60)))}
-    modes = {"plain": [], "lookup": ["--prompt-lookup", "3", "--num-draft-tokens",
-                                     str(args.num_draft_tokens)]}
+    k = ["--num-draft-tokens", str(args.num_draft_tokens)]
+    modes = {"plain": [], "lookup": ["--prompt-lookup", "3", *k]}
+    if args.draft_model:
+        other = sharpened(build_demo_model(args.dir / "tiny-seed1", preset="tiny", seed=1),
+                          args.dir / "tiny-seed1-sharp")
+        regimes = {"draft": regimes["random"]}
+        modes = {"plain": [], "self-draft": ["--draft-model", str(sharp), *k],
+                 "other-draft": ["--draft-model", str(other), *k]}
     host = report.host_facts()
     out: dict = {}
     for regime, (model, prompt) in regimes.items():
         out[regime] = measure(model, prompt, modes, args.dir / regime, args)
         for mode, m in out[regime].items():
-            print(f"{regime:7s} {mode:7s} {m['tok_s']:8.1f} tok/s  "
+            print(f"{regime:7s} {mode:11s} {m['tok_s']:8.1f} tok/s  "
                   f"accepted {m['accepted']}/{m['proposed']}", flush=True)
     engine = engine_steps(base)
     host["loadavg_end"] = report.loadavg()
     result = {"command": report.command(), "host": host, "engine": engine,
               "machine": report.machine(), "tokens": args.tokens, "runs": args.runs,
-              "num_draft_tokens": args.num_draft_tokens, "regimes": out}
+              "num_draft_tokens": args.num_draft_tokens, "regimes": out,
+              "proposer": "draft_model" if args.draft_model else "prompt_lookup"}
     print(report.write(result, args.out_dir, args.name, markdown))
 
 

@@ -75,6 +75,7 @@ let
     maxTokensOverLimit = "clamp";
     promptLookup = 0;
     numDraftTokens = 3;
+    draftModel = null;
   };
 
   # The disk tier for KV blocks (host-wide in settings, or per model): off when null.
@@ -84,7 +85,7 @@ let
   declKeys = [ "host" "totalRamGb" "osFloorGb" "maxLocalLlmGb" "transientReserve" "models" "settings" "aliases" "defaultModel" ];
   modeNames = [ "standalone" "clustered" ];
   settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "ollamaApi" "cluster" "pressure" "diskCache" ];
-  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" "diskCache" "maxTokensOverLimit" "promptLookup" "numDraftTokens" ];
+  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" "diskCache" "maxTokensOverLimit" "promptLookup" "numDraftTokens" "draftModel" ];
   listenKeys = [ "host" "port" ];
   clusterKeys = [ "interface" "peers" "backend" ];
   peerKeys = [ "host" "address" ];
@@ -299,6 +300,7 @@ let
           (check (hasAttr "context" e) "${who}: ${where}: context is required (configured total context, prompt + output, in tokens)")
           (check (elem e.kvDtype kvDtypes) "${who}: ${where}: kvDtype is ${fmt e.kvDtype}, must be one of ${quoteList kvDtypes}")
           (check (isBool e.sharded) "${who}: ${where}: sharded must be true or false, got ${fmt e.sharded}")
+          (check (e.draftModel == null || (isString e.draftModel && e.draftModel != "")) "${who}: ${where}: draftModel must be null (off) or a non-empty string (a model directory or ORG/NAME), got ${fmt e.draftModel}")
         ]
         ++ (if hasAttr "context" e then numberChecks { field = "context"; where = "${where}: context"; value = e.context; integer = true; ok = v: v >= 256 && v <= 4194304; range = "between 256 and 4194304 tokens"; } else [ ])
         ++ numberChecks { field = "concurrency"; where = "${where}: concurrency"; value = e.concurrency; integer = true; ok = v: v >= 1 && v <= 1024; range = "between 1 and 1024"; }

@@ -101,7 +101,7 @@ let
       })
     (equal "a model entry gets the pydantic defaults"
       (policy.checkedPolicy (withModel minimal "m" { path = "/m"; context = 8192; })).models.m
-      { path = "/m"; context = 8192; concurrency = 1; defaultMaxTokens = 512; maxTokens = 4096; kvDtype = "auto"; sharded = false; idleTtlS = 300; diskCache = null; maxTokensOverLimit = "clamp"; promptLookup = 0; numDraftTokens = 3; })
+      { path = "/m"; context = 8192; concurrency = 1; defaultMaxTokens = 512; maxTokens = 4096; kvDtype = "auto"; sharded = false; idleTtlS = 300; diskCache = null; maxTokensOverLimit = "clamp"; promptLookup = 0; numDraftTokens = 3; draftModel = null; })
     (equal "a partial listen keeps the default host"
       (policy.checkedPolicy (withSettings minimal { listen.port = 9000; })).listen { host = "127.0.0.1"; port = 9000; })
     (equal "a partial pressure block keeps the other defaults"
@@ -209,6 +209,11 @@ let
       "host min: model m: path must be a non-empty string")
     (broken "model: kvDtype not a choice" (withModel minimal "m" { path = "/m"; context = 8192; kvDtype = "int8"; })
       "host min: model m: kvDtype is \"int8\", must be one of")
+    (broken "model: an empty draftModel" (withModel minimal "m" { path = "/m"; context = 8192; draftModel = ""; })
+      "host min: model m: draftModel must be null (off) or a non-empty string")
+    (equal "model: a draftModel is kept"
+      (policy.checkedPolicy (withModel minimal "m" { path = "/m"; context = 8192; draftModel = "org/small"; })).models.m.draftModel
+      "org/small")
     (broken "model: unknown key" (withModel minimal "m" { path = "/m"; context = 8192; ctx = 1; })
       "host min: model m has unknown key(s) \"ctx\"")
     (broken "model: a bad name" (withModel minimal "bad name!" { path = "/m"; context = 8192; })

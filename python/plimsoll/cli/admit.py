@@ -49,9 +49,13 @@ def _positive(kind, most: float):
 @click.option("--kv-dtype", type=click.Choice(["float16", "bfloat16", "float32", "q8", "q4"]),
               help="KV cache dtype (default: the model's); q8/q4: quantized KV, counted as "
                    "values + scales + biases in groups of 64.")
+@click.option("--draft-model", metavar="DIR|ORG/NAME",
+              help="Count a draft model (speculation): its weights, its KV for every pool "
+                   "block and its transient [default: the policy's draftModel, else none].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every figure.")
 def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_gib,
-                  concurrency, context, max_tokens, block_tokens, kv_dtype, as_json) -> None:
+                  concurrency, context, max_tokens, block_tokens, kv_dtype, draft_model,
+                  as_json) -> None:
     """Size a worker for MODEL (a directory, or a name in the policy) and decide.
 
     Without overrides the ceiling and total RAM come from the live probes (macOS:
@@ -64,6 +68,7 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
 
     from plimsoll.core import capability
     from plimsoll.core.model_facts import ModelInspectionError
+    from plimsoll.launch.model_source import ModelNotFound
     from plimsoll.probes import read_snapshot
 
     try:
@@ -80,10 +85,10 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
         model_dir, entry = resolve_model(model, pol)
     figures = memory_figures(pol, mode, MemoryOverrides(budget_gib, ceiling_mib, total_ram_gib),
                              read_snapshot)
-    wanted = Wanted(concurrency, context, max_tokens, block_tokens, kv_dtype)
+    wanted = Wanted(concurrency, context, max_tokens, block_tokens, kv_dtype, draft_model)
     try:
         facts, _req, decision = plan(model_dir, entry, pol, figures, wanted)
-    except ModelInspectionError as err:
+    except (ModelInspectionError, ModelNotFound) as err:
         raise UsageFailure(str(err)) from None
     except ValidationError as err:
         raise invalid_figures(err) from None

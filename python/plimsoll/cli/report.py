@@ -87,6 +87,10 @@ def admission_report(
         + (f"; {d.fixed_blocks_per_seq} fixed block(s)/seq for window/recurrent state"
            if d.fixed_blocks_per_seq else ""),
         f"  weights         {fmt_bytes(d.weights_bytes)} ({d.weights_bytes} B, safetensors)",
+        *([f"  draft model     weights {fmt_bytes(d.draft_weights_bytes)} "
+           f"({d.draft_weights_bytes} B), KV {d.draft_block_bytes} B a block, its pool "
+           f"{fmt_bytes(d.draft_pool_bytes)} (a block for every pool block)"]
+          if d.draft_weights_bytes or d.draft_block_bytes else []),
         f"  budget          {fmt_bytes(d.budget_bytes)} ({d.budget_bytes} B, {mode} mode)",
         f"  reserve         {fmt_bytes(d.transient_reserve_bytes)} for transient allocations",
         f"  ceiling         {fmt_bytes(d.ceiling_bytes)} of {fmt_bytes(d.total_ram_bytes)} RAM",
@@ -97,7 +101,8 @@ def admission_report(
         f"  trip            {fmt_bytes(d.trip_bytes)} = min(u + offset, 0.99) × RAM",
         f"  pool            {d.pool_blocks} blocks = {fmt_bytes(d.pool_bytes)} "
         f"(--max-cache-blocks, global, shared by all sequences)",
-        f"  footprint       {fmt_bytes(d.footprint_bytes)} = weights + reserve + pool",
+        f"  footprint       {fmt_bytes(d.footprint_bytes)} = weights + reserve + pool"
+        + (" (the draft model's included)" if d.draft_weights_bytes else ""),
         f"  context         {d.context} tokens configured (asked {d.requested_context}, "
         f"model-native {d.native_max_context or 'unknown'}), "
         f"output reservation {d.output_reservation}",

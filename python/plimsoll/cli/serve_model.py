@@ -10,7 +10,8 @@ Kept apart from :mod:`.serve` (which owns the command and its other options):
   same name is replaced) and becomes its default model;
 - ``--context`` / ``--concurrency`` / ``--max-tokens`` override the sizing of the model
   being added (the demo's when there is no ``--model`` and no ``--policy``), and
-  ``--prompt-lookup`` its speculation (the entry's ``promptLookup``).
+  ``--prompt-lookup`` / ``--draft-model`` its speculation (the entry's ``promptLookup`` /
+  ``draftModel``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from plimsoll.cli.common import UsageFailure
 
 def served_policy(policy_file: Path | None, model_spec: str | None, context: int | None,
                   concurrency: int | None, max_tokens: int | None,
-                  prompt_lookup: int | None = None):
+                  prompt_lookup: int | None = None, draft_model: str | None = None):
     """The policy to serve, or a usage error that says what to change."""
     from plimsoll.core.model_facts import ModelInspectionError
     from plimsoll.core.paths import cache_dir
@@ -32,12 +33,15 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
     from plimsoll.launch.serve_sizing import model_entry
     from plimsoll.probes import read_snapshot
 
-    sizing = (context, concurrency, max_tokens, prompt_lookup)
+    sizing = (context, concurrency, max_tokens, prompt_lookup, draft_model)
     if policy_file is not None and model_spec is None and any(v is not None for v in sizing):
-        raise UsageFailure("--context, --concurrency, --max-tokens and --prompt-lookup set "
-                           "the model of --model (or the demo); with --policy, set them in "
-                           "its models")
+        raise UsageFailure("--context, --concurrency, --max-tokens, --prompt-lookup and "
+                           "--draft-model set the model of --model (or the demo); with "
+                           "--policy, set them in its models")
+    speculation = {"promptLookup": prompt_lookup} if prompt_lookup else {}
     try:
+        if draft_model is not None:  # resolved once, as --model is
+            draft_model = str(resolve_model_dir(draft_model, "--draft-model"))
         if model_spec is not None:
             model_dir = resolve_model_dir(model_spec)
             name = model_name(model_spec, model_dir)
@@ -46,9 +50,8 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
         snap = read_snapshot()
         if policy_file is None:
             entry = model_entry(model_dir, context=context, concurrency=concurrency,
-                                max_tokens=max_tokens, snapshot=snap)
-            if prompt_lookup:
-                entry["promptLookup"] = prompt_lookup
+                                max_tokens=max_tokens, snapshot=snap,
+                                draft_model=draft_model) | speculation
             # the embedded demo gets a bounded disk tier under the user cache: its
             # prefixes survive idle unloads and restarts
             disk = cache_dir() / "kv-blocks" if model_spec is None else None
@@ -58,9 +61,8 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
         if model_spec is None:
             return pol
         entry = model_entry(model_dir, context=context, concurrency=concurrency,
-                            max_tokens=max_tokens, snapshot=snap)
-        if prompt_lookup:
-            entry["promptLookup"] = prompt_lookup
+                            max_tokens=max_tokens, snapshot=snap,
+                            draft_model=draft_model) | speculation
         data = pol.model_dump(mode="json", by_alias=True, exclude_defaults=True)
         data.setdefault("models", {})[name] = entry
         data["defaultModel"] = name

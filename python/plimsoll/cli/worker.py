@@ -120,16 +120,21 @@ def worker_command(**options: Any) -> None:
     """
     from plimsoll.core.capability import UnsupportedModel, require_supported
     from plimsoll.core.model_facts import ModelInspectionError, check_servable, inspect_model
+    from plimsoll.launch.model_source import ModelNotFound, resolve_model_dir
 
     values = merge_aliases(options)
     try:  # a broken download is a one-line error here, not an engine traceback at load
+        if values.get("draft_model") is not None:  # DIR|ORG/NAME, as --model resolves it
+            values["draft_model"] = resolve_model_dir(str(values["draft_model"]),
+                                                      "--draft-model")
+            check_servable(values["draft_model"])
         check_servable(values["model_dir"])
         require_supported(inspect_model(values["model_dir"], kv_dtype=values["kv_dtype"]),
                           values["model_name"])
     except UnsupportedModel as err:
         click.echo(f"plimsoll worker: REFUSE: {err}", err=True)
         raise SystemExit(EXIT_REFUSED) from None
-    except ModelInspectionError as err:
+    except (ModelInspectionError, ModelNotFound) as err:
         raise UsageFailure(str(err)) from None
     cfg = config_from_options(values)
     from plimsoll.worker.app import serve_worker
@@ -168,12 +173,16 @@ class _Interrupted(Exception):
 @click.option("--num-draft-tokens", type=click.IntRange(1, 16),
               help="Most tokens drafted per sequence and step [default: the policy's "
               "numDraftTokens, else 3].")
+@click.option("--draft-model", metavar="DIR|ORG/NAME",
+              help="Speculate with this draft model (resolved as MODEL, never downloaded; "
+              "its weights and KV counted by admission; wins over --prompt-lookup) "
+              "[default: the policy's draftModel, else none].")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8081, show_default=True,
               help="0 picks a free port.")
 def launch_command(model, policy_file, mode, concurrency, context, max_tokens, cache_memory_mb,
                    kv_dtype, disk_cache_dir, disk_cache_gb, prompt_lookup, num_draft_tokens,
-                   host, port) -> None:
+                   draft_model, host, port) -> None:
     """Admit MODEL against live memory, start its worker with the derived caps, verify them.
 
     Refuses (exit 3, with the figures) a model that cannot hold one sequence; clamps
@@ -194,6 +203,7 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
         plan,
         resolve_model,
     )
+    from plimsoll.launch.model_source import ModelNotFound
     from plimsoll.launch.spawn import LaunchError, start_worker, stop_worker, worker_config
     from plimsoll.probes import read_snapshot
     from plimsoll.web.serve import free_port
@@ -209,13 +219,13 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     try:
         facts, _req, decision = plan(model_dir, entry, pol, figures,
                                      Wanted(concurrency, context, max_tokens,
-                                            kv_dtype=kv_dtype))
+                                            kv_dtype=kv_dtype, draft_model=draft_model))
         check_servable(model_dir)
         require_supported(facts, model_dir.name)  # before any worker (or weight byte) exists
     except UnsupportedModel as err:
         click.echo(f"plimsoll launch: REFUSE: {err}", err=True)
         raise SystemExit(EXIT_REFUSED) from None
-    except ModelInspectionError as err:
+    except (ModelInspectionError, ModelNotFound) as err:
         raise UsageFailure(str(err)) from None
     except ValidationError as err:
         raise invalid_figures(err) from None
@@ -229,7 +239,7 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
                         port=port or free_port(host), host=host,
                         cache_memory_mb=cache_memory_mb, disk_cache_dir=disk_cache_dir,
                         disk_cache_gb=disk_cache_gb, prompt_lookup=prompt_lookup,
-                        num_draft_tokens=num_draft_tokens)
+                        num_draft_tokens=num_draft_tokens, draft_model=draft_model)
     # The worker runs in its own session, so signals to us don't reach it: forward them.
     # The handlers are in place before the worker exists (a SIGTERM right after the ready
     # line would otherwise kill us by the default action and leave the worker running). Until the

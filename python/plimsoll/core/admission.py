@@ -63,6 +63,11 @@ class AdmissionRequest(BaseModel):
     )
     weights_bytes: int = Field(ge=0)
     kv_bytes_per_token: int = Field(gt=0)
+    draft_weights_bytes: int = Field(default=0, ge=0, description=(
+        "The draft model's weights (--draft-model), held beside the model's."))
+    draft_kv_bytes_per_token: int = Field(default=0, ge=0, description=(
+        "The draft model's KV per token: its pool has a block for every block of the "
+        "model's, so each block costs both."))
     per_sequence_fixed_bytes: int = Field(default=0, ge=0)
     native_max_context: int | None = None
     transient_reserve: float = Field(ge=0, le=1, description="Fraction of the budget.")
@@ -99,6 +104,10 @@ class AdmissionDecision(BaseModel):
     pool_blocks: int
     pool_bytes: int
     footprint_bytes: int
+    #: the draft model (0 without one): its weights, its bytes per block, its pool's bytes
+    draft_weights_bytes: int = 0
+    draft_block_bytes: int = 0
+    draft_pool_bytes: int = 0
     concurrency: int
     requested_concurrency: int
     context: int
@@ -116,6 +125,11 @@ class AdmissionDecision(BaseModel):
     @property
     def admitted(self) -> bool:
         return self.decision != "refuse"
+
+    def footprint_at(self, pool_blocks: int) -> int:
+        """Weights (and the draft's), the reserve and ``pool_blocks`` blocks of both pools."""
+        return (self.weights_bytes + self.draft_weights_bytes + self.transient_reserve_bytes
+                + pool_blocks * (self.block_bytes + self.draft_block_bytes))
 
 
 def trip_fraction(u: float, trip_offset: float) -> float:
@@ -138,6 +152,8 @@ def admit(req: AdmissionRequest) -> AdmissionDecision:
         )
         ceiling = total
     block_bytes = req.kv_bytes_per_token * req.block_tokens
+    draft_block = req.draft_kv_bytes_per_token * req.block_tokens
+    weights = req.weights_bytes + req.draft_weights_bytes
     fixed = fixed_blocks(req.per_sequence_fixed_bytes, block_bytes)
     reserve = math.floor(req.transient_reserve * req.budget_bytes)
     if req.transient_floor_bytes > reserve:
@@ -157,7 +173,8 @@ def admit(req: AdmissionRequest) -> AdmissionDecision:
             f"the {fmt_bytes(req.budget_bytes)} mode budget binds below "
             f"(u − margin) × ceiling = {fmt_bytes(envelope_by_ceiling)}"
         )
-    pool = max(0, (envelope - req.resident_bytes - req.weights_bytes - reserve) // block_bytes)
+    pool = max(0, (envelope - req.resident_bytes - weights - reserve)
+               // (block_bytes + draft_block))
 
     context, concurrency = req.context, req.concurrency
     if req.native_max_context and context > req.native_max_context:
@@ -199,7 +216,7 @@ def admit(req: AdmissionRequest) -> AdmissionDecision:
 
     decision: Decision = "refuse" if refused else ("clamp" if changes else "admit")
     pool_bytes = pool * block_bytes
-    footprint = req.weights_bytes + reserve + pool_bytes
+    footprint = weights + reserve + pool * (block_bytes + draft_block)
     return AdmissionDecision(
         decision=decision,
         reasons=notes + changes + refused,
@@ -215,6 +232,9 @@ def admit(req: AdmissionRequest) -> AdmissionDecision:
         pool_blocks=pool,
         pool_bytes=pool_bytes,
         footprint_bytes=footprint,
+        draft_weights_bytes=req.draft_weights_bytes,
+        draft_block_bytes=draft_block,
+        draft_pool_bytes=pool * draft_block,
         concurrency=concurrency,
         requested_concurrency=req.concurrency,
         context=context,
@@ -249,18 +269,21 @@ def _refusal_remedies(
             f"for the {req.u_margin} margin on both sides: raise the ceiling "
             f"(now {fmt_bytes(ceiling)} of {fmt_bytes(req.total_ram_bytes)} RAM)"
         ]
-    need = req.resident_bytes + req.weights_bytes + reserve + needed_blocks * (
-        req.kv_bytes_per_token * req.block_tokens
-    )
+    need = req.resident_bytes + req.weights_bytes + req.draft_weights_bytes + reserve \
+        + needed_blocks * (req.kv_bytes_per_token + req.draft_kv_bytes_per_token) * req.block_tokens
+    draft = (f" + the draft model's weights {fmt_bytes(req.draft_weights_bytes)} (and its KV "
+             f"{req.draft_kv_bytes_per_token} B/token)" if req.draft_weights_bytes
+             or req.draft_kv_bytes_per_token else "")
     return [
         f"refused: one sequence of the minimum context ({floor_context} tokens = "
-        f"{needed_blocks} blocks) does not fit: weights {fmt_bytes(req.weights_bytes)} + "
+        f"{needed_blocks} blocks) does not fit: weights {fmt_bytes(req.weights_bytes)}{draft} + "
         f"reserve {fmt_bytes(reserve)} + co-resident {fmt_bytes(req.resident_bytes)} + KV "
         f"needs {fmt_bytes(need)}, the envelope is {fmt_bytes(envelope)} "
         f"(u = {u:.3f}, pool would be {pool} blocks)",
         "to admit it: raise the ceiling or the mode budget, unload co-resident models, "
         "lower the transient reserve, lower max tokens or the minimum context, "
-        "or use a smaller (or more quantized) model",
+        "or use a smaller (or more quantized) model"
+        + (", or a smaller draft model (or none)" if draft else ""),
     ]
 
 
@@ -273,15 +296,26 @@ def _chunk(facts: ModelFacts, d: AdmissionDecision, context: int) -> int:
                          most=PREFILL_CHUNK)
 
 
-def _at(facts: ModelFacts, req: AdmissionRequest, context: int) -> AdmissionRequest:
+def _floor(facts: ModelFacts, draft: ModelFacts | None, context: int, block_tokens: int) -> int:
+    """The least transient at ``context``: the model's, or the draft model's where larger
+    (the draft's steps run before the model's, never beside them)."""
+    return max(transient_floor(facts, context, block_tokens),
+               transient_floor(draft, context, block_tokens) if draft is not None else 0)
+
+
+def _at(facts: ModelFacts, req: AdmissionRequest, context: int,
+        draft: ModelFacts | None = None) -> AdmissionRequest:
     """``req`` at ``context``, its transient floor counted at that context."""
     ctx = min(context, req.native_max_context or context)
     return req.model_copy(update={
-        "context": context, "transient_floor_bytes": transient_floor(facts, ctx, req.block_tokens)})
+        "context": context,
+        "transient_floor_bytes": _floor(facts, draft, ctx, req.block_tokens)})
 
 
-def admit_counting_transient(facts: ModelFacts, req: AdmissionRequest) -> AdmissionDecision:
-    """Admission with the prefill transient at the context counted in the reserve.
+def admit_counting_transient(facts: ModelFacts, req: AdmissionRequest,
+                             draft: ModelFacts | None = None) -> AdmissionDecision:
+    """Admission with the prefill transient at the context counted in the reserve (the
+    model's, or ``draft``'s, the draft model's, where larger).
 
     The reserve grows to hold the engine's least transient at the context (taken from the
     pool, which admission then fits as usual), so the chunk shrinks as the context grows
@@ -290,7 +324,7 @@ def admit_counting_transient(facts: ModelFacts, req: AdmissionRequest) -> Admiss
     transient fits (one search), else the refusal stands.
     """
     target = min(req.context, req.native_max_context or req.context)
-    d = admit(_at(facts, req, req.context))
+    d = admit(_at(facts, req, req.context, draft))
     if d.admitted and d.context == target and _chunk(facts, d, d.context) > 0:
         return d
     if not admit(req.model_copy(update={"transient_floor_bytes": 0})).admitted:
@@ -298,18 +332,18 @@ def admit_counting_transient(facts: ModelFacts, req: AdmissionRequest) -> Admiss
     floor = max(min(req.min_context, target), req.max_tokens + 1)
 
     def fits(ctx: int) -> bool:  # admitted at ctx, its own transient counted, not cut further
-        got = admit(_at(facts, req, ctx))
+        got = admit(_at(facts, req, ctx, draft))
         return got.admitted and got.context == ctx
 
     best = largest_fitting(floor, target - 1, fits, step=req.block_tokens)
-    need = transient_floor(facts, target, req.block_tokens)
+    need = _floor(facts, draft, target, req.block_tokens)
     why = (f"the prefill transient at context {target} (a reserve of {fmt_bytes(need)}: "
            "the gather of the context and one block of queries) and one sequence of it do not "
            "fit the envelope together")
     if best is None and d.admitted:
         return d  # admission's own clamp, its transient counted at the longer context
     if best is not None:
-        again = admit(_at(facts, req, best))
+        again = admit(_at(facts, req, best, draft))
         return again.model_copy(update={"decision": "clamp", "requested_context": req.context,
                                         "reasons": [*again.reasons, f"context clamped to "
                                                     f"{again.context}: {why}"]})

@@ -193,9 +193,10 @@ def right_size(decision: Decision) -> Decision:
     if pool == decision.pool_blocks:
         return decision
     pool_bytes = pool * decision.block_bytes
-    footprint = decision.weights_bytes + decision.transient_reserve_bytes + pool_bytes
+    footprint = decision.footprint_at(pool)
     return decision.model_copy(update={
         "pool_blocks": pool, "pool_bytes": pool_bytes, "footprint_bytes": footprint,
+        "draft_pool_bytes": pool * decision.draft_block_bytes,
         "band_low": (footprint + decision.resident_bytes) / decision.ceiling_bytes,
         "reasons": [*decision.reasons,
                     f"pool right-sized to {pool} blocks ({fmt_bytes(pool_bytes)}): "

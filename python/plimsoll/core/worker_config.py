@@ -141,6 +141,11 @@ class WorkerConfig(BaseModel):
     num_draft_tokens: int = Field(default=3, gt=0, le=16, description=(
         "Most tokens drafted per sequence and step (each sequence's draft length adapts "
         "to its acceptance, down to 0)."))
+    draft_model: Path | None = Field(default=None, description=(
+        "Speculate with this draft model (DIR|ORG/NAME, resolved as --model; never "
+        "downloaded): a smaller model of the same vocabulary drafts greedily on its own "
+        "bounded paged KV (a block for every block of the pool), verified in the batch's one "
+        "forward; greedy, unconstrained requests only; wins over --prompt-lookup."))
 
     @property
     def batch_bound(self) -> int:

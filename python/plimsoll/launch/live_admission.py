@@ -23,6 +23,7 @@ from plimsoll.core.policy import Mode, ModelEntry, Policy
 from plimsoll.core.sizing import LAUNCH_OUTPUT_CAP, output_limit
 from plimsoll.core.units import gib_to_bytes, mib_to_bytes
 from plimsoll.launch.calibration import lookup, reserve_fraction
+from plimsoll.launch.model_source import resolve_model_dir
 from plimsoll.probes.snapshot import MemorySnapshot
 
 DEFAULT_CONTEXT = 8192
@@ -95,6 +96,7 @@ class Wanted:
     max_tokens: int | None = None
     block_tokens: int | None = None
     kv_dtype: str | None = None
+    draft_model: str | None = None  # DIR|ORG/NAME; None: the entry's draftModel, else none
 
 
 def resolve_model(model: str, policy: Policy | None) -> tuple[Path, ModelEntry | None]:
@@ -108,6 +110,11 @@ def resolve_model(model: str, policy: Policy | None) -> tuple[Path, ModelEntry |
             if Path(entry.path) == path:
                 return path, entry
     return path, None
+
+
+def draft_spec(wanted: Wanted, entry: ModelEntry | None) -> str | None:
+    """The draft model asked for: the flag, else the policy entry's ``draftModel``."""
+    return wanted.draft_model or (entry.draft_model if entry else None)
 
 
 def plan(
@@ -125,10 +132,14 @@ def plan(
 
     With ``calibrated`` (the default), a ``plimsoll calibrate`` record for this model, engine
     and KV dtype raises the transient reserve to the measured unknown (never lowers it),
-    so the admitted footprint is at least the measured peak.
+    so the admitted footprint is at least the measured peak. A draft model (the flag, else
+    the entry's ``draftModel``) counts its weights, its KV for every pool block and its
+    transient (:class:`~plimsoll.core.admission.AdmissionRequest`).
     """
     kv_dtype = wanted.kv_dtype or (entry.kv_dtype if entry else None)
     facts = inspect_model(model_dir, kv_dtype=None if kv_dtype in (None, "auto") else kv_dtype)
+    spec = draft_spec(wanted, entry)
+    draft = inspect_model(resolve_model_dir(spec, "--draft-model")) if spec else None
     context = wanted.context or (entry.context if entry else None)
     if context is None:
         context = min(facts.native_max_context or DEFAULT_CONTEXT, DEFAULT_CONTEXT)
@@ -153,6 +164,8 @@ def plan(
         weights_bytes=facts.weights_bytes,
         # A model with no growing cache (pure state-space) pages nothing: one byte stands in.
         kv_bytes_per_token=max(facts.kv_bytes_per_token, 1),
+        draft_weights_bytes=draft.weights_bytes if draft else 0,
+        draft_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0,
         per_sequence_fixed_bytes=facts.fixed_bytes(context),  # windows at min(window, context)
         native_max_context=facts.native_max_context,
         transient_reserve=reserve,
@@ -164,4 +177,4 @@ def plan(
         max_tokens=max_tokens,
         min_context=knob("min_context"),
     )
-    return facts, req, admit_counting_transient(facts, req)
+    return facts, req, admit_counting_transient(facts, req, draft)

@@ -30,13 +30,14 @@ def hub_cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def resolve_model_dir(spec: str) -> Path:
-    """The local directory for ``spec`` (a directory, or ``ORG/NAME`` in the local cache)."""
+def resolve_model_dir(spec: str, flag: str = "--model") -> Path:
+    """The local directory for ``spec`` (a directory, or ``ORG/NAME`` in the local cache);
+    ``flag`` names the setting in the error."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
     if not REPO_ID.match(spec):
-        raise ModelNotFound(f"--model {spec!r}: no such directory; pass a local model "
+        raise ModelNotFound(f"{flag} {spec!r}: no such directory; pass a local model "
                             "directory or a Hugging Face repository id ORG/NAME that is in "
                             "the local cache")
     from huggingface_hub import snapshot_download
@@ -49,7 +50,7 @@ def resolve_model_dir(spec: str) -> Path:
         found = None
     if found is None or not (found / "config.json").is_file():
         raise ModelNotFound(
-            f"--model {spec!r}: not in the local Hugging Face cache ({cache}; set "
+            f"{flag} {spec!r}: not in the local Hugging Face cache ({cache}; set "
             "HF_HUB_CACHE or HF_HOME to look elsewhere). plimsoll never downloads: fetch it "
             f"first (e.g. `hf download {spec}`), or pass its local directory")
     return found

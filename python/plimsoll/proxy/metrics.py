@@ -292,7 +292,7 @@ class Observer:
         weights = kv = cached = rss = footprint = 0
         for name, st in p.status.items():
             adm = p.workers.get(name, {}).get("admitted", {})
-            weights += int(adm.get("weights_bytes", 0))
+            weights += int(adm.get("weights_bytes", 0)) + int(adm.get("draft_weights_bytes", 0))
             footprint += int(adm.get("footprint_bytes", 0))
             pool, bb = st.get("pool") or {}, int(st.get("block_bytes", 0))
             kv += int(pool.get("used", 0)) * bb

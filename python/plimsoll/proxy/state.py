@@ -274,6 +274,8 @@ class Worker:
                 "admitted": {
                     "decision": d.decision, "footprint_bytes": d.footprint_bytes,
                     "weights_bytes": d.weights_bytes, "pool_blocks": d.pool_blocks,
+                    "draft_weights_bytes": d.draft_weights_bytes,
+                    "draft_pool_bytes": d.draft_pool_bytes,
                     "pool_bytes": d.pool_bytes, "block_bytes": d.block_bytes,
                     "transient_reserve_bytes": d.transient_reserve_bytes,
                     "resident_bytes": d.resident_bytes, "concurrency": d.concurrency,

@@ -23,7 +23,7 @@ from plimsoll.core.transients import decode_transient_bytes, default_prefill_chu
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard.process import FootprintGuard, SelfGuard, memory_probe_with_guard
 
-from . import speculate
+from . import draft_model, speculate
 from .events import SchedulerLimits
 from .pool import BlockPool
 from .scheduler import Scheduler
@@ -80,6 +80,48 @@ def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
                            chunk_for=chunk_for)
 
 
+def load_draft(cfg: WorkerConfig, eng: Any, engine_cls: Any) -> Any:
+    """The draft model's engine: pools of as many blocks as the model's (addressed by its
+    tables), its native KV dtype; refused at load (``SystemExit``, with what to change) when
+    its vocabulary is not the model's, its cache cannot roll back by length, or both models
+    and pools do not fit the allocation limit."""
+    draft = engine_cls.load(cfg.draft_model, block_tokens=cfg.block_tokens,
+                            max_blocks=cfg.max_cache_blocks, context=cfg.context)
+    if why := draft_model.vocab_problem(eng.tokenizer.get_vocab(), draft.tokenizer.get_vocab(),
+                                        str(cfg.draft_model)):
+        raise SystemExit(why)
+    if draft.speculation_refused:
+        raise SystemExit(f"--draft-model {cfg.draft_model}: {draft.speculation_refused}: a "
+                         "draft model must hold only full-attention KV; pass another, or "
+                         "drop --draft-model")
+    if why := draft_model.fit_problem(
+            weights=eng.facts.weights_bytes, draft_weights=draft.facts.weights_bytes,
+            blocks=cfg.max_cache_blocks, block_bytes=eng.block_bytes,
+            draft_block_bytes=draft.block_bytes,
+            transient=(cfg.transient_bytes or 0) + cfg.mlx_cache_bytes,
+            limit=cfg.allocation_limit_bytes):
+        raise SystemExit(why)
+    return draft
+
+
+def draft_drafter(cfg: WorkerConfig, eng: Any, draft: Any) -> draft_model.DraftModel:
+    """The proposer over ``draft`` (None: refused, the model cannot speculate); its catch-up
+    chunk keeps the draft's prefill transient under the bound admission counted, as the
+    model's chunk does."""
+    if draft is None:
+        return draft_model.DraftModel(0, cfg.num_draft_tokens, eng.speculation_refused,
+                                      name=str(cfg.draft_model))
+    fused = bool(getattr(draft, "fused_prefill", False))
+    most = cfg.prefill_chunk or default_prefill_chunk(fused)
+    chunk = most if cfg.transient_bytes is None else prefill_chunk(
+        draft.facts, cfg.context, cfg.transient_bytes, block_tokens=cfg.block_tokens,
+        most=most, fused=fused)
+    vocab = getattr(getattr(eng.model, "args", None), "vocab_size", 0) or 0
+    return draft_model.DraftModel(0, cfg.num_draft_tokens, eng.speculation_refused,
+                                  engine=draft, chunk=max(1, chunk), vocab=vocab,
+                                  name=str(cfg.draft_model))
+
+
 #: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
 #: block_bytes, kv_bytes_per_token, applied_limits, and either ``live`` (an async callable:
 #: the figures of :func:`plimsoll.worker.app.live_figures`) or engine_memory, rss and guard;
@@ -108,6 +150,9 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
         eng = engine.Engine.load(cfg.model_dir, block_tokens=cfg.block_tokens,
                             max_blocks=cfg.max_cache_blocks, kv_dtype=cfg.kv_dtype,
                             context=cfg.context)
+        draft = None  # a model that cannot speculate holds no draft model (the status says why)
+        if cfg.draft_model is not None and not eng.speculation_refused:
+            draft = load_draft(cfg, eng, engine.Engine)
         loaded["applied"] = stack.enter_context(engine.process_limits(
             cfg.allocation_limit_bytes, cfg.mlx_cache_bytes, cfg.wired_limit_bytes))
         loaded["active_memory"] = engine.active_memory
@@ -120,13 +165,19 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
             sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
             sched.disk.attach(pool)
         limits = scheduler_limits(cfg, eng)
-        if cfg.prompt_lookup:
+        if cfg.draft_model is not None:  # the draft model wins over prompt lookup
+            sched.drafter = draft_drafter(cfg, eng, draft)
+            if cfg.prompt_lookup:
+                log.info("--prompt-lookup %d unused: --draft-model proposes instead",
+                         cfg.prompt_lookup)
+        elif cfg.prompt_lookup:
             sched.drafter = speculate.Drafter(cfg.prompt_lookup, cfg.num_draft_tokens,
                                               eng.speculation_refused)
-            if sched.drafter.refused:
-                log.warning("--prompt-lookup ignored: %s", sched.drafter.refused)
-        if took := engine.warm_up(eng):  # GPU backends only: see engine/warmup
-            log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
+        if sched.drafter is not None and sched.drafter.refused:
+            log.warning("speculation off: %s", sched.drafter.refused)
+        for warmed in (eng, draft):  # GPU backends only: see engine/warmup
+            if warmed is not None and (took := engine.warm_up(warmed)):
+                log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
         return eng, pool, limits
 
     def rss() -> int:

@@ -29,7 +29,8 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
    EOS or a finished constraint. Their full blocks stay cached (hashes registered): no
    compaction, no moves.
 
-Speculation (``--prompt-lookup``) is :mod:`.speculate`'s: a sequence's drafts verified as
+Speculation (``--prompt-lookup``, ``--draft-model``) is :mod:`.speculate`'s (a draft model's
+batched proposals, made before the plan: :mod:`.draft_model`): a sequence's drafts verified as
 one chunk, the previous step read before planning when a sequence that may draft has a token
 in flight (it is never pipelined), and a verified step's tokens settled when read.
 
@@ -195,6 +196,7 @@ class Scheduler:
             previous, self._pending = self._pending, None  # its drafts need its tokens
             self.counters["speculation_unpipelined"] += 1
             self._read(*previous)
+        speculate.prepare(self.drafter, self.pool, self._running)  # a draft model's batch
         step = self._plan()
         submitted = None
         self.line.spiked = bool(step.prefills)  # a prefill's transient: probe next iteration

@@ -11,13 +11,16 @@ the plain sampler draws from, the token after the accepted prefix drawn from ``p
 the rejected draft), so its tokens follow the target's distribution, and its seed reproduces
 them. Constrained sequences decode plainly (a row's mask needs each previous token).
 
-- :func:`prompt_lookup` proposes by n-gram matching (mlx-lm / vLLM style): the sequence's
-  last ``n`` tokens (``n`` from the longest down to 1) at their most recent earlier place in
-  the prompt and the output so far; the tokens that followed there are the drafts.
+- proposers: a draft model (:mod:`.draft_model`, overriding :meth:`Drafter.prepare` and
+  :meth:`Drafter.lookup`) or :func:`prompt_lookup`, which proposes by n-gram matching
+  (mlx-lm / vLLM style): the sequence's last ``n`` tokens (``n`` from the longest down to 1)
+  at their most recent earlier place in the prompt and the output so far; the tokens that
+  followed there are the drafts.
 - :class:`Drafter` keeps each sequence's draft length: one more after a step that accepted
   everything (up to ``most``), one fewer after a step that accepted none or found no match,
   down to 0, where the sequence decodes plainly (and pipelined) and tries one draft again
-  every :data:`RETRY_STEPS` steps. Its counters are the status's ``speculative`` figures.
+  after :data:`RETRY_STEPS` steps (twice as many after each retry that accepted nothing, up
+  to :data:`MAX_RETRY_STEPS`). Its counters are the status's ``speculative`` figures.
 - The scheduler's side, as functions over the drafter and a sequence: :func:`drafting_waits`
   (a sequence that may draft has a token in flight: the previous step is read before
   planning, so it is never pipelined), :func:`verify_work` (its drafts as the step's Work)
@@ -37,8 +40,11 @@ from plimsoll.engine.work import Work
 
 from .waiting import Run
 
-#: steps a sequence at draft length 0 decodes plainly before it tries one draft again
+#: steps a sequence at draft length 0 decodes plainly before it tries one draft again; each
+#: retry that accepts nothing doubles its wait, up to MAX_RETRY_STEPS (one that accepts
+#: resets it): where drafts stay wrong, what the retries cost shrinks towards nothing
 RETRY_STEPS = 16
+MAX_RETRY_STEPS = 256
 
 
 def prompt_lookup(tokens: Sequence[int], longest: int, k: int) -> tuple[int, ...]:
@@ -81,14 +87,18 @@ class Figures:
 
 @dataclass
 class Drafter:
-    """Prompt lookup with a per-sequence adaptive draft length (see the module docstring)."""
+    """Prompt lookup with a per-sequence adaptive draft length (see the module docstring).
+    A proposer of another kind (:class:`plimsoll.worker.draft_model.DraftModel`) overrides
+    :meth:`lookup` and :meth:`prepare`."""
 
+    proposer = "prompt_lookup"  # the status's name for it (by_proposer)
     longest: int  # the longest n-gram matched (--prompt-lookup)
     most: int     # the longest draft (--num-draft-tokens)
     refused: str = ""  # why this engine does not speculate ("" when it does)
     figures: Figures = field(default_factory=Figures)
     _length: dict[int, int] = field(default_factory=dict)
     _idle: dict[int, int] = field(default_factory=dict)
+    _wait: dict[int, int] = field(default_factory=dict)  # its retry interval, where backed off
     #: seq id -> (start, drafts) of its verifying step in flight
     inflight: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -100,20 +110,45 @@ class Drafter:
         """Whether ``seq_id`` may draft at its next step, or has drafts in flight (either
         way its next step needs its tokens read: it is not pipelined)."""
         return seq_id in self.inflight or self._length.get(seq_id, self.most) > 0 \
-            or self._idle.get(seq_id, 0) >= RETRY_STEPS - 1
+            or self._idle.get(seq_id, 0) >= self._retry(seq_id) - 1
+
+    def _retry(self, seq_id: int) -> int:
+        return self._wait.get(seq_id, RETRY_STEPS)
+
+    def _back_off(self, seq_id: int) -> None:
+        """A retry accepted nothing: the next waits twice as long."""
+        self._wait[seq_id] = min(MAX_RETRY_STEPS, 2 * self._retry(seq_id))
+
+    def length(self, seq_id: int) -> int:
+        """The drafts :meth:`propose` will ask for ``seq_id`` now (before ``room``); changes
+        nothing."""
+        k = self._length.get(seq_id, self.most)
+        if k == 0:
+            return 1 if self._idle.get(seq_id, 0) + 1 >= self._retry(seq_id) else 0
+        return k
+
+    def prepare(self, pool: Any, running: dict[int, Run]) -> None:
+        """Before a step is planned: work every sequence's proposal needs done at once
+        (nothing for prompt lookup)."""
+
+    def lookup(self, seq_id: int, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+        """Up to ``k`` drafts following ``tokens``."""
+        return prompt_lookup(tokens, self.longest, k)
 
     def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:
         """The drafts for ``seq_id``'s next step (``room``: tokens it may still draft)."""
-        k = self._length.get(seq_id, self.most)
+        k = retry = self._length.get(seq_id, self.most)
         if k == 0:
             idle = self._idle.get(seq_id, 0) + 1
             self._idle[seq_id] = idle
-            if idle < RETRY_STEPS:
+            if idle < self._retry(seq_id):
                 return ()
             self._idle[seq_id], k = 0, 1
-        draft = prompt_lookup(tokens, self.longest, min(k, room))
+        draft = self.lookup(seq_id, tokens, min(k, room))
         if not draft and room > 0:
             self._length[seq_id] = k - 1
+            if retry == 0:
+                self._back_off(seq_id)  # a retry that found nothing to draft
         return draft
 
     def skip(self, seq_id: int) -> None:
@@ -134,6 +169,10 @@ class Drafter:
             self._length[seq_id] = min(self.most, max(k, drafts) + 1)
         elif accepted == 0:
             self._length[seq_id] = max(0, min(k, drafts) - 1)
+        if accepted:
+            self._wait.pop(seq_id, None)
+        elif k == 0:  # a retry (its length stays 0 while it drafts one)
+            self._back_off(seq_id)
         self.figures.proposed += drafts
         self.figures.accepted += accepted
         self.figures.steps += 1
@@ -143,6 +182,7 @@ class Drafter:
         """``seq_id`` ended: drop its state."""
         self._length.pop(seq_id, None)
         self._idle.pop(seq_id, None)
+        self._wait.pop(seq_id, None)
         self.inflight.pop(seq_id, None)
 
     def report(self) -> dict:
@@ -150,9 +190,9 @@ class Drafter:
         if self.refused:
             return {"enabled": False, "reason": self.refused}
         figures = self.figures.report()
-        return {"enabled": True, "prompt_lookup": self.longest,
+        return {"enabled": True, "proposer": self.proposer, "prompt_lookup": self.longest,
                 "num_draft_tokens": self.most, **figures,
-                "by_proposer": {"prompt_lookup": figures},
+                "by_proposer": {self.proposer: figures},
                 "speculates": "unconstrained sequences, greedy and sampled (constrained "
                               "ones decode plainly)"}
 
@@ -160,6 +200,12 @@ class Drafter:
 def may_draft(drafter: Drafter, run: Run) -> bool:
     """Whether ``run`` may draft at its next step: unconstrained, its length > 0."""
     return drafter.on and run.req.constraint is None and drafter.wants(run.req.id)
+
+
+def prepare(drafter: Drafter | None, pool: Any, running: dict[int, Run]) -> None:
+    """Before planning: the proposer's batched work for this step (a draft model's)."""
+    if drafter is not None and drafter.on:
+        drafter.prepare(pool, running)
 
 
 def drafting_waits(drafter: Drafter | None, running: dict[int, Run]) -> bool:

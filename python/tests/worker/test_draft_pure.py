@@ -1,0 +1,68 @@
+"""Speculation's pure parts beside a draft model: a retry's back-off, the draft model's
+load-time checks (vocabulary, fit) and admission's refusal of a draft that leaves no room."""
+
+from __future__ import annotations
+
+import pytest
+
+from plimsoll.core.admission import AdmissionRequest, admit
+from plimsoll.worker.draft_model import fit_problem, vocab_problem
+from plimsoll.worker.speculate import MAX_RETRY_STEPS, RETRY_STEPS, Drafter
+
+pytestmark = pytest.mark.pure
+
+
+def test_retries_back_off_while_they_accept_nothing():
+    d, toks = Drafter(3, 1), [1, 2, 1, 2, 1, 2]
+
+    def wait_and_retry(accepted: int) -> int:
+        """Pipelined steps until the sequence may draft again; then its retry, settled."""
+        n = 0
+        while not d.wants(7):
+            d.skip(7)
+            n += 1
+        assert d.propose(7, toks, 10) == (1,)
+        d.started(7, 5, 1)
+        d.settle(7, accepted)
+        return n
+
+    assert d.propose(7, toks, 10) == (1,)
+    d.started(7, 5, 1)
+    d.settle(7, 0)  # down to 0
+    waits = [wait_and_retry(0) for _ in range(6)]
+    assert waits == [RETRY_STEPS - 1, 31, 63, 127, MAX_RETRY_STEPS - 1, MAX_RETRY_STEPS - 1]
+    wait_and_retry(1)  # accepted: its length is back up, its wait reset
+    assert d.wants(7) and d.propose(7, toks, 10) == (1,)
+    d.started(7, 5, 1)
+    d.settle(7, 0)
+    assert wait_and_retry(0) == RETRY_STEPS - 1
+
+
+def test_a_draft_that_does_not_fit_is_refused_by_admission():
+    req = AdmissionRequest(ceiling_bytes=16 << 30, total_ram_bytes=16 << 30,
+                           budget_bytes=4 << 30, weights_bytes=3 << 30,
+                           kv_bytes_per_token=4096, transient_reserve=0.05, block_tokens=16,
+                           concurrency=1, context=4096, max_tokens=512)
+    assert admit(req).admitted
+    d = admit(req.model_copy(update={"draft_weights_bytes": 1 << 30,
+                                     "draft_kv_bytes_per_token": 1024}))
+    assert not d.admitted
+    assert any("the draft model's weights 1.00 GiB" in r for r in d.reasons), d.reasons
+    assert any("a smaller draft model" in r for r in d.reasons)
+
+
+def test_the_vocabulary_must_be_the_models():
+    vocab = {"a": 0, "b": 1, "c": 2}
+    assert vocab_problem(vocab, dict(vocab), "/d") == ""
+    why = vocab_problem(vocab, {"a": 0, "b": 2, "c": 1}, "/d")  # same size, other ids
+    assert "--draft-model /d" in why and "2 differ" in why and "same tokenizer" in why
+    assert "4 tokens" in vocab_problem(vocab, {**vocab, "d": 3}, "/d")
+
+
+def test_both_models_and_both_pools_must_fit_the_allocation_limit():
+    figures = dict(weights=100, draft_weights=50, blocks=10, block_bytes=8,
+                   draft_block_bytes=2, transient=30)
+    assert fit_problem(**figures, limit=280) == ""  # 100 + 50 + 10 × 10 + 30
+    why = fit_problem(**figures, limit=279)
+    assert "does not fit" in why and "10 blocks × (8 B + the draft's 2 B)" in why
+    assert "plimsoll launch --draft-model" in why
