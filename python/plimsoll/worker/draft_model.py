@@ -7,7 +7,8 @@ block tables (the scheduler's pool owns the ids; a sequence's reservation covers
 positions, so the draft never writes outside it). Nothing is an unbounded cache.
 
 Per step, before the target's step is planned (:meth:`DraftModel.prepare`), for every
-sequence that drafts (greedy, unconstrained, length > 0):
+sequence that drafts (unconstrained, greedy or sampled, length > 0; the draft proposes
+greedily, so a sampled sequence's verification treats it as a point mass):
 
 1. catch up: the tokens its draft KV has not seen (the whole prompt the first time, then the
    one or two tokens the last verification added) as one chunk (a one-token catch-up joins
