@@ -1,7 +1,8 @@
 """The proxy's HTTP edge: one OpenAI-compatible endpoint in front of every model.
 
 ``make_app(policy, …)`` is an app factory; its lifespan creates the
-:class:`~.supervisor.Supervisor`, one pooled ``httpx.AsyncClient`` and the idle reaper,
+:class:`~.supervisor.Supervisor`, one pooled ``httpx`` transport to the workers (requests
+are sent on it directly, status polls through an ``AsyncClient`` over it) and the idle reaper,
 and on exit stops every worker. Requests are routed by their ``model``; bodies are
 relayed as bytes (the worker parses them) and streams pass through chunk by chunk as
 they arrive — nothing is buffered but a non-streamed answer. A worker that dies under a
@@ -24,7 +25,7 @@ import asyncio
 import contextlib
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
@@ -58,6 +59,8 @@ NO_ROUTE = no_route_handler("this proxy serves POST /v1/chat/completions, /v1/co
                             "/v1/responses, /v1/messages, /v1/messages/count_tokens and GET "
                             "/v1/models")
 STATUS_TIMEOUT_S = 2.0
+UPSTREAM_TIMEOUT = httpx.Timeout(None, connect=5.0)
+KEEPALIVE_CONNECTIONS = 256
 
 
 def error(status: int, message: str, code: str, *, param: str | None = None,
@@ -113,16 +116,15 @@ async def lost_reason(lease: Lease, err: Exception) -> str:
             f"during this request{why}; retry: the next request starts it again")
 
 
-async def until_drained(task: asyncio.Future, drain: Drain | None) -> Any:
-    """``task``'s result, or None (the task cancelled) once a shutdown's drain time is up."""
-    while not task.done():
-        await asyncio.wait({task}, timeout=DRAIN_POLL_S)
-        if drain is not None and drain.expired and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                await task
-            return None
-    return task.result()
+_DRAINED = object()
+
+
+async def until_drained(aw: Awaitable[Any], drain: Drain | None) -> Any:
+    """``aw``'s result, or :data:`_DRAINED` (``aw`` cancelled) once a shutdown's drain time
+    is up. Awaited in place: no task and no timer per call while no shutdown has begun."""
+    if drain is None:
+        return await aw
+    return await drain.within(aw, _DRAINED)
 
 
 def _stream_lost(message: str, code: str, anthropic: bool, status: int = 502,
@@ -138,11 +140,6 @@ def _stream_lost(message: str, code: str, anthropic: bool, status: int = 502,
     return [protocol.sse(body), protocol.SSE_DONE]
 
 
-def _retrieved(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
 async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = False,
                 responses: bool = False, drain: Drain | None = None,
                 ndjson: bool = False) -> AsyncIterator[bytes]:
@@ -151,15 +148,13 @@ async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = Fal
     chunks = upstream.aiter_raw()
     try:
         while True:
-            # A client that leaves closes this generator while the read is pending; closing
-            # the upstream then fails that read: retrieve its error (no "never retrieved").
-            read = asyncio.ensure_future(anext(chunks))
-            read.add_done_callback(_retrieved)
+            # Read in place: a client that leaves cancels this read (httpcore then closes
+            # the upstream connection), a shutdown's drain time running out too.
             try:
-                chunk = await until_drained(read, drain)
+                chunk = await until_drained(anext(chunks), drain)
             except StopAsyncIteration:
                 return
-            if chunk is None:
+            if chunk is _DRAINED:
                 for part in _stream_lost(
                         f"the proxy is shutting down and its drain time ({drain.drain_s:g} s) "
                         "ran out before this stream finished", "proxy_stopping", anthropic,
@@ -172,8 +167,25 @@ async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = Fal
                                  responses=responses, ndjson=ndjson):
             yield part
     finally:
-        await upstream.aclose()
-        lease.release()
+        try:
+            await upstream.aclose()
+        finally:  # even when a cancelled client's scope interrupts the close
+            lease.release()
+
+
+async def send_upstream(transport: httpx.AsyncBaseTransport, lease: Lease, path: str,
+                        raw: bytes) -> httpx.Response:
+    """POST ``raw`` to the leased worker; the answer's head, its body still to be read.
+
+    Straight to the pooled transport: the worker is a fixed loopback peer, so the client's
+    per-request layers (URL merging, cookies, auth, redirects, event hooks) have nothing to
+    do but cost time on every request."""
+    req = httpx.Request("POST", lease.inc.url + path, content=raw,
+                        headers={"content-type": "application/json", **lease.inc.headers},
+                        extensions={"timeout": UPSTREAM_TIMEOUT.as_dict()})
+    response = await transport.handle_async_request(req)
+    response.request = req
+    return response
 
 
 async def generate(request: Request) -> Response:
@@ -202,17 +214,13 @@ async def generate(request: Request) -> Response:
         lease = await sup.acquire(model)
     except ProxyError as err:
         return proxy_error(err, anthropic=anthropic)
-    client: httpx.AsyncClient = request.app.state.client
-    upstream_req = client.build_request("POST", lease.inc.url + request.url.path, content=raw,
-                                        headers={"content-type": "application/json",
-                                                 **lease.inc.headers})
-    sending = asyncio.ensure_future(client.send(upstream_req, stream=True))
     try:
-        upstream = await until_drained(sending, drain)
+        upstream = await until_drained(send_upstream(request.app.state.upstream, lease,
+                                                     request.url.path, raw), drain)
     except httpx.HTTPError as err:
         lease.release()
         return error(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
-    if upstream is None:  # shutting down, and the worker had not answered within the drain
+    if upstream is _DRAINED:  # shutting down, and the worker had not answered within the drain
         lease.release()
         return error(503, f"the proxy is shutting down and its drain time ({drain.drain_s:g} s)"
                      " ran out before the worker answered", "proxy_stopping", retry_after=1,
@@ -233,8 +241,10 @@ async def generate(request: Request) -> Response:
     except httpx.HTTPError as err:
         return error(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
     finally:
-        await upstream.aclose()
-        lease.release()
+        try:
+            await upstream.aclose()
+        finally:
+            lease.release()
     return Response(content, upstream.status_code, media_type=ctype, headers=headers)
 
 
@@ -343,10 +353,14 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
         app.state.api_key = api_key
         app.state.admin_token = admin_token
         app.state.started = time.time()
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                     limits=limits) as client:
+        # One pool for everything sent to workers: requests go to its transport directly
+        # (send_upstream), status polls through the client; keep-alive for every stream of a
+        # busy proxy, so a burst of 32+ opens no new connection per request.
+        transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(
+            max_connections=1024, max_keepalive_connections=KEEPALIVE_CONNECTIONS))
+        async with httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, transport=transport) as client:
             app.state.client = client
+            app.state.upstream = transport
             sup.start_background()
             obs.start(sup, client)
             try:
