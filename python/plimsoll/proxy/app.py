@@ -1,8 +1,9 @@
 """The proxy's HTTP edge: one OpenAI-compatible endpoint in front of every model.
 
 ``make_app(policy, …)`` is an app factory; its lifespan creates the
-:class:`~.supervisor.Supervisor`, one pooled ``httpx`` transport to the workers (requests
-are sent on it directly, status polls through an ``AsyncClient`` over it) and the idle reaper,
+:class:`~.supervisor.Supervisor`, the pool of kept-alive connections that relayed requests
+take to the workers (:mod:`.upstream`), an ``httpx.AsyncClient`` for status polls and the
+idle reaper,
 and on exit stops every worker. Requests are routed by their ``model``; bodies are
 relayed as bytes (the worker parses them) and streams pass through chunk by chunk as
 they arrive — nothing is buffered but a non-streamed answer. A worker that dies under a
@@ -46,6 +47,7 @@ from ..protocol import anthropic as anthropic_protocol
 from ..protocol import ollama as ollama_protocol
 from ..protocol.reservation import HEADER as MAX_TOKENS_HEADER
 from . import admin, catalog, dashboard, metrics_edge, ollama
+from . import upstream as upstream_mod
 from .errors import ProxyError
 from .metrics import Observer  # the request/event observer
 from .routing import route_model
@@ -59,8 +61,6 @@ NO_ROUTE = no_route_handler("this proxy serves POST /v1/chat/completions, /v1/co
                             "/v1/responses, /v1/messages, /v1/messages/count_tokens and GET "
                             "/v1/models")
 STATUS_TIMEOUT_S = 2.0
-UPSTREAM_TIMEOUT = httpx.Timeout(None, connect=5.0)
-KEEPALIVE_CONNECTIONS = 256
 
 
 def error(status: int, message: str, code: str, *, param: str | None = None,
@@ -140,7 +140,7 @@ def _stream_lost(message: str, code: str, anthropic: bool, status: int = 502,
     return [protocol.sse(body), protocol.SSE_DONE]
 
 
-async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = False,
+async def relay(upstream: upstream_mod.Answer, lease: Lease, *, anthropic: bool = False,
                 responses: bool = False, drain: Drain | None = None,
                 ndjson: bool = False) -> AsyncIterator[bytes]:
     """The worker's stream, chunk by chunk; a worker lost mid-way, or a shutdown whose
@@ -162,7 +162,7 @@ async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = Fal
                     yield part
                 return
             yield chunk
-    except httpx.HTTPError as err:
+    except upstream_mod.ERRORS as err:
         for part in _stream_lost(await lost_reason(lease, err), "worker_lost", anthropic,
                                  responses=responses, ndjson=ndjson):
             yield part
@@ -171,21 +171,6 @@ async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = Fal
             await upstream.aclose()
         finally:  # even when a cancelled client's scope interrupts the close
             lease.release()
-
-
-async def send_upstream(transport: httpx.AsyncBaseTransport, lease: Lease, path: str,
-                        raw: bytes) -> httpx.Response:
-    """POST ``raw`` to the leased worker; the answer's head, its body still to be read.
-
-    Straight to the pooled transport: the worker is a fixed loopback peer, so the client's
-    per-request layers (URL merging, cookies, auth, redirects, event hooks) have nothing to
-    do but cost time on every request."""
-    req = httpx.Request("POST", lease.inc.url + path, content=raw,
-                        headers={"content-type": "application/json", **lease.inc.headers},
-                        extensions={"timeout": UPSTREAM_TIMEOUT.as_dict()})
-    response = await transport.handle_async_request(req)
-    response.request = req
-    return response
 
 
 async def generate(request: Request) -> Response:
@@ -215,9 +200,10 @@ async def generate(request: Request) -> Response:
     except ProxyError as err:
         return proxy_error(err, anthropic=anthropic)
     try:
-        upstream = await until_drained(send_upstream(request.app.state.upstream, lease,
-                                                     request.url.path, raw), drain)
-    except httpx.HTTPError as err:
+        cfg = lease.inc.cfg
+        upstream = await until_drained(request.app.state.upstream.post(
+            cfg.host, cfg.port, request.url.path, lease.inc.headers, raw), drain)
+    except upstream_mod.ERRORS as err:
         lease.release()
         return error(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
     if upstream is _DRAINED:  # shutting down, and the worker had not answered within the drain
@@ -238,7 +224,7 @@ async def generate(request: Request) -> Response:
                            headers={"Cache-Control": "no-cache", **headers})
     try:
         content = await upstream.aread()
-    except httpx.HTTPError as err:
+    except upstream_mod.ERRORS as err:
         return error(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
     finally:
         try:
@@ -353,14 +339,11 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
         app.state.api_key = api_key
         app.state.admin_token = admin_token
         app.state.started = time.time()
-        # One pool for everything sent to workers: requests go to its transport directly
-        # (send_upstream), status polls through the client; keep-alive for every stream of a
-        # busy proxy, so a burst of 32+ opens no new connection per request.
-        transport = httpx.AsyncHTTPTransport(limits=httpx.Limits(
-            max_connections=1024, max_keepalive_connections=KEEPALIVE_CONNECTIONS))
-        async with httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, transport=transport) as client:
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
+        upstream = app.state.upstream = upstream_mod.Upstream()
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                     limits=limits) as client:
             app.state.client = client
-            app.state.upstream = transport
             sup.start_background()
             obs.start(sup, client)
             try:
@@ -368,6 +351,7 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
             finally:
                 await obs.stop()
                 await sup.shutdown()
+                await upstream.aclose()
 
     app = Starlette(
         routes=[
