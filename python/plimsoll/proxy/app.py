@@ -202,7 +202,7 @@ async def generate(request: Request) -> Response:
     try:
         cfg = lease.inc.cfg
         upstream = await until_drained(request.app.state.upstream.post(
-            cfg.host, cfg.port, request.url.path, lease.inc.headers, raw), drain)
+            cfg.host, cfg.port, request.scope["path"], lease.inc.headers, raw), drain)
     except upstream_mod.ERRORS as err:
         lease.release()
         return error(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
@@ -218,7 +218,7 @@ async def generate(request: Request) -> Response:
         rec.reservation = int(reserved)
     if ctype.startswith(("text/event-stream", ollama_protocol.NDJSON)):
         return PassThrough(relay(upstream, lease, anthropic=anthropic, drain=drain,
-                                 responses=request.url.path == "/v1/responses",
+                                 responses=request.scope["path"] == "/v1/responses",
                                  ndjson=ctype.startswith(ollama_protocol.NDJSON)),
                            upstream.status_code, media_type=ctype,
                            headers={"Cache-Control": "no-cache", **headers})
