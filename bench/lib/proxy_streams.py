@@ -49,8 +49,9 @@ async def _released(coros: list) -> list:
     return tasks
 
 
-async def _burst(client: httpx.AsyncClient, url: str, model: str, n: int, stream: bool,
+async def burst(client: httpx.AsyncClient, url: str, model: str, n: int, stream: bool,
                  tokens: int, timeout_s: float) -> list:
+    """``n`` requests released together on ``client``: latencies (ms), or stream records."""
     go = asyncio.Event()
     if stream:
         coros = [async_stream(client, url + CHAT, _body(model, tokens), go, timeout_s)
@@ -81,13 +82,13 @@ async def _run(targets: dict[str, str], headers: dict[str, dict[str, str]], mode
     cpu = {"requests": 0.0, "streams": 0.0, "n_requests": 0, "n_chunks": 0}
     try:
         for k, url in targets.items():  # warm: n connections each, kept alive
-            await _burst(clients[k], url, model, n, False, 1, timeout_s)
+            await burst(clients[k], url, model, n, False, 1, timeout_s)
         for i in range(rounds):
             for k in (("direct", "proxy") if i % 2 == 0 else ("proxy", "direct")):
                 c0 = _cpu_s(proxy_pid)
-                lat[k] += await _burst(clients[k], targets[k], model, n, False, 1, timeout_s)
+                lat[k] += await burst(clients[k], targets[k], model, n, False, 1, timeout_s)
                 c1 = _cpu_s(proxy_pid)
-                streams = await _burst(clients[k], targets[k], model, n, True, tokens,
+                streams = await burst(clients[k], targets[k], model, n, True, tokens,
                                        timeout_s)
                 c2 = _cpu_s(proxy_pid)
                 chunks = 0
