@@ -29,7 +29,9 @@ ERRORS: tuple[type[Exception], ...] = (
 CONNECT_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 1024
 KEEPALIVE_CONNECTIONS = 256
-KEEPALIVE_S = 5.0  # as uvicorn's keep-alive on the worker's side
+# Under the worker's own keep-alive (uvicorn's 5 s): the pool drops an idle connection before
+# the worker may close it, so no request is sent on a connection the worker is closing.
+KEEPALIVE_S = 4.0
 _TIMEOUTS = {"connect": CONNECT_TIMEOUT_S, "read": None, "write": None, "pool": None}
 
 
