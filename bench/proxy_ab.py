@@ -46,7 +46,10 @@ def _cpu_s(pid: int) -> float:
 
 async def _rounds(proxies: dict[str, Proxy], rounds: int, serial: int, n: int, tokens: int,
                   timeout: float) -> dict:
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    # idle connections dropped before the server's 5 s keep-alive closes them (no request
+    # sent on a connection being closed)
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8,
+                          keepalive_expiry=4.0)
     clients = {k: httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
                for k in proxies}
     keys = ("serial", "in_flight", "ttft", "mean_gap")

@@ -70,7 +70,10 @@ def _cpu_s(pid: int) -> float:
 
 async def _run(targets: dict[str, str], headers: dict[str, dict[str, str]], model: str,
                proxy_pid: int, n: int, rounds: int, tokens: int, timeout_s: float) -> dict:
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    # idle connections dropped before the server's 5 s keep-alive closes them (no request
+    # sent on a connection being closed)
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8,
+                          keepalive_expiry=4.0)
     clients = {k: httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers.get(k),
                                     trust_env=False) for k in targets}
     lat: dict[str, list[float]] = {k: [] for k in targets}
