@@ -1,7 +1,9 @@
 """The proxy's HTTP edge: one OpenAI-compatible endpoint in front of every model.
 
 ``make_app(policy, …)`` is an app factory; its lifespan creates the
-:class:`~.supervisor.Supervisor`, one pooled ``httpx.AsyncClient`` and the idle reaper,
+:class:`~.supervisor.Supervisor`, the pool of kept-alive connections that relayed requests
+take to the workers (:mod:`.upstream`), an ``httpx.AsyncClient`` for status polls and the
+idle reaper,
 and on exit stops every worker. Requests are routed by their ``model``; bodies are
 relayed as bytes (the worker parses them) and streams pass through chunk by chunk as
 they arrive — nothing is buffered but a non-streamed answer. A worker that dies under a
@@ -24,7 +26,7 @@ import asyncio
 import contextlib
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
@@ -45,6 +47,7 @@ from ..protocol import anthropic as anthropic_protocol
 from ..protocol import ollama as ollama_protocol
 from ..protocol.reservation import HEADER as MAX_TOKENS_HEADER
 from . import admin, catalog, dashboard, metrics_edge, ollama
+from . import upstream as upstream_mod
 from .errors import ProxyError
 from .metrics import Observer  # the request/event observer
 from .routing import route_model
@@ -113,16 +116,15 @@ async def lost_reason(lease: Lease, err: Exception) -> str:
             f"during this request{why}; retry: the next request starts it again")
 
 
-async def until_drained(task: asyncio.Future, drain: Drain | None) -> Any:
-    """``task``'s result, or None (the task cancelled) once a shutdown's drain time is up."""
-    while not task.done():
-        await asyncio.wait({task}, timeout=DRAIN_POLL_S)
-        if drain is not None and drain.expired and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                await task
-            return None
-    return task.result()
+_DRAINED = object()
+
+
+async def until_drained(aw: Awaitable[Any], drain: Drain | None) -> Any:
+    """``aw``'s result, or :data:`_DRAINED` (``aw`` cancelled) once a shutdown's drain time
+    is up. Awaited in place: no task and no timer per call while no shutdown has begun."""
+    if drain is None:
+        return await aw
+    return await drain.within(aw, _DRAINED)
 
 
 def _stream_lost(message: str, code: str, anthropic: bool, status: int = 502,
@@ -138,12 +140,7 @@ def _stream_lost(message: str, code: str, anthropic: bool, status: int = 502,
     return [protocol.sse(body), protocol.SSE_DONE]
 
 
-def _retrieved(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
-
-
-async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = False,
+async def relay(upstream: upstream_mod.Answer, lease: Lease, *, anthropic: bool = False,
                 responses: bool = False, drain: Drain | None = None,
                 ndjson: bool = False) -> AsyncIterator[bytes]:
     """The worker's stream, chunk by chunk; a worker lost mid-way, or a shutdown whose
@@ -151,15 +148,13 @@ async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = Fal
     chunks = upstream.aiter_raw()
     try:
         while True:
-            # A client that leaves closes this generator while the read is pending; closing
-            # the upstream then fails that read: retrieve its error (no "never retrieved").
-            read = asyncio.ensure_future(anext(chunks))
-            read.add_done_callback(_retrieved)
+            # Read in place: a client that leaves cancels this read (httpcore then closes
+            # the upstream connection), a shutdown's drain time running out too.
             try:
-                chunk = await until_drained(read, drain)
+                chunk = await until_drained(anext(chunks), drain)
             except StopAsyncIteration:
                 return
-            if chunk is None:
+            if chunk is _DRAINED:
                 for part in _stream_lost(
                         f"the proxy is shutting down and its drain time ({drain.drain_s:g} s) "
                         "ran out before this stream finished", "proxy_stopping", anthropic,
@@ -167,13 +162,15 @@ async def relay(upstream: httpx.Response, lease: Lease, *, anthropic: bool = Fal
                     yield part
                 return
             yield chunk
-    except httpx.HTTPError as err:
+    except upstream_mod.ERRORS as err:
         for part in _stream_lost(await lost_reason(lease, err), "worker_lost", anthropic,
                                  responses=responses, ndjson=ndjson):
             yield part
     finally:
-        await upstream.aclose()
-        lease.release()
+        try:
+            await upstream.aclose()
+        finally:  # even when a cancelled client's scope interrupts the close
+            lease.release()
 
 
 async def generate(request: Request) -> Response:
@@ -202,17 +199,14 @@ async def generate(request: Request) -> Response:
         lease = await sup.acquire(model)
     except ProxyError as err:
         return proxy_error(err, anthropic=anthropic)
-    client: httpx.AsyncClient = request.app.state.client
-    upstream_req = client.build_request("POST", lease.inc.url + request.url.path, content=raw,
-                                        headers={"content-type": "application/json",
-                                                 **lease.inc.headers})
-    sending = asyncio.ensure_future(client.send(upstream_req, stream=True))
     try:
-        upstream = await until_drained(sending, drain)
-    except httpx.HTTPError as err:
+        cfg = lease.inc.cfg
+        upstream = await until_drained(request.app.state.upstream.post(
+            cfg.host, cfg.port, request.scope["path"], lease.inc.headers, raw), drain)
+    except upstream_mod.ERRORS as err:
         lease.release()
         return error(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
-    if upstream is None:  # shutting down, and the worker had not answered within the drain
+    if upstream is _DRAINED:  # shutting down, and the worker had not answered within the drain
         lease.release()
         return error(503, f"the proxy is shutting down and its drain time ({drain.drain_s:g} s)"
                      " ran out before the worker answered", "proxy_stopping", retry_after=1,
@@ -224,17 +218,19 @@ async def generate(request: Request) -> Response:
         rec.reservation = int(reserved)
     if ctype.startswith(("text/event-stream", ollama_protocol.NDJSON)):
         return PassThrough(relay(upstream, lease, anthropic=anthropic, drain=drain,
-                                 responses=request.url.path == "/v1/responses",
+                                 responses=request.scope["path"] == "/v1/responses",
                                  ndjson=ctype.startswith(ollama_protocol.NDJSON)),
                            upstream.status_code, media_type=ctype,
                            headers={"Cache-Control": "no-cache", **headers})
     try:
         content = await upstream.aread()
-    except httpx.HTTPError as err:
+    except upstream_mod.ERRORS as err:
         return error(502, await lost_reason(lease, err), "worker_lost", anthropic=anthropic)
     finally:
-        await upstream.aclose()
-        lease.release()
+        try:
+            await upstream.aclose()
+        finally:
+            lease.release()
     return Response(content, upstream.status_code, media_type=ctype, headers=headers)
 
 
@@ -343,7 +339,8 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
         app.state.api_key = api_key
         app.state.admin_token = admin_token
         app.state.started = time.time()
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
+        upstream = app.state.upstream = upstream_mod.Upstream()
         async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                      limits=limits) as client:
             app.state.client = client
@@ -354,6 +351,7 @@ def make_app(policy: Policy, *, mode: Mode = "standalone", settings: Settings | 
             finally:
                 await obs.stop()
                 await sup.shutdown()
+                await upstream.aclose()
 
     app = Starlette(
         routes=[

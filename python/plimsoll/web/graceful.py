@@ -12,9 +12,13 @@ process exits with status 0 — a stop that was asked for is not a failure.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: Seconds uvicorn waits beyond the drain: the ended streams' last events need to be sent.
 MARGIN_S = 5.0
@@ -26,10 +30,43 @@ class Drain:
     def __init__(self, drain_s: float = 30.0) -> None:
         self.drain_s = drain_s
         self.since: float | None = None
+        self._bounded: set[asyncio.Timeout] = set()  # the waits of :meth:`within`, now
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def begin(self) -> None:
         if self.since is None:
             self.since = time.monotonic()
+            loop = self._loop
+            if loop is not None and not loop.is_closed():  # may run in a signal handler
+                loop.call_soon_threadsafe(self._arm)
+
+    def _arm(self) -> None:
+        for scope in list(self._bounded):
+            scope.reschedule(self.deadline)
+
+    @property
+    def deadline(self) -> float | None:
+        """When the drain time runs out, on the event loop's clock (``time.monotonic``)."""
+        return None if self.since is None else self.since + self.drain_s
+
+    async def within(self, aw: Awaitable[T], default: Any = None) -> T | Any:
+        """``aw``'s result, or ``default`` (``aw`` cancelled) once the drain time is up,
+        including a drain that begins while ``aw`` waits. It costs no task and no timer
+        while no shutdown has begun: the wait is an ``asyncio.timeout`` that
+        :meth:`begin` reschedules to the drain's end."""
+        self._loop = asyncio.get_running_loop()
+        scope = asyncio.timeout_at(self.deadline)
+        try:
+            async with scope:
+                self._bounded.add(scope)
+                try:
+                    return await aw
+                finally:
+                    self._bounded.discard(scope)
+        except TimeoutError:
+            if scope.expired():
+                return default
+            raise
 
     @property
     def draining(self) -> bool:
