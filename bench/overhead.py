@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from lib import report, servers
+from lib import report, servers, step_split
 from lib.engine import BLOCK, decode_rate, mlx_batch, mlx_single
 from lib.samplers import start_spy, stop_spy, tree_cpu
 from lib.workloads import async_concurrent, user_body, word_prompt
@@ -66,12 +66,20 @@ def engine_rounds(args) -> dict:
     out: dict = {"device": str(mx.default_device())}
     prompts = {n: chat_ids(eng.tokenizer, 0, n, args.prompt_words) for n in args.streams}
     decode_rate(eng, prompts[args.streams[0]][:1], args.tokens)  # warm-up
+    out["kernels"] = step_split.kernel_verdicts(eng)
     for n in args.streams:
-        runs = [decode_rate(eng, prompts[n], args.tokens) for _ in range(args.rounds)]
+        runs, splits = [], []
+        for _ in range(args.rounds):
+            clock = step_split.StepClock()
+            timed = step_split.TimedEngine(eng, clock, open_on_decode=True)
+            runs.append(decode_rate(timed, prompts[n], args.tokens))
+            clock.close()
+            splits.append(clock.figures())
         tps = upper_median([r["tps"] for r in runs])
         out[str(n)] = {"decode_tps": tps, "runs_tps": sorted(r["tps"] for r in runs),
                        "step_ms": 1000 * n / tps,
-                       "cpu_ms_per_step": statistics.median(r["cpu_ms_per_step"] for r in runs)}
+                       "cpu_ms_per_step": statistics.median(r["cpu_ms_per_step"] for r in runs),
+                       "split": step_split.median_split(splits), "split_runs": splits}
         print(f"[engine] {n} rows: {tps:.0f} tok/s, {1000 * n / tps:.2f} ms/step", flush=True)
     return out
 
@@ -160,7 +168,14 @@ def scheduler_rounds(args) -> dict:
 
     limits = SchedulerLimits(max_num_seqs=max(args.streams), max_queue=256, max_wait_s=600,
                              trip_bytes=1 << 62, max_batch=max(args.streams), prefill_tokens=512)
-    sched = Scheduler(setup, limits, memory_probe_with_guard(probe, SelfGuard.find()))
+    clock = step_split.StepClock()  # reset every round
+
+    def timed_setup(stack):
+        eng, pool = setup(stack)
+        return step_split.TimedEngine(eng, clock), pool
+
+    sched = step_split.timed_scheduler(Scheduler, clock)(
+        timed_setup, limits, memory_probe_with_guard(probe, SelfGuard.find()))
     sched.start()
     sched.ready.wait()
     if sched.setup_error is not None:
@@ -169,12 +184,19 @@ def scheduler_rounds(args) -> dict:
     def one(n: int, salt: int) -> dict:
         done = threading.Semaphore(0)
         times: list[list[float]] = [[] for _ in range(n)]
+        clock.reset()
+        decoding = [0]  # streams with a first token: the clock's window opens at n
 
         def sink_for(i: int):
             def sink(ev) -> None:
                 if isinstance(ev, Token):
                     times[i].append(time.perf_counter())
+                    if len(times[i]) == 1:
+                        decoding[0] += 1
+                        if decoding[0] == n:
+                            clock.open()
                 elif isinstance(ev, Finished) or not hasattr(ev, "prompt_tokens"):
+                    clock.close()
                     done.release()
             return sink
 
@@ -188,18 +210,28 @@ def scheduler_rounds(args) -> dict:
         steps = sorted((t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1)
         firsts, lasts = [t[0] for t in times if t], [t[-1] for t in times if t]
         got = sum(len(t) for t in times)
+        split = clock.figures()
         return {"aggregate_tps": got / wall, "decode_tps": (got - n) / (max(lasts) - min(firsts)),
                 "step_ms": 1000 * steps[len(steps) // 2],
-                "cpu_ms_per_step": 1000 * cpu / args.tokens}
+                "cpu_ms_per_step": 1000 * cpu / args.tokens,
+                "steady_step_ms": split.get("step_ms"),
+                "steady_cpu_ms_per_step": split.get("cpu_ms_per_step"), "split": split}
 
-    out: dict = {}
+    out: dict = {"kernels": step_split.kernel_verdicts(loaded["eng"])}
+    f = report.num
     try:
         one(2, 999)  # warm-up
         for n in args.streams:
-            s = out[str(n)] = summarise([one(n, r) for r in range(args.rounds)])
+            runs = [one(n, r) for r in range(args.rounds)]
+            s = out[str(n)] = summarise(runs) | {
+                "split": step_split.median_split([r["split"] for r in runs]),
+                **{k: statistics.median(r[k] for r in runs if r[k] is not None)
+                   for k in ("steady_step_ms", "steady_cpu_ms_per_step")
+                   if any(r[k] is not None for r in runs)}}
             print(f"[scheduler] {n} streams: {s['decode_tps']:.0f} tok/s decode, "
-                  f"{s['step_ms']:.2f} ms/step, CPU {s['cpu_ms_per_step']:.2f} ms/step",
-                  flush=True)
+                  f"{s['step_ms']:.2f} ms/step, CPU {s['cpu_ms_per_step']:.2f} ms/step; "
+                  f"steady decode {f(s.get('steady_step_ms'))} ms/step, CPU "
+                  f"{f(s.get('steady_cpu_ms_per_step'))}", flush=True)
     finally:
         sched.stop()
     return out
@@ -304,6 +336,7 @@ def markdown(result: dict) -> str:
                for m in ("engine", "scheduler", "mlx_inproc")),
           f(at("engine", n).get("cpu_ms_per_step"), ".2f"),
           f(at("scheduler", n).get("cpu_ms_per_step"), ".2f")] for n in streams])
+    lines += step_split.split_table(result)
     lines += ["", "Over HTTP (streamed, one connection a stream): aggregate tok/s (first send "
               "to last end), decode tok/s after the first tokens, ms per step (median stream's "
               "time between tokens)", ""]
