@@ -241,10 +241,13 @@ class Scheduler:
     # --- planning -----------------------------------------------------------------------
     def _plan(self) -> Step:
         """Every running decode, then prompt chunks up to the per-step prefill budget."""
-        decodes, prefills, chunks = [], [], {}
+        decodes, prefills, chunks, prompts = [], [], {}, []
         budget = self.limits.prefill_tokens
         for run in list(self._running.values()):
-            if run.prefilling or run.generated + run.pending >= run.req.max_tokens:
+            if run.prefilling:
+                prompts.append(run)
+                continue
+            if run.generated + run.pending >= run.req.max_tokens:
                 continue
             table = self.pool.grow(run.req.id, run.written + 1)
             if table is None:  # past its reservation: cannot happen, never raise for it
@@ -257,11 +260,10 @@ class Scheduler:
             token = None if run.pending else (run.tokens[-1],)
             decodes.append(Work(run.req.id, token, run.written, table, True,
                                 run.sampling, run.req.constraint))
-        for run in list(self._running.values()):
+        for run in prompts:  # still prefilling, in admission order
             if budget <= 0:
                 break
-            if run.prefilling:
-                budget -= self._chunk(run, budget, prefills, chunks)
+            budget -= self._chunk(run, budget, prefills, chunks)
         admit_waiting(self._waiting, self._running, self.limits, self.pool, self.line.over,
                       budget, prefills, self._refuse,
                       lambda req, grant, left: self._chunk(self._admit(req, grant), left,
