@@ -144,7 +144,9 @@ def split_table(result: dict) -> list[str]:
     over it: ms per step, process CPU ms, and the engine thread's split (wall ms, its own
     CPU ms in parentheses); the scheduler's added ms per step."""
     f = report.num
-    if not any(m in result for m in ("engine", "scheduler")):
+    modes = [m for m in ("engine", "scheduler", "scheduler_main", "scheduler_quiet")
+             if m in result]
+    if not modes:
         return []
 
     def part(sp: dict, name: str) -> str:
@@ -154,23 +156,23 @@ def split_table(result: dict) -> list[str]:
 
     rows = []
     for n in result["streams"]:
-        for mode in ("engine", "scheduler"):
+        for mode in modes:
             at = result.get(mode, {}).get(str(n), {})
             sp = at.get("split", {})
             if not sp:
                 continue
             eng = result.get("engine", {}).get(str(n), {}).get("split", {})
+            sched = mode != "engine"
             added = (sp.get("step_ms") - eng["step_ms"]
-                     if mode == "scheduler" and eng.get("step_ms") and sp.get("step_ms")
-                     else None)
+                     if sched and eng.get("step_ms") and sp.get("step_ms") else None)
             rows.append([n, mode, f(sp.get("step_ms"), ".2f"), f(sp.get("cpu_ms_per_step"), ".2f"),
                          part(sp, "build"), part(sp, "wait"),
-                         part(sp, "scheduler") if mode == "scheduler" else report.DASH,
-                         part(sp, "between") if mode == "scheduler" else report.DASH,
+                         part(sp, "scheduler") if sched else report.DASH,
+                         part(sp, "between") if sched else report.DASH,
                          f(added, ".2f")])
     kernels = {m: ", ".join(f"{k['name']} {'used' if k['used'] else 'not used'}"
                             for k in result.get(m, {}).get("kernels", []))
-               for m in ("engine", "scheduler")}
+               for m in modes}
     return ["", "Steady decode in process (from the last stream's first token to the first "
             "stream's end; the engine alone: its decode loop), per step: wall ms, process CPU "
             "ms, and the engine thread's split, wall ms (its own CPU ms): build = "
@@ -179,5 +181,5 @@ def split_table(result: dict) -> list[str]:
             "", *report.table(["streams", "mode", "ms/step", "CPU ms/step", "build", "wait",
                                "scheduler", "between", "added ms/step (scheduler − engine)"],
                               rows),
-            "", f"Decode kernels: engine {kernels['engine'] or report.DASH}; scheduler's "
-            f"engine {kernels['scheduler'] or report.DASH}"]
+            "", "Decode kernels: " + "; ".join(f"{m} {k or report.DASH}"
+                                               for m, k in kernels.items())]

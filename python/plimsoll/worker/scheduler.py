@@ -117,6 +117,11 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="plimsoll-engine", daemon=True)
         self._thread.start()
 
+    def run(self) -> None:
+        """The loop on the calling thread until :meth:`stop` (what :meth:`start` runs on a
+        thread of its own); the engine then belongs to this thread."""
+        self._run()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         with self._wake:
