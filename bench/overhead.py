@@ -11,7 +11,8 @@ modes (``--modes``, in that order):
 - ``scheduler``: the worker's scheduler thread over the engine in this process (its pool, its
   memory probe, pipelining), sinks that only note token times: no HTTP;
   ``scheduler_main`` (not in the default modes): the same loop on the main thread;
-  ``scheduler_quiet`` (neither): the memory probe and status snapshot every 10 s, not 50 ms.
+  ``scheduler_quiet`` (neither): the memory probe and status snapshot every 10 s, not 50 ms;
+  ``engine_shuffled`` (neither): the engine with every table's blocks scattered.
   Every in-process mode also reports steady decode (every stream decoding) per step and the
   engine thread's split: graph building, waiting for tokens, the scheduler's own Python
   (``bench/lib/step_split.py``);
@@ -49,8 +50,8 @@ from lib.samplers import start_spy, stop_spy, tree_cpu
 from lib.workloads import async_concurrent, user_body, word_prompt
 
 PLIMSOLL = servers.PLIMSOLL_LAUNCH + " --concurrency 32 --context 2048 --max-tokens 512"
-MODES = ["engine", "prefill_shapes", "scheduler", "scheduler_main", "scheduler_quiet",
-         "mlx_inproc", "plimsoll", "mlx"]
+MODES = ["engine", "engine_shuffled", "prefill_shapes", "scheduler", "scheduler_main",
+         "scheduler_quiet", "mlx_inproc", "plimsoll", "mlx"]
 
 
 def chat_ids(tokenizer, salt: int, n: int, words: int) -> list[list[int]]:
@@ -63,7 +64,10 @@ def upper_median(runs: list[float]) -> float:
     return sorted(runs)[len(runs) // 2]
 
 
-def engine_rounds(args) -> dict:
+def engine_rounds(args, mode: str = "engine") -> dict:
+    """The engine alone: prefill every prompt, then pipelined decode steps (``decode_rate``);
+    ``engine_shuffled``: every table's blocks shuffled across the pool (as a long-running
+    pool scatters them), so the cost of the block layout shows against ``engine``."""
     import mlx.core as mx
     from plimsoll.engine import Engine
 
@@ -78,7 +82,8 @@ def engine_rounds(args) -> dict:
         for _ in range(args.rounds):
             clock = step_split.StepClock()
             timed = step_split.TimedEngine(eng, clock, open_on_decode=True)
-            runs.append(decode_rate(timed, prompts[n], args.tokens))
+            runs.append(decode_rate(timed, prompts[n], args.tokens,
+                                    7 if mode == "engine_shuffled" else None))
             clock.close()
             splits.append(clock.figures())
         tps = upper_median([r["tps"] for r in runs])
@@ -86,7 +91,7 @@ def engine_rounds(args) -> dict:
                        "step_ms": 1000 * n / tps,
                        "cpu_ms_per_step": statistics.median(r["cpu_ms_per_step"] for r in runs),
                        "split": step_split.median_split(splits), "split_runs": splits}
-        print(f"[engine] {n} rows: {tps:.0f} tok/s, {1000 * n / tps:.2f} ms/step", flush=True)
+        print(f"[{mode}] {n} rows: {tps:.0f} tok/s, {1000 * n / tps:.2f} ms/step", flush=True)
     return out
 
 
@@ -456,6 +461,8 @@ def main(argv=None) -> int:
             result[mode] = runners[mode](args)
         elif mode.startswith("scheduler"):
             result[mode] = scheduler_rounds(args, mode)
+        elif mode == "engine_shuffled":
+            result[mode] = engine_rounds(args, mode)
         else:
             template = args.plimsoll_cmd if mode == "plimsoll" else args.mlx_cmd
             result[mode] = run_server(mode, template, args, prompts)

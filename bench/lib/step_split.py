@@ -140,12 +140,12 @@ def median_split(splits: list[dict]) -> dict:
 
 
 def split_table(result: dict) -> list[str]:
-    """Steady decode (every stream decoding) per step, the engine alone against the scheduler
-    over it: ms per step, process CPU ms, and the engine thread's split (wall ms, its own
-    CPU ms in parentheses); the scheduler's added ms per step."""
+    """Steady decode (every stream decoding) per step, each in-process mode of the run: ms
+    per step, process CPU ms, and the engine thread's split (wall ms, its own CPU ms in
+    parentheses); each mode's added ms per step over the engine alone."""
     f = report.num
-    modes = [m for m in ("engine", "scheduler", "scheduler_main", "scheduler_quiet")
-             if m in result]
+    modes = [m for m in ("engine", "engine_shuffled", "scheduler", "scheduler_main",
+                         "scheduler_quiet") if m in result]
     if not modes:
         return []
 
@@ -162,9 +162,9 @@ def split_table(result: dict) -> list[str]:
             if not sp:
                 continue
             eng = result.get("engine", {}).get(str(n), {}).get("split", {})
-            sched = mode != "engine"
+            sched = mode.startswith("scheduler")
             added = (sp.get("step_ms") - eng["step_ms"]
-                     if sched and eng.get("step_ms") and sp.get("step_ms") else None)
+                     if mode != "engine" and eng.get("step_ms") and sp.get("step_ms") else None)
             rows.append([n, mode, f(sp.get("step_ms"), ".2f"), f(sp.get("cpu_ms_per_step"), ".2f"),
                          part(sp, "build"), part(sp, "wait"),
                          part(sp, "scheduler") if sched else report.DASH,
@@ -179,7 +179,7 @@ def split_table(result: dict) -> list[str]:
             "`run_async` (graph built and queued), wait = `result()` (the step's tokens), "
             "scheduler = the rest of `iterate`, between = the loop between two iterations",
             "", *report.table(["streams", "mode", "ms/step", "CPU ms/step", "build", "wait",
-                               "scheduler", "between", "added ms/step (scheduler − engine)"],
+                               "scheduler", "between", "added ms/step (− engine)"],
                               rows),
             "", "Decode kernels: " + "; ".join(f"{m} {k or report.DASH}"
                                                for m, k in kernels.items())]
