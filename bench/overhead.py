@@ -10,6 +10,12 @@ modes (``--modes``, in that order):
   length against prompts each of its own (a backend that builds kernels per shape shows it);
 - ``scheduler``: the worker's scheduler thread over the engine in this process (its pool, its
   memory probe, pipelining), sinks that only note token times: no HTTP;
+  ``scheduler_main`` (not in the default modes): the same loop on the main thread;
+  ``scheduler_quiet`` (neither): the memory probe and status snapshot every 10 s, not 50 ms;
+  ``engine_shuffled`` (neither): the engine with every table's blocks scattered.
+  Every in-process mode also reports steady decode (every stream decoding) per step and the
+  engine thread's split: graph building, waiting for tokens, the scheduler's own Python
+  (``bench/lib/step_split.py``);
 - ``mlx_inproc``: mlx-lm's own generators in process (``stream_generate`` for one stream,
   ``BatchGenerator`` for N), the anchor of mlx_lm.server's own overhead;
 - ``plimsoll``: the worker (``plimsoll launch``) over HTTP streaming on 127.0.0.1;
@@ -38,13 +44,14 @@ import threading
 import time
 from pathlib import Path
 
-from lib import report, servers
+from lib import report, servers, step_split
 from lib.engine import BLOCK, decode_rate, mlx_batch, mlx_single
 from lib.samplers import start_spy, stop_spy, tree_cpu
 from lib.workloads import async_concurrent, user_body, word_prompt
 
 PLIMSOLL = servers.PLIMSOLL_LAUNCH + " --concurrency 32 --context 2048 --max-tokens 512"
-MODES = ["engine", "prefill_shapes", "scheduler", "mlx_inproc", "plimsoll", "mlx"]
+MODES = ["engine", "engine_shuffled", "prefill_shapes", "scheduler", "scheduler_main",
+         "scheduler_quiet", "mlx_inproc", "plimsoll", "mlx"]
 
 
 def chat_ids(tokenizer, salt: int, n: int, words: int) -> list[list[int]]:
@@ -57,7 +64,10 @@ def upper_median(runs: list[float]) -> float:
     return sorted(runs)[len(runs) // 2]
 
 
-def engine_rounds(args) -> dict:
+def engine_rounds(args, mode: str = "engine") -> dict:
+    """The engine alone: prefill every prompt, then pipelined decode steps (``decode_rate``);
+    ``engine_shuffled``: every table's blocks shuffled across the pool (as a long-running
+    pool scatters them), so the cost of the block layout shows against ``engine``."""
     import mlx.core as mx
     from plimsoll.engine import Engine
 
@@ -66,13 +76,22 @@ def engine_rounds(args) -> dict:
     out: dict = {"device": str(mx.default_device())}
     prompts = {n: chat_ids(eng.tokenizer, 0, n, args.prompt_words) for n in args.streams}
     decode_rate(eng, prompts[args.streams[0]][:1], args.tokens)  # warm-up
+    out["kernels"] = step_split.kernel_verdicts(eng)
     for n in args.streams:
-        runs = [decode_rate(eng, prompts[n], args.tokens) for _ in range(args.rounds)]
+        runs, splits = [], []
+        for _ in range(args.rounds):
+            clock = step_split.StepClock()
+            timed = step_split.TimedEngine(eng, clock, open_on_decode=True)
+            runs.append(decode_rate(timed, prompts[n], args.tokens,
+                                    7 if mode == "engine_shuffled" else None))
+            clock.close()
+            splits.append(clock.figures())
         tps = upper_median([r["tps"] for r in runs])
         out[str(n)] = {"decode_tps": tps, "runs_tps": sorted(r["tps"] for r in runs),
                        "step_ms": 1000 * n / tps,
-                       "cpu_ms_per_step": statistics.median(r["cpu_ms_per_step"] for r in runs)}
-        print(f"[engine] {n} rows: {tps:.0f} tok/s, {1000 * n / tps:.2f} ms/step", flush=True)
+                       "cpu_ms_per_step": statistics.median(r["cpu_ms_per_step"] for r in runs),
+                       "split": step_split.median_split(splits), "split_runs": splits}
+        print(f"[{mode}] {n} rows: {tps:.0f} tok/s, {1000 * n / tps:.2f} ms/step", flush=True)
     return out
 
 
@@ -135,46 +154,63 @@ def prefill_shapes(args, count: int = 8, base: int = 320, step: int = 37) -> dic
     return out
 
 
-def scheduler_rounds(args) -> dict:
-    """The worker's scheduler thread over the engine in this process, as the worker runs it
-    (its memory probe with this process's guard, the pool, pipelined steps), sinks that only
-    note each token's time: the scheduler's share of the overhead, without HTTP."""
+def scheduler_rounds(args, variant: str = "scheduler") -> dict:
+    """The worker's scheduler over the engine in this process, as the worker runs it (its
+    memory probe with this process's guard, the pool, pipelined steps), sinks that only
+    note each token's time: the scheduler's share of the overhead, without HTTP.
+
+    ``variant`` (each a mode of its own): ``scheduler`` runs the loop on its own thread, as
+    the worker does; ``scheduler_main`` runs it on the main thread (the requests come from
+    a helper thread), so a thread's own cost shows against ``scheduler``;
+    ``scheduler_quiet`` probes memory and publishes the status every 10 s instead of every
+    50 ms, so the cost of that periodic work shows."""
     import mlx.core as mx
     import psutil
     from plimsoll.engine import Engine
     from plimsoll.guard.process import SelfGuard, memory_probe_with_guard
+    from plimsoll.worker import scheduler as scheduler_module
+    from plimsoll.worker import trip
     from plimsoll.worker.events import Finished, GenRequest, SchedulerLimits, Token
     from plimsoll.worker.pool import BlockPool
-    from plimsoll.worker.scheduler import Scheduler
 
     total = max(args.streams) * (-(-(args.prompt_words * 3 + args.tokens + 64) // BLOCK)) + 64
     proc, loaded = psutil.Process(), {}
+    clock = step_split.StepClock()  # reset every round
 
     def setup(stack):
         loaded["eng"] = Engine.load(args.model, block_tokens=BLOCK, max_blocks=total)
-        return loaded["eng"], BlockPool(total=total, block_tokens=BLOCK, cache_cap_blocks=total,
-                                        extra_key=b"overhead")
+        return (step_split.TimedEngine(loaded["eng"], clock),
+                BlockPool(total=total, block_tokens=BLOCK, cache_cap_blocks=total,
+                          extra_key=b"overhead"))
 
     def probe() -> dict[str, int]:
         return {"mlx_active": mx.get_active_memory(), "rss": proc.memory_info().rss}
 
     limits = SchedulerLimits(max_num_seqs=max(args.streams), max_queue=256, max_wait_s=600,
                              trip_bytes=1 << 62, max_batch=max(args.streams), prefill_tokens=512)
-    sched = Scheduler(setup, limits, memory_probe_with_guard(probe, SelfGuard.find()))
-    sched.start()
-    sched.ready.wait()
-    if sched.setup_error is not None:
-        raise sched.setup_error
+    cadence = (trip.PROBE_INTERVAL_S, scheduler_module.PUBLISH_INTERVAL_S)
+    if variant == "scheduler_quiet":
+        trip.PROBE_INTERVAL_S = scheduler_module.PUBLISH_INTERVAL_S = 10.0
+    guard = SelfGuard.find()
+    sched = step_split.timed_scheduler(scheduler_module.Scheduler, clock)(
+        setup, limits, memory_probe_with_guard(probe, guard))
 
     def one(n: int, salt: int) -> dict:
         done = threading.Semaphore(0)
         times: list[list[float]] = [[] for _ in range(n)]
+        clock.reset()
+        decoding = [0]  # streams with a first token: the clock's window opens at n
 
         def sink_for(i: int):
             def sink(ev) -> None:
                 if isinstance(ev, Token):
                     times[i].append(time.perf_counter())
+                    if len(times[i]) == 1:
+                        decoding[0] += 1
+                        if decoding[0] == n:
+                            clock.open()
                 elif isinstance(ev, Finished) or not hasattr(ev, "prompt_tokens"):
+                    clock.close()
                     done.release()
             return sink
 
@@ -188,20 +224,56 @@ def scheduler_rounds(args) -> dict:
         steps = sorted((t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1)
         firsts, lasts = [t[0] for t in times if t], [t[-1] for t in times if t]
         got = sum(len(t) for t in times)
+        split = clock.figures()
         return {"aggregate_tps": got / wall, "decode_tps": (got - n) / (max(lasts) - min(firsts)),
                 "step_ms": 1000 * steps[len(steps) // 2],
-                "cpu_ms_per_step": 1000 * cpu / args.tokens}
+                "cpu_ms_per_step": 1000 * cpu / args.tokens,
+                "steady_step_ms": split.get("step_ms"),
+                "steady_cpu_ms_per_step": split.get("cpu_ms_per_step"), "split": split}
 
-    out: dict = {}
+    out: dict = {"loop_thread": "main" if variant == "scheduler_main" else "its own",
+                 "probe_interval_s": trip.PROBE_INTERVAL_S,
+                 "publish_interval_s": scheduler_module.PUBLISH_INTERVAL_S,
+                 "guard": type(guard).__name__ if guard is not None else None}
+    failed: list[BaseException] = []
+    f = report.num
+
+    def drive() -> None:  # the rounds, from the thread that does not run the loop
+        try:
+            sched.ready.wait()
+            if sched.setup_error is not None:
+                raise sched.setup_error
+            out["kernels"] = step_split.kernel_verdicts(loaded["eng"])
+            one(2, 999)  # warm-up
+            for n in args.streams:
+                runs = [one(n, r) for r in range(args.rounds)]
+                s = out[str(n)] = summarise(runs) | {
+                    "split": step_split.median_split([r["split"] for r in runs]),
+                    **{k: statistics.median(r[k] for r in runs if r[k] is not None)
+                       for k in ("steady_step_ms", "steady_cpu_ms_per_step")
+                       if any(r[k] is not None for r in runs)}}
+                print(f"[{variant}] {n} streams: {s['decode_tps']:.0f} tok/s decode, "
+                      f"{s['step_ms']:.2f} ms/step, CPU {s['cpu_ms_per_step']:.2f} ms/step; "
+                      f"steady decode {f(s.get('steady_step_ms'))} ms/step, CPU "
+                      f"{f(s.get('steady_cpu_ms_per_step'))}", flush=True)
+        except BaseException as err:  # re-raised on the main thread
+            failed.append(err)
+        finally:
+            sched.stop()
+
     try:
-        one(2, 999)  # warm-up
-        for n in args.streams:
-            s = out[str(n)] = summarise([one(n, r) for r in range(args.rounds)])
-            print(f"[scheduler] {n} streams: {s['decode_tps']:.0f} tok/s decode, "
-                  f"{s['step_ms']:.2f} ms/step, CPU {s['cpu_ms_per_step']:.2f} ms/step",
-                  flush=True)
+        if variant == "scheduler_main":
+            driver = threading.Thread(target=drive, name="bench-driver")
+            driver.start()
+            sched.run()  # the loop, here, until the driver stops it
+            driver.join()
+        else:
+            sched.start()
+            drive()
     finally:
-        sched.stop()
+        trip.PROBE_INTERVAL_S, scheduler_module.PUBLISH_INTERVAL_S = cadence
+    if failed:
+        raise failed[0]
     return out
 
 
@@ -304,6 +376,7 @@ def markdown(result: dict) -> str:
                for m in ("engine", "scheduler", "mlx_inproc")),
           f(at("engine", n).get("cpu_ms_per_step"), ".2f"),
           f(at("scheduler", n).get("cpu_ms_per_step"), ".2f")] for n in streams])
+    lines += step_split.split_table(result)
     lines += ["", "Over HTTP (streamed, one connection a stream): aggregate tok/s (first send "
               "to last end), decode tok/s after the first tokens, ms per step (median stream's "
               "time between tokens)", ""]
@@ -382,10 +455,14 @@ def main(argv=None) -> int:
     prompts = {n: [[word_prompt(r * 100 + i, args.prompt_words) for i in range(n)]
                    for r in range(args.rounds)] for n in args.streams}
     runners = {"engine": engine_rounds, "prefill_shapes": prefill_shapes,
-               "scheduler": scheduler_rounds, "mlx_inproc": mlx_inproc_rounds}
+               "mlx_inproc": mlx_inproc_rounds}
     for mode in args.modes:
         if mode in runners:
             result[mode] = runners[mode](args)
+        elif mode.startswith("scheduler"):
+            result[mode] = scheduler_rounds(args, mode)
+        elif mode == "engine_shuffled":
+            result[mode] = engine_rounds(args, mode)
         else:
             template = args.plimsoll_cmd if mode == "plimsoll" else args.mlx_cmd
             result[mode] = run_server(mode, template, args, prompts)

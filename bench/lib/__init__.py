@@ -17,6 +17,8 @@ Owns:
   (start, measure streams and each rank's memory, close; a refusal or failure as the figure);
 - :mod:`.engine`: the in-process engine driver of the benchmarks (decode loops, mlx-lm's own
   generators as anchors), on :mod:`plimsoll.engine.drive`;
+- :mod:`.step_split`: where the engine thread's time per decode step goes in process
+  (graph building, waiting for tokens, the scheduler's Python; bench/overhead.py);
 - :mod:`.kv_layouts`: bench/engine.py's two layout figures (sliding-window bytes held,
   quantized read paths);
 - :mod:`.report`: host facts, output names (``<measurement>-<machine>-<date>``), JSON and the

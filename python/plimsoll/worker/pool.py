@@ -253,6 +253,10 @@ class BlockPool:
         cached blocks if no empty one is left); ``None`` if that passes its reservation
         (nothing changes: the caller ends the sequence, never the worker)."""
         seq = self._seqs[seq_id]
+        frozen = seq.frozen
+        if (frozen is not None and len(frozen) == len(seq.table)
+                and tokens <= len(frozen) * self.block_tokens):
+            return frozen  # covered already (a decode, 15 steps in 16): no block to take
         need = self.blocks_for(tokens)
         if need > seq.reserve:
             return None

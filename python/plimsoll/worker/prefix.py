@@ -105,7 +105,8 @@ def after_submit(pool: BlockPool, engine: Any, running: dict[int, Run], step: St
         if w.seq_id in prefills:
             pool.count_prefill(w.length)
             counters["prefill_tokens"] += w.length
-        commit(pool, run)
+        if w.tokens is not None or pool.hybrid:  # a pipelined decode's token is not known
+            commit(pool, run)                    # yet: no block can fill before it is read
         if (pool.hybrid and run.written % pool.block_tokens == 0
                 and pool.can_snapshot()):
             key = ("snap", run.req.id, run.written)

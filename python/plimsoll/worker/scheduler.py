@@ -118,6 +118,11 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="plimsoll-engine", daemon=True)
         self._thread.start()
 
+    def run(self) -> None:
+        """The loop on the calling thread until :meth:`stop` (what :meth:`start` runs on a
+        thread of its own); the engine then belongs to this thread."""
+        self._run()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         with self._wake:
@@ -243,10 +248,13 @@ class Scheduler:
     # --- planning -----------------------------------------------------------------------
     def _plan(self) -> Step:
         """Every running decode, then prompt chunks up to the per-step prefill budget."""
-        decodes, prefills, chunks = [], [], {}
+        decodes, prefills, chunks, prompts = [], [], {}, []
         budget = self.limits.prefill_tokens
         for run in list(self._running.values()):
-            if run.prefilling or run.generated + run.pending >= run.req.max_tokens:
+            if run.prefilling:
+                prompts.append(run)
+                continue
+            if run.generated + run.pending >= run.req.max_tokens:
                 continue
             table = self.pool.grow(run.req.id, run.written + 1)
             if table is None:  # past its reservation: cannot happen, never raise for it
@@ -259,11 +267,10 @@ class Scheduler:
             token = None if run.pending else (run.tokens[-1],)
             decodes.append(Work(run.req.id, token, run.written, table, True,
                                 run.sampling, run.req.constraint))
-        for run in list(self._running.values()):
+        for run in prompts:  # still prefilling, in admission order
             if budget <= 0:
                 break
-            if run.prefilling:
-                budget -= self._chunk(run, budget, prefills, chunks)
+            budget -= self._chunk(run, budget, prefills, chunks)
         admit_waiting(self._waiting, self._running, self.limits, self.pool, self.line.over,
                       budget, prefills, self._refuse,
                       lambda req, grant, left: self._chunk(self._admit(req, grant), left,
