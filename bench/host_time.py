@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import platform
 import statistics
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -51,6 +53,7 @@ class _Submit:
 
     def __init__(self) -> None:
         self.spent, self.count_next, self.ops = 0.0, False, 0
+        self.kinds: Counter = Counter()
         self._original = mx.async_eval
         mx.async_eval = self
 
@@ -58,8 +61,9 @@ class _Submit:
         if self.count_next:
             dot = io.StringIO()
             mx.export_to_dot(dot, *args)
-            self.ops += sum(1 for line in dot.getvalue().splitlines()
-                            if "label" in line and "shape=rect" in line)
+            for label in re.findall(r'label ="([^"]+)", shape=rect', dot.getvalue()):
+                self.ops += 1
+                self.kinds[label] += 1
         t0 = time.perf_counter()
         try:
             return self._original(*args)
@@ -83,6 +87,7 @@ def measure(eng: Engine, rows: int, steps: int, submit: _Submit, base: int) -> d
         step = Step(decodes=tuple(Work(i, None, n + k, t, True)
                                   for i, n, t in zip(ids, lengths, tables, strict=True)))
         submit.spent, submit.count_next, submit.ops = 0.0, k == 1, 0
+        submit.kinds.clear()
         t0 = time.perf_counter()
         pending = eng.run_async(step)
         t1 = time.perf_counter()
@@ -91,7 +96,7 @@ def measure(eng: Engine, rows: int, steps: int, submit: _Submit, base: int) -> d
         mx.synchronize()
         t2 = time.perf_counter()
         if k == 1:
-            ops, submit.count_next = submit.ops, False
+            ops, kinds, submit.count_next = submit.ops, dict(submit.kinds), False
             continue  # the counted step's times include the export
         if k:
             host.append(built * 1e3)
@@ -101,7 +106,9 @@ def measure(eng: Engine, rows: int, steps: int, submit: _Submit, base: int) -> d
     return {"host_ms_median": round(statistics.median(host), 3),
             "host_ms_min": round(min(host), 3),
             "total_ms_median": round(statistics.median(total), 3),
-            "total_ms_min": round(min(total), 3), "ops": ops, "steps": len(host)}
+            "total_ms_min": round(min(total), 3), "ops": ops,
+            "ops_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "steps": len(host)}
 
 
 def main() -> None:
