@@ -1,0 +1,159 @@
+"""A decode step's forward compiled per shape bucket (``mx.compile``; imports mlx).
+
+Eager, a decode step is built in Python layer by layer (mlx-lm's modules, the paged views,
+every op made again) each step. Compiled, the forward is traced once per *bucket* and then
+replayed from MLX's tape: the step's host work is the per-step inputs and one call. MLX's
+analogue of capturing a CUDA graph per batch size.
+
+**What is compiled** (:func:`eligible`): a step of decode rows only, on an engine whose every
+cache layer is a plain full-attention pool (:class:`~plimsoll.engine.paged.FullAttention`:
+no recurrent state, window rings, latents, quantized pools or ``CacheList``), every row
+sampling. Anything else, and a step whose bucket is not traced yet while the cap is reached
+and every bucket was used within the last step, takes the eager path
+(:mod:`plimsoll.engine.forward`).
+
+**The function**: ``(tokens, lengths, write slots, read index, *pools) → (logits, *pools)``.
+The pools go in and the written pools come out: a compiled function is pure, so the
+in-place writes of the eager step are scatters of its inputs. The caller holds no pool
+array while the step is queued (the kinds are handed the outputs), so each scatter still
+donates its input buffer (measured: no pool copy, as eager). The model's weights are
+captured inputs (``inputs=model.state``): replaced weights are read, not the traced ones.
+
+**Buckets** (:func:`width`): the exact row count (padding rows would change the other
+rows' matmuls, so outputs would not stay equal) and the tables' width rounded up to
+:data:`BUCKET_BLOCKS` blocks (each row reads whole blocks to that width, its padding masked;
+admission counts the decode's transient at that width), plus the pools' size (a pool grows
+in slabs). At most :data:`MAX_BUCKETS` are kept, the least recently used dropped (MLX frees a
+dropped function's tape). A traced bucket holds its tape (the graph's nodes, no arrays of its
+own: the weights and pools are the engine's).
+
+**Equal outputs**: every row reads its blocks to the bucket's width with its length's mask,
+as eager does for rows of different lengths; a single row is a one-row index rather than a
+slice. The decode tests compare compiled and eager greedy tokens.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import mlx.core as mx
+import numpy as np
+
+from plimsoll.core.transients import DECODE_BUCKET_BLOCKS
+from plimsoll.engine import forward
+from plimsoll.engine.attention import Batch, PagedView
+from plimsoll.engine.paged import FullAttention, Read
+from plimsoll.engine.sampling import sample
+from plimsoll.engine.work import Work
+
+BUCKET_BLOCKS = DECODE_BUCKET_BLOCKS  # a bucket's table width is a multiple of these blocks
+MAX_BUCKETS = 24  # traced buckets kept (least recently used dropped)
+
+
+def width(longest: int, block_tokens: int) -> int:
+    """The table width (blocks) of a bucket whose longest row reads ``longest`` positions:
+    its blocks rounded up to :data:`BUCKET_BLOCKS`. Pure."""
+    blocks = -(-longest // block_tokens)
+    return -(-blocks // BUCKET_BLOCKS) * BUCKET_BLOCKS
+
+
+def eligible(kinds: list) -> bool:
+    """Whether an engine of these cache kinds (one per layer) compiles its decode steps."""
+    return bool(kinds) and all(type(k) is FullAttention for k in kinds)
+
+
+class CompiledDecode:
+    """The engine's compiled decode forwards, one per bucket (see the module docstring)."""
+
+    def __init__(self, eng, max_buckets: int = MAX_BUCKETS):
+        self._eng, self.max_buckets = eng, max_buckets
+        self._fns: OrderedDict[tuple, object] = OrderedDict()
+        self.traced = 0  # buckets traced so far (a bucket dropped and met again counts again)
+
+    @property
+    def buckets(self) -> list[tuple]:
+        """The buckets held, least recently used first."""
+        return list(self._fns)
+
+    def takes(self, works: tuple[Work, ...]) -> bool:
+        """Whether these decode rows run compiled: every one samples."""
+        return all(w.sample for w in works)
+
+    def logits(self, works: tuple[Work, ...], tokens: mx.array) -> mx.array:
+        """The decode rows' logits (rows, vocab), lazy; the pools are handed the written
+        arrays. ``tokens`` (rows,) are the rows' inputs."""
+        eng = self._eng
+        bt, pools = eng.block_tokens, eng._pools
+        starts = [w.start for w in works]
+        lengths = [s + 1 for s in starts]
+        wide = width(max(lengths), bt)
+        read, top = eng._reads.read(tuple(w.seq_id for w in works),
+                                    [w.block_table for w in works], lengths, width=wide)
+        for p in pools:
+            p.ensure(top)
+        key = (len(works), wide, pools[0].blocks)
+        write = np.array([w.block_table[s // bt] * bt + s % bt
+                          for w, s in zip(works, starts, strict=True)], dtype=np.int32)
+        fn = self._fn(key)
+        arrays = [a for p in pools for a in (p.keys, p.values)]
+        for p in pools:  # the step holds the only references: each write donates its buffer
+            p.keys = p.values = None
+        out = fn(tokens, mx.array(lengths, dtype=mx.int32), mx.array(write), read.index,
+                 *arrays)
+        del arrays
+        for j, p in enumerate(pools):
+            p.keys, p.values = out[1 + 2 * j], out[2 + 2 * j]
+        return out[0]
+
+    def _fn(self, key: tuple):
+        fn = self._fns.get(key)
+        if fn is not None:
+            self._fns.move_to_end(key)
+            return fn
+        while len(self._fns) >= self.max_buckets:
+            self._fns.popitem(last=False)
+        fn = mx.compile(_forward(self._eng, key[0], key[1]), inputs=self._eng.model.state)
+        self._fns[key] = fn
+        self.traced += 1
+        return fn
+
+    def clear(self) -> None:
+        """Drop every traced bucket."""
+        self._fns.clear()
+
+
+def _forward(eng, rows: int, width: int):
+    """The traced function of one bucket: the model over the pools passed in."""
+    pools, bt = eng._pools, eng.block_tokens
+    span = width * bt
+
+    def forward(tokens, lengths, write, index, *arrays):  # traced once per bucket
+        held = [(p.keys, p.values) for p in pools]
+        for j, p in enumerate(pools):
+            p.keys, p.values = arrays[2 * j], arrays[2 * j + 1]
+        try:
+            mask = (mx.arange(span, dtype=mx.int32)[None, :] < lengths[:, None])
+            batch = Batch(write, Read(index=index, length=span), mask[:, None, None, :],
+                          lengths - 1, lengths=lengths, kernel=eng.kernels.decode)
+            logits = eng.model(tokens[:, None], cache=[PagedView(p, batch) for p in pools])
+            if batch.attended != len(pools):
+                raise RuntimeError(f"{type(eng.model).__module__}: attention does not go "
+                                   "through mlx_lm.models.base.scaled_dot_product_attention")
+            return [logits.reshape(rows, -1), *[a for p in pools for a in (p.keys, p.values)]]
+        finally:
+            for p, (k, v) in zip(pools, held, strict=True):
+                p.keys, p.values = k, v
+
+    return forward
+
+
+def run(compiled: CompiledDecode, works: tuple[Work, ...]):
+    """A decode-only step through ``compiled``, queued as :func:`forward.run` queues one:
+    the sampled works and their tokens (lazy), nothing verified."""
+    eng = compiled._eng
+    logits = compiled.logits(works, forward.decode_inputs(eng, works))
+    tokens = sample(logits, works, eng._keys)
+    for row, w in enumerate(works):
+        eng._last[w.seq_id] = (tokens, row)
+    mx.async_eval([a for p in eng._pools for a in (p.keys, p.values)] + [tokens])
+    return works, tokens, ()
