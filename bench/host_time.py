@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import re
 import platform
+import re
 import statistics
 import subprocess
 import time
