@@ -15,8 +15,11 @@ and every bucket was used within the last step, takes the eager path
 **The function**: ``(tokens, lengths, write slots, read index, *pools) → (logits, *pools)``.
 The pools go in and the written pools come out: a compiled function is pure, so the
 in-place writes of the eager step are scatters of its inputs. The caller holds no pool
-array while the step is queued (the kinds are handed the outputs), so each scatter still
-donates its input buffer (measured: no pool copy, as eager). The model's weights are
+array while the step is queued (the kinds are handed the outputs), and the step is built
+while the step before runs but submitted only once that one is done: MLX decides at
+dispatch whether a write may reuse its input's buffer, and a read of the step before still
+queued holds it (measured on the CPU, pipelined: the last layer's K or V array copied every
+step). So each scatter donates its input buffer: no pool copy, as eager. The model's weights are
 captured inputs (``inputs=model.state``): replaced weights are read, not the traced ones.
 
 **Buckets** (:func:`width`): the exact row count (padding rows would change the other
@@ -155,5 +158,9 @@ def run(compiled: CompiledDecode, works: tuple[Work, ...]):
     tokens = sample(logits, works, eng._keys)
     for row, w in enumerate(works):
         eng._last[w.seq_id] = (tokens, row)
+    # Built (the host work overlapped the step before); submitted only once that step is
+    # done: a write is dispatched with a check whether its pool's buffer is held, and a read
+    # of the step before still queued holds it, so the write would copy the whole pool.
+    mx.synchronize(eng._stream)
     mx.async_eval([a for p in eng._pools for a in (p.keys, p.values)] + [tokens])
     return works, tokens, ()
