@@ -71,8 +71,9 @@ def _per_chunk_token_bytes(facts: ModelFacts, context: int, fused: bool = False)
     return scores + acts
 
 
-#: tokens of one split of the paged decode kernel (engine/paged_cuda.py): each split of a
-#: row's context leaves one partial result per query head
+#: the fewest tokens of one split of the paged decode kernel (engine/paged_cuda.py): each split
+#: of a row's context leaves one partial result per query head (counted here at the most
+#: splits, one per this many tokens; the kernel takes fewer where rows × KV heads fill the GPU)
 DECODE_KERNEL_SPLIT = 256
 #: a compiled decode step (engine/compiled.py) reads every row's table to a width that is a
 #: multiple of this many blocks (its padding masked), so one traced shape serves that many
