@@ -71,22 +71,30 @@ class _Submit:
             self.spent += time.perf_counter() - t0
 
 
-def measure(eng: Engine, rows: int, steps: int, submit: _Submit, base: int) -> dict:
+def measure(eng: Engine, rows: int, steps: int, submit: _Submit, base: int,
+            modes: tuple[str, ...]) -> dict:
+    """Every figure per mode: ``compiled`` (the engine as loaded) and ``eager`` (its compiled
+    decode switched off), the modes taking turns step by step (so a busy neighbour slows both
+    alike); the first two steps of each mode are its warm-up and its op count."""
     lengths = [LENGTH + 7 * r for r in range(rows)]
+    total_steps = len(modes) * (steps + 2)
     tables, at = [], 0
     for n in lengths:
-        need = -(-(n + steps + 2) // BLOCK)
+        need = -(-(n + total_steps + 2) // BLOCK)
         tables.append(tuple(range(at, at + need)))
         at += need
     ids = [base + r for r in range(rows)]
     for i, n, t in zip(ids, lengths, tables, strict=True):
         eng.run(Step(prefills=(Work(i, _tokens(n, i), 0, t, True),)))
     mx.synchronize()
-    host, total = [], []
-    for k in range(steps + 1):
+    held = getattr(eng, "compiled", None)
+    out = {m: {"host": [], "total": [], "ops": 0, "kinds": {}} for m in modes}
+    for k in range(total_steps):
+        mode, turn = modes[k % len(modes)], k // len(modes)
+        eng.compiled = held if mode == "compiled" else None
         step = Step(decodes=tuple(Work(i, None, n + k, t, True)
                                   for i, n, t in zip(ids, lengths, tables, strict=True)))
-        submit.spent, submit.count_next, submit.ops = 0.0, k == 1, 0
+        submit.spent, submit.count_next, submit.ops = 0.0, turn == 1, 0
         submit.kinds.clear()
         t0 = time.perf_counter()
         pending = eng.run_async(step)
@@ -95,20 +103,21 @@ def measure(eng: Engine, rows: int, steps: int, submit: _Submit, base: int) -> d
         pending.result()
         mx.synchronize()
         t2 = time.perf_counter()
-        if k == 1:
-            ops, kinds, submit.count_next = submit.ops, dict(submit.kinds), False
-            continue  # the counted step's times include the export
-        if k:
-            host.append(built * 1e3)
-            total.append((t2 - t0) * 1e3)
+        if turn == 1:  # the counted step's times include the export
+            out[mode]["ops"], out[mode]["kinds"] = submit.ops, dict(submit.kinds)
+            submit.count_next = False
+        elif turn:
+            out[mode]["host"].append(built * 1e3)
+            out[mode]["total"].append((t2 - t0) * 1e3)
+    eng.compiled = held
     for i in ids:
         eng.free_state(i)
-    return {"host_ms_median": round(statistics.median(host), 3),
-            "host_ms_min": round(min(host), 3),
-            "total_ms_median": round(statistics.median(total), 3),
-            "total_ms_min": round(min(total), 3), "ops": ops,
-            "ops_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "steps": len(host)}
+    return {m: {"host_ms_median": round(statistics.median(o["host"]), 3),
+                "host_ms_min": round(min(o["host"]), 3),
+                "total_ms_median": round(statistics.median(o["total"]), 3),
+                "total_ms_min": round(min(o["total"]), 3), "ops": o["ops"],
+                "ops_by_kind": dict(sorted(o["kinds"].items(), key=lambda kv: -kv[1])),
+                "steps": len(o["host"])} for m, o in out.items()}
 
 
 def main() -> None:
@@ -121,7 +130,8 @@ def main() -> None:
     ap.add_argument("--json", help="append the result under --label to this JSON file")
     args = ap.parse_args()
     path = build_demo_model(Path(args.dir) / args.preset, args.preset)
-    need = sum(-(-(LENGTH + 7 * r + args.steps + 2) // BLOCK) for r in range(max(args.rows)))
+    need = sum(-(-(LENGTH + 7 * r + 2 * (args.steps + 2) + 2) // BLOCK)
+               for r in range(max(args.rows)))
     eng = Engine.load(path, block_tokens=BLOCK, max_blocks=need + 8)
     submit = _Submit()
     result = {"label": args.label, "preset": args.preset, "device": str(mx.default_device()),
@@ -129,9 +139,12 @@ def main() -> None:
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False,
                                        capture_output=True, text=True).stdout.strip(),
               "length": LENGTH}
+    modes = ("eager", "compiled") if getattr(eng, "compiled", None) is not None else ("eager",)
     for k, rows in enumerate(args.rows):
-        result[str(rows)] = measure(eng, rows, args.steps, submit, 1000 * k)
-        print(f"[{args.label}] {rows} rows: {result[str(rows)]}", flush=True)
+        result[str(rows)] = measure(eng, rows, args.steps, submit, 1000 * k, modes)
+        for mode, figures in result[str(rows)].items():
+            short = {key: v for key, v in figures.items() if key != "ops_by_kind"}
+            print(f"[{args.label}] {rows} rows, {mode}: {short}", flush=True)
     if args.json:
         out = Path(args.json)
         data = json.loads(out.read_text()) if out.exists() else {}
