@@ -8,9 +8,9 @@ analogue of capturing a CUDA graph per batch size.
 **What is compiled** (:func:`eligible`): a step of decode rows only, on an engine whose every
 cache layer is a plain full-attention pool (:class:`~plimsoll.engine.paged.FullAttention`:
 no recurrent state, window rings, latents, quantized pools or ``CacheList``), every row
-sampling. Anything else, and a step whose bucket is not traced yet while the cap is reached
-and every bucket was used within the last step, takes the eager path
-(:mod:`plimsoll.engine.forward`).
+sampling. Anything else takes the eager path (:mod:`plimsoll.engine.forward`); so does every
+step of a model whose forward fails while it is traced (it reads a value on the host, say:
+:attr:`CompiledDecode.refused` says how).
 
 **The function**: ``(tokens, lengths, write slots, read index, *pools) → (logits, *pools)``.
 The pools go in and the written pools come out: a compiled function is pure, so the
@@ -41,13 +41,14 @@ from collections import OrderedDict
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 from plimsoll.core.transients import DECODE_BUCKET_BLOCKS
 from plimsoll.engine import forward
 from plimsoll.engine.attention import Batch, PagedView
 from plimsoll.engine.paged import FullAttention, Read
 from plimsoll.engine.sampling import sample
-from plimsoll.engine.work import Work
+from plimsoll.engine.work import Step, Work
 
 BUCKET_BLOCKS = DECODE_BUCKET_BLOCKS  # a bucket's table width is a multiple of these blocks
 MAX_BUCKETS = 24  # traced buckets kept (least recently used dropped)
@@ -65,6 +66,10 @@ def eligible(kinds: list) -> bool:
     return bool(kinds) and all(type(k) is FullAttention for k in kinds)
 
 
+class Untraceable(Exception):
+    """The model's forward failed while it was traced (the message says how)."""
+
+
 class CompiledDecode:
     """The engine's compiled decode forwards, one per bucket (see the module docstring)."""
 
@@ -72,6 +77,7 @@ class CompiledDecode:
         self._eng, self.max_buckets = eng, max_buckets
         self._fns: OrderedDict[tuple, object] = OrderedDict()
         self.traced = 0  # buckets traced so far (a bucket dropped and met again counts again)
+        self.refused = ""  # why the model's forward cannot be traced (then: eager steps)
 
     @property
     def buckets(self) -> list[tuple]:
@@ -79,8 +85,8 @@ class CompiledDecode:
         return list(self._fns)
 
     def takes(self, works: tuple[Work, ...]) -> bool:
-        """Whether these decode rows run compiled: every one samples."""
-        return all(w.sample for w in works)
+        """Whether these decode rows run compiled: every one samples, and the model traced."""
+        return not self.refused and all(w.sample for w in works)
 
     def logits(self, works: tuple[Work, ...], tokens: mx.array) -> mx.array:
         """The decode rows' logits (rows, vocab), lazy; the pools are handed the written
@@ -97,12 +103,24 @@ class CompiledDecode:
         key = (len(works), wide, pools[0].blocks)
         write = np.array([w.block_table[s // bt] * bt + s % bt
                           for w, s in zip(works, starts, strict=True)], dtype=np.int32)
+        # a trace puts tracers in the model's arrays and does not put them back if it fails
+        weights = tree_flatten(eng.model.state) if key not in self._fns else None
         fn = self._fn(key)
         arrays = [a for p in pools for a in (p.keys, p.values)]
         for p in pools:  # the step holds the only references: each write donates its buffer
             p.keys = p.values = None
-        out = fn(tokens, mx.array(lengths, dtype=mx.int32), mx.array(write), read.index,
-                 *arrays)
+        try:
+            out = fn(tokens, mx.array(lengths, dtype=mx.int32), mx.array(write), read.index,
+                     *arrays)
+        except Exception as err:
+            for j, p in enumerate(pools):
+                p.keys, p.values = arrays[2 * j], arrays[2 * j + 1]
+            if weights is None:
+                raise
+            eng.model.update(tree_unflatten(weights))
+            self.refused = f"{type(err).__name__}: {err}"  # the model does not trace
+            self._fns.clear()
+            raise Untraceable(self.refused) from err
         del arrays
         for j, p in enumerate(pools):
             p.keys, p.values = out[1 + 2 * j], out[2 + 2 * j]
@@ -154,7 +172,10 @@ def run(compiled: CompiledDecode, works: tuple[Work, ...]):
     """A decode-only step through ``compiled``, queued as :func:`forward.run` queues one:
     the sampled works and their tokens (lazy), nothing verified."""
     eng = compiled._eng
-    logits = compiled.logits(works, forward.decode_inputs(eng, works))
+    try:
+        logits = compiled.logits(works, forward.decode_inputs(eng, works))
+    except Untraceable:  # this step and every later one are built eagerly
+        return forward.run(eng, forward.groups_of(eng, Step(decodes=works)))
     tokens = sample(logits, works, eng._keys)
     for row, w in enumerate(works):
         eng._last[w.seq_id] = (tokens, row)

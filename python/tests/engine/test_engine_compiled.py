@@ -116,3 +116,21 @@ def test_families_compiled_equal_eager(engines, name, monkeypatch):
         assert eng.compiled is None and not runs
     else:
         assert eng.compiled is not None and runs
+
+
+def test_a_model_that_does_not_trace_runs_eagerly(tiny_model, monkeypatch):
+    """A forward that reads a value on the host cannot be traced: that step and every later
+    one are built eagerly, with the same tokens, and the reason is kept."""
+    eager = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL, compile_decode=False)
+    eng = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL)
+    cls = type(eng.model)
+    original = cls.__call__
+
+    def reads_the_host(self, inputs, *args, **kwargs):
+        inputs.sum().item()  # an eval: refused inside mx.compile
+        return original(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__call__", reads_the_host)
+    assert _run(eng) == _run(eager)
+    assert eng.compiled.refused and not eng.compiled.buckets
+    assert not eng.compiled.takes(())
