@@ -26,9 +26,11 @@ captured inputs (``inputs=model.state``): replaced weights are read, not the tra
 rows' matmuls, so outputs would not stay equal) and the tables' width rounded up to
 :data:`BUCKET_BLOCKS` blocks (each row reads whole blocks to that width, its padding masked;
 admission counts the decode's transient at that width), plus the pools' size (a pool grows
-in slabs). At most :data:`MAX_BUCKETS` are kept, the least recently used dropped (MLX frees a
-dropped function's tape). A traced bucket holds its tape (the graph's nodes, no arrays of its
-own: the weights and pools are the engine's).
+in slabs). A bucket is traced on its second step (its first runs eagerly: rows change at
+every step while streams come and go, and a shape met once is not worth a trace). At most
+:data:`MAX_BUCKETS` are kept, the least recently used dropped (MLX frees a dropped function's
+tape). A traced bucket holds its tape (the graph's nodes, no arrays of its own: the weights
+and pools are the engine's).
 
 **Equal outputs**: every row reads its blocks to the bucket's width with its length's mask,
 as eager does for rows of different lengths; a single row is a one-row index rather than a
@@ -76,6 +78,7 @@ class CompiledDecode:
     def __init__(self, eng, max_buckets: int = MAX_BUCKETS):
         self._eng, self.max_buckets = eng, max_buckets
         self._fns: OrderedDict[tuple, object] = OrderedDict()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()  # buckets met once, not traced
         self.traced = 0  # buckets traced so far (a bucket dropped and met again counts again)
         self.refused = ""  # why the model's forward cannot be traced (then: eager steps)
 
@@ -88,9 +91,10 @@ class CompiledDecode:
         """Whether these decode rows run compiled: every one samples, and the model traced."""
         return not self.refused and all(w.sample for w in works)
 
-    def logits(self, works: tuple[Work, ...], tokens: mx.array) -> mx.array:
+    def logits(self, works: tuple[Work, ...], tokens: mx.array) -> mx.array | None:
         """The decode rows' logits (rows, vocab), lazy; the pools are handed the written
-        arrays. ``tokens`` (rows,) are the rows' inputs."""
+        arrays. ``tokens`` (rows,) are the rows' inputs. None: the bucket is met for the first
+        time (the step runs eagerly)."""
         eng = self._eng
         bt, pools = eng.block_tokens, eng._pools
         starts = [w.start for w in works]
@@ -101,6 +105,8 @@ class CompiledDecode:
         for p in pools:
             p.ensure(top)
         key = (len(works), wide, pools[0].blocks)
+        if key not in self._fns and not self._again(key):
+            return None
         write = np.array([w.block_table[s // bt] * bt + s % bt
                           for w, s in zip(works, starts, strict=True)], dtype=np.int32)
         # a trace puts tracers in the model's arrays and does not put them back if it fails
@@ -125,6 +131,17 @@ class CompiledDecode:
         for j, p in enumerate(pools):
             p.keys, p.values = out[1 + 2 * j], out[2 + 2 * j]
         return out[0]
+
+    def _again(self, key: tuple) -> bool:
+        """Whether ``key`` was met before (it is traced on its second step: a shape met once,
+        rows changing while streams come and go, is not worth a trace); notes it."""
+        if key in self._seen:
+            del self._seen[key]
+            return True
+        self._seen[key] = None
+        while len(self._seen) > 4 * self.max_buckets:
+            self._seen.popitem(last=False)
+        return False
 
     def _fn(self, key: tuple):
         fn = self._fns.get(key)
@@ -175,6 +192,8 @@ def run(compiled: CompiledDecode, works: tuple[Work, ...]):
     try:
         logits = compiled.logits(works, forward.decode_inputs(eng, works))
     except Untraceable:  # this step and every later one are built eagerly
+        logits = None
+    if logits is None:
         return forward.run(eng, forward.groups_of(eng, Step(decodes=works)))
     tokens = sample(logits, works, eng._keys)
     for row, w in enumerate(works):

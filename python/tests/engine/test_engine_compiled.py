@@ -107,7 +107,8 @@ def test_weights_replaced_after_a_trace_are_read(tiny_model):
     assert _run(eng) == _run(eager)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_4bit", "qwen3_moe", "glm4_moe", "phi3", "qwen3_next"])
+@pytest.mark.parametrize("name", ["llama", "qwen3_4bit", "qwen3_moe", "glm4_moe", "phi3",
+                                  "qwen3_next"])
 def test_families_compiled_equal_eager(engines, name, monkeypatch):
     eager, eng = engines(name, compile_decode=False), engines(name)
     runs = _counting(monkeypatch)
