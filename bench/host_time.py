@@ -132,7 +132,10 @@ def main() -> None:
     path = build_demo_model(Path(args.dir) / args.preset, args.preset)
     need = sum(-(-(LENGTH + 7 * r + 2 * (args.steps + 2) + 2) // BLOCK)
                for r in range(max(args.rows)))
-    eng = Engine.load(path, block_tokens=BLOCK, max_blocks=need + 8)
+    try:  # the compiled decode where this engine has it (off by default)
+        eng = Engine.load(path, block_tokens=BLOCK, max_blocks=need + 8, compile_decode=True)
+    except TypeError:
+        eng = Engine.load(path, block_tokens=BLOCK, max_blocks=need + 8)
     submit = _Submit()
     result = {"label": args.label, "preset": args.preset, "device": str(mx.default_device()),
               "mlx": mx.__version__, "machine": f"{platform.machine()} {platform.system()}",

@@ -74,7 +74,7 @@ def test_only_plain_full_attention_engines_compile():
 
 def test_tiny_demo_compiled_equals_eager_and_mlx_lm(tiny_model, monkeypatch):
     eager = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL, compile_decode=False)
-    eng = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL)
+    eng = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL, compile_decode=True)
     for e in (eager, eng):
         sharpen(e.model)
     assert eager.compiled is None and eng.compiled is not None
@@ -92,7 +92,7 @@ def test_tiny_demo_compiled_equals_eager_and_mlx_lm(tiny_model, monkeypatch):
 
 def test_the_bucket_cap_holds_and_outputs_stay_equal(tiny_model):
     eager = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL, compile_decode=False)
-    eng = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL)
+    eng = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL, compile_decode=True)
     eng.compiled.max_buckets = 2
     assert _run(eng) == _run(eager)
     assert len(eng.compiled.buckets) <= 2 < eng.compiled.traced
@@ -100,7 +100,7 @@ def test_the_bucket_cap_holds_and_outputs_stay_equal(tiny_model):
 
 def test_weights_replaced_after_a_trace_are_read(tiny_model):
     eager = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL, compile_decode=False)
-    eng = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL)
+    eng = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL, compile_decode=True)
     _run(eng)  # traced on the weights as loaded
     for e in (eager, eng):
         sharpen(e.model, 3.0)
@@ -110,7 +110,7 @@ def test_weights_replaced_after_a_trace_are_read(tiny_model):
 @pytest.mark.parametrize("name", ["llama", "qwen3_4bit", "qwen3_moe", "glm4_moe", "phi3",
                                   "qwen3_next"])
 def test_families_compiled_equal_eager(engines, name, monkeypatch):
-    eager, eng = engines(name, compile_decode=False), engines(name)
+    eager, eng = engines(name, compile_decode=False), engines(name, compile_decode=True)
     runs = _counting(monkeypatch)
     assert _run(eng) == _run(eager)
     if name == "qwen3_next":  # hybrid: recurrent state, built eagerly
@@ -123,7 +123,7 @@ def test_a_model_that_does_not_trace_runs_eagerly(tiny_model, monkeypatch):
     """A forward that reads a value on the host cannot be traced: that step and every later
     one are built eagerly, with the same tokens, and the reason is kept."""
     eager = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL, compile_decode=False)
-    eng = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL)
+    eng = Engine.load(tiny_model, block_tokens=BLOCK, max_blocks=POOL, compile_decode=True)
     cls = type(eng.model)
     original = cls.__call__
 
@@ -135,3 +135,25 @@ def test_a_model_that_does_not_trace_runs_eagerly(tiny_model, monkeypatch):
     assert _run(eng) == _run(eager)
     assert eng.compiled.refused and not eng.compiled.buckets
     assert not eng.compiled.takes(())
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+def test_compiled_pool_writes_stay_in_place(monkeypatch, pipelined, tmp_path_factory):
+    """test_engine_pool_writes' measure on compiled decode steps: MLX's peak over the steps
+    does not follow the pool's size (pipelined too: each step is submitted once the step
+    before is done, or a queued read of it would make the write copy its array)."""
+    import test_engine_pool_writes as writes
+
+    from plimsoll.demo.model import build_demo_model
+
+    class Compiling(Engine):
+        @classmethod
+        def load(cls, *args, **kwargs):
+            return Engine.load(*args, **kwargs, compile_decode=True)
+
+    monkeypatch.setattr(writes, "Engine", Compiling)
+    model = build_demo_model(tmp_path_factory.mktemp("tiny"), "tiny")
+    small = writes.step_peak(model, 64, pipelined, False)
+    large = writes.step_peak(model, 512, pipelined, False)
+    one_array = 64 * writes.MIB // (2 * 4)
+    assert small < one_array // 4 and large < one_array // 4, (small, large)
