@@ -71,9 +71,14 @@ def _per_chunk_token_bytes(facts: ModelFacts, context: int, fused: bool = False)
     return scores + acts
 
 
-#: tokens of one split of the paged decode kernel (engine/paged_cuda.py): each split of a
-#: row's context leaves one partial result per query head
+#: the fewest tokens of one split of the paged decode kernel (engine/paged_cuda.py): each split
+#: of a row's context leaves one partial result per query head (counted here at the most
+#: splits, one per this many tokens; the kernel takes fewer where rows × KV heads fill the GPU)
 DECODE_KERNEL_SPLIT = 256
+#: a compiled decode step (engine/compiled.py) reads every row's table to a width that is a
+#: multiple of this many blocks (its padding masked), so one traced shape serves that many
+#: blocks of growth: the decode's transient is counted at that width
+DECODE_BUCKET_BLOCKS = 8
 
 
 def decode_transient_bytes(facts: ModelFacts, rows: int, longest: int,
@@ -81,11 +86,13 @@ def decode_transient_bytes(facts: ModelFacts, rows: int, longest: int,
     """Transient bytes of one batched decode step: the gather of ``rows × longest`` slots
     (whole blocks; for quantized KV also their float copy, see
     :func:`dequant_transient_bytes`) plus every row's scores and activations (one query
-    token each). ``gathered`` False: the decode reads the pools in place (a paged decode
+    token each), at the width a compiled step reads (:data:`DECODE_BUCKET_BLOCKS`).
+    ``gathered`` False: the decode reads the pools in place (a paged decode
     kernel that passed its check, engine/kernels.py): no gather and no score matrix, only
     the kernel's partial results (:func:`decode_kernel_partials_bytes`)."""
     if rows <= 0:
         return 0
+    longest = _whole(longest, block_tokens * DECODE_BUCKET_BLOCKS)
     if not gathered:
         return (decode_kernel_partials_bytes(facts, rows, longest)
                 + rows * _per_chunk_token_bytes(facts, longest, fused=True))

@@ -5,6 +5,7 @@ TokenConstraint, Work, Step; the transients a step holds are counted in
 :mod:`plimsoll.core.transients`), :mod:`.core` (the Engine: steps, pipelining, recurrent
 state), :mod:`.forward` (a step as one forward: its groups, the model call, sampling),
 :mod:`.verify` (a speculating sequence's drafts checked: greedy, or by rejection sampling),
+:mod:`.compiled` (decode-only steps compiled per shape bucket),
 :mod:`.groups` (a step's groups and their views), :mod:`.mixers` (the model's token-mixing
 modules regrouped inside that forward), :mod:`.sampled_rows` (logits only at the rows that
 sample), :mod:`.kernels` (custom attention kernels, each checked on its device before use),
@@ -18,7 +19,7 @@ compilation paid at load), :mod:`.threads` (stopping a thread that ran MLX) and
 :mod:`.drive` (an in-process driver for tests and benchmarks). Which block holds what is the
 scheduler's block pool (:mod:`plimsoll.worker.pool`); the engine writes where a table says.
 
-May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, forward, groups, mixers,
+May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, forward, compiled, groups, mixers,
 sampled_rows, kernels, backend, paged, attention, latent, composite, window, sampling, verify,
 state, limits, warmup, threads and drive only).
 

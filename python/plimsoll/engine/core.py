@@ -33,6 +33,7 @@ Not thread-safe: one owner calls it from one thread.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -42,7 +43,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from plimsoll.core.capability import ENGINE_SUPPORT
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
-from plimsoll.engine import composite, forward, kernels, mixers, sampled_rows, verify
+from plimsoll.engine import compiled, composite, forward, kernels, mixers, sampled_rows, verify
 from plimsoll.engine import state as seq_state
 from plimsoll.engine.attention import fused_prefill, route_attention
 from plimsoll.engine.decode_index import DecodeReads
@@ -97,7 +98,7 @@ class Engine:
     def __init__(self, model, tokenizer, facts: ModelFacts, *, block_tokens: int,
                  max_blocks: int, kv_dtype: str | None = None, pipeline: bool = True,
                  slab_blocks: int | None = None, context: int | None = None,
-                 kv_bits: int | None = None):
+                 kv_bits: int | None = None, compile_decode: bool | None = None):
         if block_tokens <= 0 or max_blocks <= 0:
             raise ValueError("block_tokens and max_blocks must be positive")
         self.model, self.tokenizer, self.facts = model, tokenizer, facts
@@ -163,11 +164,20 @@ class Engine:
             self.kernels.decode is not None and flat
             and all(type(k) in (FullAttention, RecurrentState) for k in flat)
             and not any("sinks" in name for name, _ in tree_flatten(model.parameters())))
+        #: decode-only steps compiled per shape bucket where every layer is a plain
+        #: full-attention pool (engine/compiled.py); None: every step is built eagerly
+        #: (``compile_decode`` None: off unless the environment sets PLIMSOLL_COMPILE_DECODE=1;
+        #: measured on the CPU it cuts host time but not the step, see engine/compiled.py)
+        if compile_decode is None:
+            compile_decode = os.environ.get("PLIMSOLL_COMPILE_DECODE", "0") == "1"
+        self.compiled = compiled.CompiledDecode(self) \
+            if compile_decode and compiled.eligible(self.layers) else None
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
              kv_dtype: str | None = None, pipeline: bool = True,
-             slab_blocks: int | None = None, context: int | None = None) -> Engine:
+             slab_blocks: int | None = None, context: int | None = None,
+             compile_decode: bool | None = None) -> Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
         float_dtype, bits = parse_kv_dtype(kv_dtype)  # "q8" / "q4": the model's dtype, quantized
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)  # refuses head dims off the groups
@@ -175,7 +185,7 @@ class Engine:
         model, tokenizer = mlx_lm.load(str(model_dir))
         return cls(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,
                    kv_dtype=float_dtype, pipeline=pipeline, slab_blocks=slab_blocks,
-                   context=context, kv_bits=bits)
+                   context=context, kv_bits=bits, compile_decode=compile_decode)
 
     def _kinds(self, model, kv_dtype: str | None, slab: int) -> list:
         """One kind per cache layer, shapes and dtypes measured by a one-token probe."""
@@ -312,8 +322,12 @@ class Engine:
             self._check(step)
             if any(w.constraint is not None and w.tokens is None for w in step.decodes):
                 self._settle_until(None)
-            out = forward.run(self, forward.groups_of(self, step)) \
-                if step.decodes or step.prefills else None
+            if self.compiled is not None and step.decodes and not step.prefills \
+                    and self.compiled.takes(step.decodes):
+                out = compiled.run(self.compiled, step.decodes)
+            else:
+                out = forward.run(self, forward.groups_of(self, step)) \
+                    if step.decodes or step.prefills else None
             pending = Pending(self, [] if out is None else [out])
             self._unsettled.append(pending)
             if not self.pipeline:

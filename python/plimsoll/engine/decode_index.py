@@ -34,11 +34,14 @@ class DecodeReads:
             self._ids = None
 
     def read(self, ids: tuple[int, ...], tables: list[tuple[int, ...]],
-             lengths: list[int]) -> tuple[Read, int]:
-        """The Read of ``lengths`` positions of each table, and the highest block id in it."""
+             lengths: list[int], width: int | None = None) -> tuple[Read, int]:
+        """The Read of ``lengths`` positions of each table, and the highest block id in it;
+        ``width`` (blocks, at least the longest table's): the index padded to it, never a
+        slice (a compiled bucket's shape, :mod:`plimsoll.engine.compiled`)."""
         bt = self.block_tokens
         ns = [-(-n // bt) for n in lengths]
-        nb, longest = max(ns), max(lengths)
+        longest = max(lengths)
+        nb = max(ns) if width is None else width
         if ids != self._ids or nb > self._index.shape[1]:
             self._rebuild(ids, tables, ns, nb)
         else:
@@ -56,7 +59,7 @@ class DecodeReads:
                 if row == 0 and self._run and new:
                     self._run = all(b == table[0] + had + i for i, b in enumerate(new))
                 self._tables[row], self._ns[row] = table, n
-        if len(ids) == 1 and self._run:  # one table of consecutive blocks: a slice
+        if len(ids) == 1 and self._run and width is None:  # one run of blocks: a slice
             lo = self._index[0, 0].item() * bt
             return Read(span=(lo, lo + longest)), self._top
         if self._mx is None or self._mx_nb != nb:

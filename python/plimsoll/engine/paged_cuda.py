@@ -6,11 +6,15 @@ Why: MLX's gather on CUDA moves a decode batch's tables at ~200 GB/s (its copy r
 streams of ~500 tokens (36 layers) — most of a step. This kernel reads each row's K/V
 straight from the pool through its block table, so there is no transient and no mask.
 
-Shape of the work (flash-decoding): one thread block per (row, KV head, split of
-``CHUNK`` tokens); its warps take the split's tokens in turn and keep an online
-softmax (running max, sum and V accumulator) for every query head of the KV head's
-group, so each K/V row is read once per group. The blocks write partial results
-(max, sum, accumulator) and a few MLX ops combine the splits. Accumulation in float32.
+Shape of the work (flash-decoding): one thread block per (row, KV head, split of the row's
+table); its warps take the split's tokens in turn and keep an online softmax (running max,
+sum and V accumulator) for every query head of the KV head's group, so each K/V row is read
+once per group. The splits come from the grid the step needs (:func:`splits_for`): none when
+rows × KV heads already give every SM a block, else enough to cover the SMs, never more than
+one per :data:`CHUNK` tokens of the longest row. Without splits the kernel writes the
+attention itself; with them it writes partial results (max, sum, accumulator) and one more
+kernel combines them (:data:`_COMBINE`, the math of :func:`combine`): at most two launches a
+layer. Accumulation in float32.
 
 Pool layout (:class:`plimsoll.engine.paged.FullAttention`): (kv_heads, slots, dim),
 slot = table[p // B] * B + p % B. Used for decode rows (one query each) without
@@ -21,15 +25,22 @@ gather path.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from plimsoll.core.transients import DECODE_KERNEL_SPLIT
 from plimsoll.engine import backend
 
-CHUNK = DECODE_KERNEL_SPLIT  # tokens per thread block (admission counts its partials)
+CHUNK = DECODE_KERNEL_SPLIT  # the fewest tokens a split takes (admission counts its partials)
 WARPS = 4
+#: SMs assumed where MLX's device info names none (an H100/H200's 132)
+FALLBACK_SMS = 132
+_COMBINE_THREADS = 256
 
-_SOURCE = r"""
+# One thread block per (row, KV head, split); a split takes the tokens
+# [split × span, (split + 1) × span) of its row's table, span = ceil(table tokens / splits).
+_ATTEND = r"""
     const float NEG_INF = __int_as_float(0xff800000);
     const int b = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -50,8 +61,9 @@ _SOURCE = r"""
         }
         m[g] = NEG_INF; s[g] = 0.f;
     }
-    const int lo = split * CHUNK;
-    const int hi = min(len, lo + CHUNK);
+    const int span = (MB * BT + NS - 1) / NS;
+    const int lo = split * span;
+    const int hi = min(len, lo + span);
     for (int t = lo + warp; t < hi; t += WARPS) {
         const int slot = tables[b * MB + t / BT] * BT + t % BT;
         const size_t row = ((size_t)kvh * S + slot) * D + lane * DPL;
@@ -89,12 +101,37 @@ _SOURCE = r"""
             }
         }
         const size_t o = ((size_t)(b * HQ + kvh * G + g)) * NS + split;
+"""
+# the partial results of a split, for _COMBINE
+_PARTIAL = _ATTEND + r"""
         part_a[o * D + d] = val;
         if (d == 0) { part_m[o] = M; part_s[o] = tot; }
     }
 """
+# one split (NS = 1, so o is the row's query head): the attention itself
+_DIRECT = _ATTEND + r"""
+        out[o * D + d] = static_cast<T>(val / tot);
+    }
+"""
+# the splits' partial results combined, one thread per (row, query head, dim): combine()
+_COMBINE = r"""
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int HQ = part_m_shape[1], NS = part_m_shape[2];
+    if (i >= part_m_shape[0] * HQ * D) return;
+    const size_t bh = i / D;
+    const int d = i % D;
+    float M = __int_as_float(0xff800000);
+    for (int k = 0; k < NS; ++k) M = fmaxf(M, part_m[bh * NS + k]);
+    float tot = 0.f, val = 0.f;
+    for (int k = 0; k < NS; ++k) {
+        const float e = expf(part_m[bh * NS + k] - M);
+        tot += part_s[bh * NS + k] * e;
+        val += part_a[(bh * NS + k) * D + d] * e;
+    }
+    out[i] = static_cast<T>(val / tot);
+"""
 
-_kernel = None
+_INPUTS = ["q", "kp", "vp", "tables", "lengths", "scale_arr"]
 
 
 def available() -> bool:
@@ -114,15 +151,62 @@ def usable(queries: mx.array, k_dim: int, v_dim: int, kv_heads: int) -> bool:
     return serves(queries, k_dim, v_dim, kv_heads) and available()
 
 
-def _get():
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="plimsoll_paged_decode",
-            input_names=["q", "kp", "vp", "tables", "lengths", "scale_arr"],
-            output_names=["part_a", "part_m", "part_s"],
-            source=_SOURCE)
-    return _kernel
+def splits_for(rows: int, kv_heads: int, longest: int, sms: int, chunk: int = CHUNK) -> int:
+    """How many splits each row's context is cut into (pure): 1 when the ``rows × kv_heads``
+    thread blocks already give each of the ``sms`` SMs one, else enough blocks to cover
+    them — never more than one split per ``chunk`` tokens of the ``longest`` row."""
+    blocks = max(1, rows * kv_heads)
+    most = max(1, -(-longest // chunk))
+    if blocks >= sms:
+        return 1
+    return max(1, min(most, -(-sms // blocks)))
+
+
+def sms_of(info: dict) -> int:
+    """The SM count in MLX's device info (``mx.device_info()``), or :data:`FALLBACK_SMS`."""
+    for key in ("multi_processor_count", "multiprocessor_count", "sm_count",
+                "num_multiprocessors"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return FALLBACK_SMS
+
+
+@functools.cache
+def sm_count() -> int:
+    """This device's SMs (read once)."""
+    try:
+        return sms_of(dict(mx.device_info()))
+    except (AttributeError, RuntimeError, ValueError):
+        return FALLBACK_SMS
+
+
+def combine(part_a: mx.array, part_m: mx.array, part_s: mx.array) -> mx.array:
+    """The splits' partial results (rows, q_heads, splits[, dim]) as one attention
+    (rows, q_heads, dim), float32: each split's accumulator and sum weighted by
+    ``exp(its max − the largest max)``. What :data:`_COMBINE` computes in one launch."""
+    top = part_m.max(axis=-1, keepdims=True)
+    w = mx.exp(part_m - top)
+    return (part_a * w[..., None]).sum(axis=2) / (part_s * w).sum(axis=-1, keepdims=True)
+
+
+@functools.cache
+def _kernel(which: str):
+    if which == "combine":
+        return mx.fast.cuda_kernel(name="plimsoll_paged_combine",
+                                   input_names=["part_a", "part_m", "part_s"],
+                                   output_names=["out"], source=_COMBINE)
+    if which == "direct":
+        return mx.fast.cuda_kernel(name="plimsoll_paged_decode_direct", input_names=_INPUTS,
+                                   output_names=["out"], source=_DIRECT)
+    return mx.fast.cuda_kernel(name="plimsoll_paged_decode", input_names=_INPUTS,
+                               output_names=["part_a", "part_m", "part_s"], source=_PARTIAL)
+
+
+@functools.lru_cache(maxsize=16)
+def _scale(scale: float) -> mx.array:
+    """The softmax scale as the kernel's one-element input, made once per value."""
+    return mx.array([scale], dtype=mx.float32)
 
 
 def paged_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tables: mx.array,
@@ -132,19 +216,21 @@ def paged_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tables: 
     ``lengths[row]`` positions of its table; returns (rows, q_heads, 1, dim)."""
     rows, hq, _, d = queries.shape
     kvh = k_pool.shape[0]
-    splits = max(1, -(-longest // CHUNK))
-    q = queries.reshape(rows, hq, d)
-    part_a, part_m, part_s = _get()(
-        inputs=[q, k_pool, v_pool, tables, lengths, mx.array([scale], dtype=mx.float32)],
-        template=[("T", queries.dtype), ("D", d), ("G", hq // kvh), ("BT", block_tokens),
-                  ("CHUNK", CHUNK), ("WARPS", WARPS)],
-        grid=(rows * 32 * WARPS, kvh, splits), threadgroup=(32 * WARPS, 1, 1),
+    splits = splits_for(rows, kvh, longest, sm_count())
+    inputs = [queries.reshape(rows, hq, d), k_pool, v_pool, tables, lengths, _scale(scale)]
+    template = [("T", queries.dtype), ("D", d), ("G", hq // kvh), ("BT", block_tokens),
+                ("WARPS", WARPS)]
+    grid, group = (rows * 32 * WARPS, kvh, splits), (32 * WARPS, 1, 1)
+    if splits == 1:
+        return _kernel("direct")(inputs=inputs, template=template, grid=grid,
+                                 threadgroup=group, output_shapes=[(rows, hq, 1, d)],
+                                 output_dtypes=[queries.dtype])[0]
+    parts = _kernel("partial")(
+        inputs=inputs, template=template, grid=grid, threadgroup=group,
         output_shapes=[(rows, hq, splits, d), (rows, hq, splits), (rows, hq, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
-    if splits == 1:
-        out = part_a[:, :, 0] / part_s
-    else:
-        top = part_m.max(axis=-1, keepdims=True)
-        w = mx.exp(part_m - top)
-        out = (part_a * w[..., None]).sum(axis=2) / (part_s * w).sum(axis=-1, keepdims=True)
-    return out.astype(queries.dtype)[:, :, None, :]
+    threads = -(-rows * hq * d // _COMBINE_THREADS) * _COMBINE_THREADS
+    return _kernel("combine")(inputs=parts, template=[("T", queries.dtype), ("D", d)],
+                              grid=(threads, 1, 1), threadgroup=(_COMBINE_THREADS, 1, 1),
+                              output_shapes=[(rows, hq, 1, d)],
+                              output_dtypes=[queries.dtype])[0]

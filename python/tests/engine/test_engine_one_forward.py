@@ -45,7 +45,15 @@ NAMES = [n for n, f in FAMILIES.items() if has_module(f) and n not in REFUSED
 
 @pytest.fixture(scope="module")
 def engines(family_dir):
-    return engine_cache(family_dir, BLOCK, POOL)
+    """Engines whose decode steps are built eagerly: the forwards counted here are the model's
+    calls in Python, which a compiled decode step replays without (test_engine_compiled
+    compares the two paths' tokens)."""
+    get = engine_cache(family_dir, BLOCK, POOL)
+
+    def eager(name: str, **kw):
+        return get(name, compile_decode=False, **kw)
+    eager.family_dir = family_dir
+    return eager
 
 
 @contextlib.contextmanager

@@ -40,3 +40,76 @@ def test_kernel_equals_gathered_attention(rows, lo, hi):
                                                     mask=None)
         err = mx.abs(got[r:r + 1].astype(mx.float32) - want.astype(mx.float32)).max().item()
         assert err < 2e-2, (r, err)
+
+
+@pytest.mark.parametrize(("rows", "kv_heads", "longest", "sms", "want"), [
+    (32, 8, 4096, 132, 1),    # 256 blocks already cover 132 SMs: no split
+    (17, 8, 9000, 132, 1),    # 136 >= 132
+    (16, 8, 9000, 132, 2),    # 128 blocks: two splits cover them
+    (1, 8, 4096, 132, 16),    # 8 blocks want 17 splits; 4096 tokens allow 16
+    (1, 8, 300, 132, 2),      # capped by the context: one split per 256 tokens at most
+    (1, 8, 33, 132, 1),
+    (4, 2, 100000, 132, 17),  # 8 blocks: ceil(132 / 8) splits
+    (0, 8, 10, 132, 1),
+])
+def test_splits_come_from_the_grid(rows, kv_heads, longest, sms, want):
+    assert paged_cuda.splits_for(rows, kv_heads, longest, sms) == want
+
+
+def test_splits_never_exceed_one_per_chunk_and_cover_the_sms():
+    for rows in (1, 2, 3, 5, 8, 13, 32, 64):
+        for longest in (1, 255, 256, 257, 1000, 5000, 40000):
+            n = paged_cuda.splits_for(rows, 4, longest, 132)
+            assert 1 <= n <= max(1, -(-longest // paged_cuda.CHUNK))
+            if n < -(-longest // paged_cuda.CHUNK):  # not capped: the SMs are covered
+                assert rows * 4 * n >= 132
+
+
+def test_sm_count_from_device_info_or_the_fallback():
+    assert paged_cuda.sms_of({"multi_processor_count": 108}) == 108
+    assert paged_cuda.sms_of({"device_name": "x"}) == paged_cuda.FALLBACK_SMS
+    assert paged_cuda.sm_count() > 0
+
+
+def _partials(q, k, v, lengths, splits, bt):
+    """What the kernel's partial launch writes, in numpy: per (row, head, split) of the span
+    ceil(table tokens / splits), the max score, the sum of exp(score − max) and the
+    accumulator of V weighted so (an empty split: max −inf, sum and accumulator 0)."""
+    rows, heads, dim = q.shape
+    table = -(-int(lengths.max()) // bt) * bt
+    span = -(-table // splits)
+    part_a = np.zeros((rows, heads, splits, dim), np.float32)
+    part_m = np.full((rows, heads, splits), -np.inf, np.float32)
+    part_s = np.zeros((rows, heads, splits), np.float32)
+    for r in range(rows):
+        for s in range(splits):
+            lo, hi = s * span, min(int(lengths[r]), (s + 1) * span)
+            if lo >= hi:
+                continue
+            scores = np.einsum("hd,htd->ht", q[r], k[r][:, lo:hi])
+            m = scores.max(axis=-1)
+            e = np.exp(scores - m[:, None])
+            part_m[r, :, s], part_s[r, :, s] = m, e.sum(axis=-1)
+            part_a[r, :, s] = np.einsum("ht,htd->hd", e, v[r][:, lo:hi])
+    return part_a, part_m, part_s
+
+
+@pytest.mark.parametrize(("rows", "longest", "splits"), [(3, 700, 3), (2, 40, 5), (4, 300, 2)])
+def test_combine_of_split_partials_is_the_attention(rows, longest, splits):
+    """The combine's math (mlx ops on the CPU) over partials cut as the kernel cuts them
+    equals the softmax attention over each row's whole context, empty splits included."""
+    heads, dim, bt = 4, 32, 16
+    rng = np.random.default_rng(rows)
+    lengths = rng.integers(1, longest + 1, size=rows)
+    lengths[0] = longest
+    q = rng.standard_normal((rows, heads, dim)).astype(np.float32) * dim ** -0.5
+    k = rng.standard_normal((rows, heads, longest, dim)).astype(np.float32)
+    v = rng.standard_normal((rows, heads, longest, dim)).astype(np.float32)
+    got = np.array(paged_cuda.combine(*(mx.array(a) for a in
+                                        _partials(q, k, v, lengths, splits, bt))))
+    for r in range(rows):
+        n = int(lengths[r])
+        scores = np.einsum("hd,htd->ht", q[r], k[r][:, :n])
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        want = np.einsum("ht,htd->hd", p / p.sum(axis=-1, keepdims=True), v[r][:, :n])
+        np.testing.assert_allclose(got[r], want, rtol=1e-5, atol=1e-5)
