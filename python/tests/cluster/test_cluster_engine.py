@@ -257,3 +257,33 @@ def test_a_stage_names_its_weights_as_the_engine_reads_them(tiny_model, rank):
     assert mine and mine <= names
     assert all(name.startswith(("layers.", "lm_head.")) for name in names)
     assert names - mine == ({name for name in names if name.startswith("lm_head.")})
+
+
+@given(st.integers(1, 9), st.integers(1, 40))
+def test_split_decodes_take_disjoint_halves_and_starve_none(n, steps):
+    """The scheduler's ``split_decodes`` (pure: its plan over runs, no engine): each step
+    decodes only sequences with no token in flight, at most half of them rounded up, and
+    every sequence decodes at least every other step (so two steps overlap across ranks)."""
+    from plimsoll.worker.events import GenRequest, SchedulerLimits
+    from plimsoll.worker.scheduler import Scheduler
+    from plimsoll.worker.waiting import Run
+
+    sched = Scheduler.__new__(Scheduler)
+    sched.limits = SchedulerLimits(n, 1, 1.0, 0, split_decodes=True)
+    sched._running = {}
+    for _ in range(n):
+        req = GenRequest(prompt=[1], max_tokens=1000, sink=lambda _e: None)
+        sched._running[req.id] = Run(req, [1], 1, 1, 0)
+    inflight: set[int] = set()
+    last = {seq: -1 for seq in sched._running}
+    for step in range(steps):
+        chosen = {run.req.id for run in sched._decoding()}
+        # one sequence alone waits out its own token: every other step is empty
+        assert (chosen or n == 1) and not chosen & inflight and len(chosen) <= -(-n // 2)
+        for seq in chosen:
+            sched._running[seq].pending = 1
+            last[seq] = step
+        for seq in inflight:  # the step before is read after this one is submitted
+            sched._running[seq].pending = 0
+        inflight = chosen
+        assert all(step - s <= 2 or s == -1 and step < 2 for s in last.values())
