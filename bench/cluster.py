@@ -9,10 +9,11 @@ then:
    bytes per token, pool blocks, footprint, ``u``) — the same pure plan the ranks make;
 2. for each ``--variants`` stage (``loop``: the per-layer loop; ``engine``: the worker's
    engine, one step at a time through the ranks; ``engine-pipelined``: the engine in two
-   micro-batches, the default) starts, side by side on 127.0.0.1, the model on **one rank**
-   and on **two ranks** (``Cluster`` with rank 0 serving the worker API, ring backend,
+   micro-batches, the default) starts, all side by side on 127.0.0.1, the model on **one
+   rank** and on **two ranks** (``Cluster`` with rank 0 serving the worker API, ring backend,
    OpenBLAS preloaded), each rank with its own figures on its command line, and after one
-   warm-up request per cluster alternates, ``--repeats`` times (order flipped every repeat):
+   warm-up request per cluster goes round every cluster, ``--repeats`` times (the order
+   rotated every repeat):
    - **single stream**: one streamed completion of ``--tokens`` tokens at temperature 0;
      decode tokens/s = (completion − 1) ÷ (last chunk − first chunk), TTFT excluded;
    - **k at once**, for each k of ``--together`` (default 2): k such streams released
@@ -120,46 +121,60 @@ def together(url: str, tokens: int, k: int) -> dict:
 VARIANTS = {"loop": ("loop", 1), "engine": ("engine", 1), "engine-pipelined": ("engine", 2)}
 
 
-def measure(preset: str, model: Path, repeats: int, tokens: int, variant: str,
-            streams: list[int]) -> dict:
-    """One rank against two (``SPLITS``) on ``variant``'s stage, side by side."""
+def measure(preset: str, model: Path, repeats: int, tokens: int, variants: list[str],
+            streams: list[int]) -> dict[str, dict]:
+    """One rank against two (``SPLITS``) on each of ``variants``' stages: every cluster up
+    side by side, the rounds alternating over all of them (so load on the box falls on each
+    alike)."""
     from plimsoll.cluster.plan import ClusterRequest
     from plimsoll.cluster.runner import Cluster, RankSpec, ServeSpec
     from plimsoll.web.serve import free_port
 
-    stage, micro = VARIANTS[variant]
-    request = ClusterRequest(concurrency=max(2, *streams), context=2048, max_tokens=512,
-                             min_context=1024, stage=stage, micro_batches=micro)
     splits = {"one_rank": (4,), "two_ranks": SPLITS[preset]}
-    clusters = {}
+    clusters: dict[tuple[str, str], Cluster] = {}
     try:
-        for name, ceilings in splits.items():
-            specs = [RankSpec(ceiling_bytes=int(c * GIB), total_ram_bytes=int(c * GIB),
-                              budget_bytes=int(c * GIB)) for c in ceilings]
-            c = Cluster(model, specs, request, env=server_env(OPENBLAS),
-                        serve=ServeSpec(port=free_port(), model_name=preset))
-            clusters[name] = c
-            c.start(timeout=180)
-            stream(c.serving["url"], 8)  # warm-up
-        runs: dict[str, dict] = {n: {"single": [], **{k: [] for k in streams if k > 1}}
-                                 for n in clusters}
+        for variant in variants:
+            stage, micro = VARIANTS[variant]
+            request = ClusterRequest(concurrency=max(2, *streams), context=2048,
+                                     max_tokens=512, min_context=1024, stage=stage,
+                                     micro_batches=micro)
+            for name, ceilings in splits.items():
+                specs = [RankSpec(ceiling_bytes=int(c * GIB), total_ram_bytes=int(c * GIB),
+                                  budget_bytes=int(c * GIB)) for c in ceilings]
+                c = Cluster(model, specs, request, env=server_env(OPENBLAS),
+                            serve=ServeSpec(port=free_port(), model_name=preset))
+                clusters[variant, name] = c
+                c.start(timeout=180)
+                stream(c.serving["url"], 8)  # warm-up
+        runs: dict[tuple[str, str], dict] = {
+            key: {"single": [], **{k: [] for k in streams if k > 1}} for key in clusters}
+        keys = list(clusters)
         for i in range(repeats):
-            order = list(clusters) if i % 2 == 0 else list(reversed(clusters))
-            for name in order:
-                url = clusters[name].serving["url"]
-                runs[name]["single"].append(stream(url, tokens))
+            shift = i % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                url = clusters[key].serving["url"]
+                runs[key]["single"].append(stream(url, tokens))
                 for k in streams:
                     if k > 1:
-                        runs[name][k].append(together(url, tokens, k))
-        ready = {name: [c.ready[r] for r in sorted(c.ready)] for name, c in clusters.items()}
+                        runs[key][k].append(together(url, tokens, k))
+        ready = {key: [c.ready[r] for r in sorted(c.ready)] for key, c in clusters.items()}
     finally:
         for c in clusters.values():
             c.close()
+    return {variant: _figures(variant, {name: runs[variant, name] for name in splits},
+                              {name: ready[variant, name] for name in splits}, streams)
+            for variant in variants}
+
+
+def _figures(variant: str, runs: dict[str, dict], ready: dict[str, list], streams: list[int]
+             ) -> dict:
+    """One variant's medians, one rank and two, and the ratio two ÷ one."""
+    stage, micro = VARIANTS[variant]
     out: dict = {"stage": stage, "micro_batches": micro}
     for name, r in runs.items():
         decode = [x["decode_tps"] for x in r["single"] if x["decode_tps"]]
         out[name] = {
-            "ranks": len(splits[name]),
+            "ranks": len(ready[name]),
             "single_stream_decode_tps": statistics.median(decode) if decode else None,
             "single_stream_ttft_s": statistics.median(x["ttft_s"] for x in r["single"]),
             "aggregate_tps": {str(k): statistics.median(x["aggregate_tps"] for x in r[k])
@@ -284,12 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         if not (model / "config.json").exists():
             build_demo_model(model, preset=preset)
         print(f"{preset}: planning and measuring", file=sys.stderr, flush=True)
-        result["presets"][preset] = {"plan": plan_figures(model, SPLITS[preset]),
-                                     "variants": {}}
-        for variant in args.variants:
-            print(f"{preset}: {variant}", file=sys.stderr, flush=True)
-            result["presets"][preset]["variants"][variant] = measure(
-                preset, model, args.repeats, args.tokens, variant, result["streams"])
+        result["presets"][preset] = {
+            "plan": plan_figures(model, SPLITS[preset]),
+            "variants": measure(preset, model, args.repeats, args.tokens, args.variants,
+                                result["streams"])}
     result["loadavg"]["end"] = os.getloadavg()[0]
     report.write(result, args.out_dir, args.name or report.default_name("cluster"), markdown)
     print(markdown(result))
