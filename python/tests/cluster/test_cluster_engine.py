@@ -181,9 +181,11 @@ def test_stage_facts_add_up_to_the_model(preset, request):
 # ---- over HTTP: the worker's API, two requests at once -------------------------------------
 
 
-def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model):
-    """``plimsoll cluster serve --stage engine``: two requests in flight at once get what a
-    single-process worker gives each, and the status says every rank runs the engine."""
+@pytest.mark.parametrize("stage", ["engine", "loop"])
+def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model, stage):
+    """``plimsoll cluster serve`` (the engine stage, the default; ``--stage loop`` still
+    selectable): two requests in flight at once get what a single-process worker gives each,
+    and the status says which stage every rank runs, pipelined on the engine."""
     import concurrent.futures
 
     from conftest import Worker
@@ -195,7 +197,8 @@ def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model):
         one = [complete(single.url, p, 24)["choices"][0]["text"] for p in prompts]
     finally:
         single.stop()
-    served = ClusterServe(tiny_model, "4", "4", extra=["--stage", "engine"])
+    served = ClusterServe(tiny_model, "4", "4",
+                          extra=["--stage", "loop"] if stage == "loop" else None)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             two = list(pool.map(lambda p: complete(served.url, p, 24), prompts))
@@ -203,7 +206,8 @@ def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model):
     finally:
         assert served.stop() == 0
     assert [t["choices"][0]["text"] for t in two] == one
-    assert status["cluster"]["stage"] == "engine" and status["max_num_seqs"] == 2
+    assert status["cluster"]["stage"] == stage and status["max_num_seqs"] == 2
+    assert status["cluster"]["pipelined"] is (stage == "engine")
     assert [r["messages"] for r in status["cluster"]["ranks"]] == ["send/recv"] * 2
 
 
