@@ -7,14 +7,18 @@ then:
 1. **per-rank admission figures** from ``plimsoll cluster plan --json`` for the two-rank
    split (layers, weights share from the safetensors headers, communication buffers, KV
    bytes per token, pool blocks, footprint, ``u``) — the same pure plan the ranks make;
-2. starts, side by side on 127.0.0.1, the model on **one rank** and on **two ranks**
-   (``Cluster`` with rank 0 serving the worker API, ring backend, OpenBLAS preloaded), each
-   rank with its own figures on its command line, and after one warm-up request per
-   cluster alternates, ``--repeats`` times (order flipped every repeat):
+2. for each ``--variants`` stage (``loop``: the per-layer loop; ``engine``: the worker's
+   engine, one step at a time through the ranks; ``engine-pipelined``: the engine in two
+   micro-batches, the default) starts, all side by side on 127.0.0.1, the model on **one
+   rank** and on **two ranks** (``Cluster`` with rank 0 serving the worker API, ring backend,
+   OpenBLAS preloaded), each rank with its own figures on its command line, and after one
+   warm-up request per cluster goes round every cluster, ``--repeats`` times (the order
+   rotated every repeat):
    - **single stream**: one streamed completion of ``--tokens`` tokens at temperature 0;
      decode tokens/s = (completion − 1) ÷ (last chunk − first chunk), TTFT excluded;
-   - **two at once**: two such streams released together (the committed concurrency is
-     2); aggregate tokens/s = all completion tokens ÷ wall time (prefill included).
+   - **k at once**, for each k of ``--together`` (default 2): k such streams released
+     together (the committed concurrency is the largest k); aggregate tokens/s = all
+     completion tokens ÷ wall time (prefill included).
    The medians and the ratio two-rank ÷ one-rank are reported.
 
 What to expect: the demo models are tiny, so a token is latency-bound. A layer split
@@ -25,7 +29,8 @@ only its share), not speed, at this size. The host's load average is recorded wi
 figures (other work on the box moves them).
 
 Writes ``--out-dir``/``--name``.{json,md}. Run (from the repo root):
-    python bench/cluster.py [--presets tiny hybrid] [--repeats 3]
+    python bench/cluster.py [--presets tiny hybrid] [--repeats 3] \\
+        [--variants loop engine engine-pipelined] [--together 8]
 
 **A built model** (``--model DIR``, e.g. bench/gpu_model.py's Qwen3-4B-shaped one on the
 GPU: bench/gpu_cluster.sh) runs instead, one after another (``--phases``, in that order;
@@ -102,7 +107,7 @@ def stream(url: str, tokens: int) -> dict:
     return {"tokens": r["completion_tokens"], "ttft_s": r["ttft_s"], "decode_tps": decode_tps(r)}
 
 
-def together(url: str, tokens: int, k: int = 2) -> dict:
+def together(url: str, tokens: int, k: int) -> dict:
     """``k`` such streams released together: aggregate tok/s, prefill included."""
     body = {"prompt": PROMPT, "max_tokens": tokens, "temperature": 0}
     r = concurrent_streams(url, [body] * k, 300, path="/v1/completions")
@@ -112,65 +117,97 @@ def together(url: str, tokens: int, k: int = 2) -> dict:
             "aggregate_tps": r["aggregate_tps"]}
 
 
-def measure(preset: str, model: Path, repeats: int, tokens: int) -> dict:
+#: how the ranks run their layers, by name: (stage, micro-batches)
+VARIANTS = {"loop": ("loop", 1), "engine": ("engine", 1), "engine-pipelined": ("engine", 2)}
+
+
+def measure(preset: str, model: Path, repeats: int, tokens: int, variants: list[str],
+            streams: list[int]) -> dict[str, dict]:
+    """One rank against two (``SPLITS``) on each of ``variants``' stages: every cluster up
+    side by side, the rounds alternating over all of them (so load on the box falls on each
+    alike)."""
     from plimsoll.cluster.plan import ClusterRequest
     from plimsoll.cluster.runner import Cluster, RankSpec, ServeSpec
     from plimsoll.web.serve import free_port
 
-    request = ClusterRequest(concurrency=2, context=2048, max_tokens=512, min_context=1024)
     splits = {"one_rank": (4,), "two_ranks": SPLITS[preset]}
-    clusters = {}
+    clusters: dict[tuple[str, str], Cluster] = {}
     try:
-        for name, ceilings in splits.items():
-            specs = [RankSpec(ceiling_bytes=int(c * GIB), total_ram_bytes=int(c * GIB),
-                              budget_bytes=int(c * GIB)) for c in ceilings]
-            c = Cluster(model, specs, request, env=server_env(OPENBLAS),
-                        serve=ServeSpec(port=free_port(), model_name=preset))
-            clusters[name] = c
-            c.start(timeout=180)
-            stream(c.serving["url"], 8)  # warm-up
-        runs: dict[str, dict[str, list]] = {n: {"single": [], "two": []} for n in clusters}
+        for variant in variants:
+            stage, micro = VARIANTS[variant]
+            request = ClusterRequest(concurrency=max(2, *streams), context=2048,
+                                     max_tokens=512, min_context=1024, stage=stage,
+                                     micro_batches=micro)
+            for name, ceilings in splits.items():
+                specs = [RankSpec(ceiling_bytes=int(c * GIB), total_ram_bytes=int(c * GIB),
+                                  budget_bytes=int(c * GIB)) for c in ceilings]
+                c = Cluster(model, specs, request, env=server_env(OPENBLAS),
+                            serve=ServeSpec(port=free_port(), model_name=preset))
+                clusters[variant, name] = c
+                c.start(timeout=180)
+                stream(c.serving["url"], 8)  # warm-up
+        runs: dict[tuple[str, str], dict] = {
+            key: {"single": [], **{k: [] for k in streams if k > 1}} for key in clusters}
+        keys = list(clusters)
         for i in range(repeats):
-            order = list(clusters) if i % 2 == 0 else list(reversed(clusters))
-            for name in order:
-                url = clusters[name].serving["url"]
-                runs[name]["single"].append(stream(url, tokens))
-                runs[name]["two"].append(together(url, tokens))
-        ready = {name: [c.ready[r] for r in sorted(c.ready)] for name, c in clusters.items()}
+            shift = i % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                url = clusters[key].serving["url"]
+                runs[key]["single"].append(stream(url, tokens))
+                for k in streams:
+                    if k > 1:
+                        runs[key][k].append(together(url, tokens, k))
+        ready = {key: [c.ready[r] for r in sorted(c.ready)] for key, c in clusters.items()}
     finally:
         for c in clusters.values():
             c.close()
-    out = {}
+    return {variant: _figures(variant, {name: runs[variant, name] for name in splits},
+                              {name: ready[variant, name] for name in splits}, streams)
+            for variant in variants}
+
+
+def _figures(variant: str, runs: dict[str, dict], ready: dict[str, list], streams: list[int]
+             ) -> dict:
+    """One variant's medians, one rank and two, and the ratio two ÷ one."""
+    stage, micro = VARIANTS[variant]
+    out: dict = {"stage": stage, "micro_batches": micro}
     for name, r in runs.items():
         decode = [x["decode_tps"] for x in r["single"] if x["decode_tps"]]
         out[name] = {
-            "ranks": len(splits[name]),
+            "ranks": len(ready[name]),
             "single_stream_decode_tps": statistics.median(decode) if decode else None,
-            "two_streams_aggregate_tps": statistics.median(x["aggregate_tps"] for x in r["two"]),
+            "single_stream_ttft_s": statistics.median(x["ttft_s"] for x in r["single"]),
+            "aggregate_tps": {str(k): statistics.median(x["aggregate_tps"] for x in r[k])
+                              for k in streams if k > 1},
             "completion_tokens": [x["tokens"] for x in r["single"]],
-            "loaded": [{"rank": e["rank"], "layers": e["layers"],
+            "loaded": [{"rank": e["rank"], "layers": e["layers"], "stage": e.get("stage"),
                         "loaded_bytes": e["loaded_bytes"]} for e in ready[name]],
-            "runs": {"single": r["single"], "two": r["two"]},
+            "runs": {str(k): v for k, v in r.items()},
         }
     one, two = out["one_rank"], out["two_ranks"]
     out["ratio_two_over_one"] = {
         "single_stream_decode": (two["single_stream_decode_tps"] / one["single_stream_decode_tps"]
                                  if one["single_stream_decode_tps"] else None),
-        "two_streams_aggregate": two["two_streams_aggregate_tps"]
-        / one["two_streams_aggregate_tps"]}
+        "aggregate": {k: two["aggregate_tps"][k] / one["aggregate_tps"][k]
+                      for k in one["aggregate_tps"]}}
     return out
 
 
 def markdown(result: dict) -> str:
+    streams = [k for k in result["streams"] if k > 1]
     rows = []
     for preset, r in result["presets"].items():
-        for name in ("one_rank", "two_ranks"):
-            x = r["tps"][name]
-            rows.append([preset, x["ranks"], report.num(x["single_stream_decode_tps"], ".1f"),
-                         report.num(x["two_streams_aggregate_tps"], ".1f")])
-        ratio = r["tps"]["ratio_two_over_one"]
-        rows.append([preset, "**2 ÷ 1**", f"**{report.num(ratio['single_stream_decode'], '.2f')}**",
-                     f"**{report.num(ratio['two_streams_aggregate'], '.2f')}**"])
+        for variant, v in r["variants"].items():
+            for name in ("one_rank", "two_ranks"):
+                x = v[name]
+                rows.append([preset, variant, x["ranks"],
+                             report.num(x["single_stream_decode_tps"], ".1f"),
+                             *(report.num(x["aggregate_tps"][str(k)], ".1f") for k in streams)])
+            ratio = v["ratio_two_over_one"]
+            rows.append([preset, variant, "**2 ÷ 1**",
+                         f"**{report.num(ratio['single_stream_decode'], '.2f')}**",
+                         *(f"**{report.num(ratio['aggregate'][str(k)], '.2f')}**"
+                           for k in streams)])
     plan = [[preset, x["rank"], f"{x['layers'][0]}..{x['layers'][1] - 1}", x["weights_bytes"],
              x["comm_bytes"], x["kv_bytes_per_token"], x["per_sequence_fixed_bytes"],
              x["pool_blocks"], x["footprint_bytes"], f"{x['u']:.3f}"]
@@ -180,20 +217,24 @@ def markdown(result: dict) -> str:
         f"# Clustered mode: one rank vs two ranks ({result['host']})", "",
         *([f"Command: `{result['command']}`", ""] if result.get("command") else []),
         (f"{result['when']}; {result['repeats']} repeats, {result['tokens']} tokens per "
-         "stream, temperature 0, concurrency 2, context 2048; ring backend on 127.0.0.1, "
-         "every rank a process with its own figures."), "",
-        *report.table(["model", "ranks", "single-stream decode tok/s",
-                       "two streams aggregate tok/s"], rows),
+         "stream, temperature 0, context 2048, concurrency the most streams; ring backend on "
+         "127.0.0.1, every rank a process with its own figures. Stages: `loop` the per-layer "
+         "loop (one slot per sequence, stepped one at a time); `engine` the worker's engine "
+         "on every rank, one step at a time through the ranks (`--micro-batches 1`); "
+         "`engine-pipelined` the same in two micro-batches (the default): alternate halves of "
+         "the decodes, one on rank 0 while the other is on rank 1."), "",
+        *report.table(["model", "stage", "ranks", "single-stream decode tok/s",
+                       *(f"{k} streams aggregate tok/s" for k in streams)], rows),
         "", "## Per-rank admission (two ranks; `plimsoll cluster plan --json`)", "",
         *report.table(["model", "rank", "layers", "weights B", "comm B", "KV B/token",
                        "fixed B/seq", "pool blocks", "footprint B", "u"], plan),
         "", ("Each rank loads exactly its planned weights share (`loaded_bytes` in the "
              "JSON); with a tied head the last rank holds the embedding matrix again."),
-        ("A tiny model is latency-bound: per token the split adds a header and an "
-         "activation message per rank boundary and the token's message back to rank 0, "
+        ("A tiny model is latency-bound: per step the split adds a header and an "
+         "activation message per rank boundary and the tokens' message back to rank 0, "
          "each a wake-up of another process, and the ranks share the CPU cores with "
-         "whatever else runs, so the ratio is below 1; the split buys memory per host, "
-         "not speed.")
+         "whatever else runs; on a box with fewer cores than ranks × threads, overlapping "
+         "two ranks' compute gains little, since they take turns on the same cores.")
         + (f" Load average (1 min) at start/end: {load['start']:.1f}/{load['end']:.1f}."
            if load else "")]) + "\n"
 
@@ -203,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", nargs="+", default=["tiny", "hybrid"], choices=sorted(SPLITS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--variants", nargs="+", default=["engine-pipelined"],
+                    choices=sorted(VARIANTS), help="stages to measure (demo presets)")
+    ap.add_argument("--together", default="2",
+                    help="demo presets: comma list of stream counts released together")
     ap.add_argument("--models", type=Path, default=report.OUT / "cluster-models")
     report.output_args(ap, "cluster")
     ap.add_argument("--render", type=Path, metavar="JSON",
@@ -212,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     served.add_argument("--phases", default="one,ring,nccl,too-big",
                         help="comma list of one, ring, nccl, too-big, run in that order")
     served.add_argument("--stage", choices=["engine", "loop"], default="engine")
+    served.add_argument("--micro-batches", type=int, choices=[1, 2], default=2,
+                        help="engine stage: steps in flight across the ranks")
     served.add_argument("--rank-gib", type=float, default=24.0,
                         help="each rank's slice in the one/ring/nccl runs")
     served.add_argument("--too-big-gib", default="auto",
@@ -245,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
               "host": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs",
               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "repeats": args.repeats, "tokens": args.tokens, "presets": {},
+              "streams": [1, *(int(k) for k in args.together.split(",") if k)],
               "loadavg": {"start": os.getloadavg()[0]}}
     for preset in args.presets:
         model = args.models / preset
@@ -253,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{preset}: planning and measuring", file=sys.stderr, flush=True)
         result["presets"][preset] = {
             "plan": plan_figures(model, SPLITS[preset]),
-            "tps": measure(preset, model, args.repeats, args.tokens)}
+            "variants": measure(preset, model, args.repeats, args.tokens, args.variants,
+                                result["streams"])}
     result["loadavg"]["end"] = os.getloadavg()[0]
     report.write(result, args.out_dir, args.name or report.default_name("cluster"), markdown)
     print(markdown(result))
@@ -296,7 +345,8 @@ def served_main(args) -> int:
     if unknown:
         raise SystemExit(f"unknown phases {sorted(unknown)}")
     model = args.model.resolve()
-    base = {"context": args.context, "max_tokens": args.max_tokens, "stage": args.stage}
+    base = {"context": args.context, "max_tokens": args.max_tokens, "stage": args.stage,
+            "micro_batches": args.micro_batches}
     request = ClusterRequest(concurrency=args.concurrency or max(streams), **base)
     tb_request = ClusterRequest(concurrency=max(tb_streams), **base)
     facts = inspect_model(model)

@@ -50,11 +50,15 @@ def _request_options(f):
                              show_default=True, help="Fraction of each rank's budget."),
                 click.option("--min-context", type=click.IntRange(min=1), default=1024,
                              show_default=True),
-                click.option("--stage", type=click.Choice(["loop", "engine"]), default="loop",
+                click.option("--stage", type=click.Choice(["engine", "loop"]),
+                             default="engine", show_default=True,
+                             help="How each rank runs its layers: the worker's engine (paged "
+                                  "KV, batched decodes, prefix sharing), or one slot per "
+                                  "sequence (loop)."),
+                click.option("--micro-batches", type=click.IntRange(1, 2), default=2,
                              show_default=True,
-                             help="How each rank runs its layers: one slot per sequence "
-                                  "(loop), or the worker's engine (paged KV, batched decodes, "
-                                  "prefix sharing)."),
+                             help="Engine stage: 2 pipelines alternate halves of the decodes "
+                                  "across the ranks; 1 runs one step at a time."),
                 click.option("--backend", type=click.Choice(["auto", "ring", "jaccl", "nccl"]),
                              default="auto", show_default=True,
                              help="MLX distributed backend of the ranks (auto: what MLX "

@@ -6,7 +6,8 @@ is submitted to the worker's scheduler at once, so they run concurrently (batche
 chunked prefills, shared prefixes) up to the committed concurrency, exactly as HTTP
 requests would. Events on stdout: ``token`` (``seq``: the prompt's index), then one
 ``done`` with every prompt's tokens (``outputs``; ``tokens``: the first's; ``most_rows``:
-the most sequences one decode step has batched so far), or ``refused``
+the most sequences one decode step has batched so far; ``overlapped``: the steps sent
+while the one before was still on the next ranks, so far), or ``refused``
 with the scheduler's reason. Anything else, or the end of input, shuts the ring down.
 
 The scheduler's loop runs on this (the main) thread, where the rank joined the group;
@@ -56,7 +57,7 @@ def serve_stdin(engine, cf: ClusterFacts, stdin=None) -> int:
     """Rank 0's loop over stdin requests; the rank's exit code."""
     stdin = stdin or sys.stdin
     cfg = ring_worker_config(cf, model_name=None, host="127.0.0.1", port=1)
-    pool, limits = engine_parts(cf, cfg)
+    pool, limits = engine_parts(cf, cfg, pipelined=engine.pipelined)
     sched = RingScheduler(engine, pool, limits,
                           lambda: {"mlx_active": engine.memory()["active"], "rss": 0})
 
@@ -78,7 +79,8 @@ def serve_stdin(engine, cf: ClusterFacts, stdin=None) -> int:
                 total = sum(len(o) for o in outs)
                 rows = max((len(decoded) for _, decoded, _ in list(sched.step_log)), default=0)
                 emit("done", tokens=outs[0], outputs=outs, seconds=elapsed,
-                     tokens_per_s=total / elapsed if elapsed > 0 else None, most_rows=rows)
+                     tokens_per_s=total / elapsed if elapsed > 0 else None, most_rows=rows,
+                     overlapped=engine.overlapped)
         finally:
             sched.stop()
 

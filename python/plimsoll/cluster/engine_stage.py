@@ -19,8 +19,10 @@ acknowledgement), so every rank makes the same engine calls in the same order an
 sends and receives of each forward pair up. The scheduler's block pool, prefix sharing
 (hybrid snapshots included: every rank snapshots its own state), batching and bounds are
 a local worker's; a sequence's blocks are the same ids on every rank, in pools of the
-same size. Steps run one at a time across the ranks (no micro-batch pipelining yet).
-The peers run :func:`follow`.
+same size. Steps pipeline across the ranks in two micro-batches (:class:`StageEngine`:
+the scheduler decodes alternate halves of its sequences, and rank 0 runs one half's step
+while the next rank runs the other's). The peers run :func:`follow`, one op at a time in
+the order sent.
 
 Why not mlx-lm's ``pipeline`` model method: its ranks each hold the embeddings and the
 head and all-gather the last hidden states, so neither the weight shares nor the messages
@@ -31,6 +33,7 @@ mlx-lm builds per layer kind (qwen2/3, llama-like, qwen3_next), as :mod:`.stage`
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import time
@@ -112,18 +115,32 @@ def _leaves(tree) -> list:
     return [v for _, v in tree_flatten(tree)]
 
 
-class _Done:
-    """A step already run on every rank: its sampled tokens."""
+class _Reply:
+    """A step sent to every rank: its sampled tokens, read from the last rank when asked
+    (replies come back in the order the steps went, so reading one reads every older one)."""
 
-    def __init__(self, result: dict[int, int]):
-        self._result = result
+    def __init__(self, owner: StageEngine, order: list[int]):
+        self._owner, self.order = owner, order
+        self.out: dict[int, int] | None = None
 
     def result(self) -> dict[int, int]:
-        return self._result
+        if self.out is None:
+            self._owner._settle(self)
+        return self.out
 
 
 class StageEngine:
     """Rank 0's engine for the worker's scheduler: every call on every rank, in order.
+
+    **Pipelined** (``micro_batches`` 2, point-to-point messages, more than one rank): a step
+    is sent right and run on this rank's layers, and its tokens are read only when the
+    scheduler asks (:class:`_Reply`), so the next step, planned over the other half of the
+    decodes (``SchedulerLimits.split_decodes``), runs here while the last one runs on the
+    next rank. At most two steps are in flight (the scheduler holds one pending); a step
+    that names a token still in flight, and every other op, first reads every reply
+    outstanding. Without pipelining (one micro-batch, or the all-sum messages of MLX's nccl
+    backend, which must pair in the same order on both ranks) each step's reply is read
+    before it returns.
 
     Any failure leaves the ranks out of step, so it is raised as a
     :class:`~plimsoll.cluster.exits.RingFailure` and the engine is ``broken``: every later
@@ -132,17 +149,20 @@ class StageEngine:
     Not thread-safe: one owner calls it.
     """
 
-    def __init__(self, ring, engine, whole_facts, check: MemoryCheck):
+    def __init__(self, ring, engine, whole_facts, check: MemoryCheck, micro_batches: int = 1):
         self.ring, self.engine, self.check = ring, engine, check
         self.facts = whole_facts  # the scheduler's figures are per layer: the whole model's
         self.tokenizer = engine.tokenizer
         self.block_bytes = engine.block_bytes
         self.state_bytes_per_seq = engine.state_bytes_per_seq
         self.fused_prefill = engine.fused_prefill
+        self.pipelined = micro_batches > 1 and ring.size > 1 and not ring.collective
         self.broken = None
         self.last_op = time.monotonic()
+        self.overlapped = 0  # steps sent while the one before was still on the next ranks
         self._tables = wire.Tables()
         self._last: dict[int, int] = {}  # seq → its last sampled token (a pipelined decode's)
+        self._inflight: collections.deque[_Reply] = collections.deque()
         self._keys: dict[object, int] = {}
         self._ids = itertools.count(1)
 
@@ -162,8 +182,21 @@ class StageEngine:
     def expect(self, seq_id: int, max_tokens: int) -> None:
         """The scheduler admitted ``seq_id`` (the pool reserved its blocks: nothing to do)."""
 
+    def _settle(self, upto: _Reply | None = None) -> None:
+        """Read the replies in flight, oldest first, through ``upto`` (None: all)."""
+        ring = self.ring
+        with lockstep(self):
+            while self._inflight:
+                reply = self._inflight.popleft()
+                got = ring.recv_ints(max(1, len(reply.order)), ring.left)
+                reply.out = dict(zip(reply.order, got, strict=False)) if reply.order else {}
+                self._last.update(reply.out)
+                if reply is upto:
+                    return
+
     def _call(self, head: list[int], payload: list[int], here) -> list[int]:
         """Send the op right, run ``here()`` on this rank, read the last rank's reply."""
+        self._settle()
         ring = self.ring
         with lockstep(self):
             if ring.size > 1:
@@ -175,20 +208,28 @@ class StageEngine:
                 return ring.recv_ints(max(1, len(got or ())), ring.left)
             return list(got or ())
 
-    def run_async(self, step) -> _Done:
+    def run_async(self, step) -> _Reply:
+        if self._inflight and _needs(step, self._inflight):
+            self._settle()
         step = _concrete(step, self._last)
         payload = wire.encode_step(step, self._tables)
-        order = wire.sampled(step)
-
-        def here() -> list[int]:
+        reply = _Reply(self, wire.sampled(step))
+        ring = self.ring
+        with lockstep(self):
+            if ring.size > 1:
+                ring.send_ints(wire.op_header(wire.OP_RUN, n=len(payload)), ring.right)
+                ring.send_ints(payload, ring.right)
             self.check()
-            result = self.engine.run_async(step).result()
-            return [result[s] for s in order]  # placeholders here: the reply carries them
-
-        reply = self._call(wire.op_header(wire.OP_RUN, n=len(payload)), payload, here)
-        out = dict(zip(order, reply, strict=False)) if order else {}
-        self._last.update(out)
-        return _Done(out)
+            result = self.engine.run_async(step).result()  # placeholders: the reply has them
+            if ring.size == 1:
+                reply.out = {s: result[s] for s in reply.order}
+                self._last.update(reply.out)
+                return reply
+        self.overlapped += bool(self._inflight)
+        self._inflight.append(reply)
+        if not self.pipelined:
+            self._settle(reply)
+        return reply
 
     def free_state(self, seq_id: int) -> None:
         self._tables.forget(seq_id)
@@ -235,6 +276,12 @@ class StageEngine:
 
     def memory(self) -> dict[str, int]:
         return self.engine.memory()
+
+
+def _needs(step, inflight) -> bool:
+    """Whether ``step`` decodes a sequence whose last token is still in flight."""
+    waiting = {seq for reply in inflight for seq in reply.order}
+    return any(w.seq_id in waiting for w in step.decodes)
 
 
 def _concrete(step, last: dict[int, int]):

@@ -87,9 +87,14 @@ class ClusterRequest(BaseModel):
     min_context: int = Field(default=1024, gt=0)
     prefill_chunk: int = Field(default=512, gt=0, description="Tokens per pipeline message.")
     stage: Literal["loop", "engine"] = Field(
-        default="loop", description="How a rank runs its layers: its own per-layer loop, one "
-        "slot per sequence (:mod:`plimsoll.cluster.stage`), or the worker's engine "
-        "(:mod:`plimsoll.cluster.engine_stage`: paged pools, batching, prefix sharing).")
+        default="engine", description="How a rank runs its layers: the worker's engine "
+        "(:mod:`plimsoll.cluster.engine_stage`: paged pools, batching, prefix sharing), or "
+        "its own per-layer loop, one slot per sequence (:mod:`plimsoll.cluster.stage`).")
+    micro_batches: int = Field(
+        default=2, ge=1, le=2, description="Steps in flight across the ranks on the engine "
+        "stage: 2 decodes alternate halves of the sequences so two ranks compute at once; 1 "
+        "runs each step through every rank before the next (the all-sum messages of nccl "
+        "always do).")
     backend: Backend = Field(default="ring", description="The MLX distributed backend every "
                              "rank runs on (chosen before the ranks start: "
                              ":func:`plimsoll.cluster.backend.choose`).")

@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if ring.rank != 0:
                 return engine_stage.follow(ring, engine, check)
-            leader = engine_stage.StageEngine(ring, engine, facts, check)
+            leader = engine_stage.StageEngine(ring, engine, facts, check,
+                                              micro_batches=request.micro_batches)
             if args.serve_port is None:
                 from plimsoll.cluster.engine_serve import serve_stdin
 

@@ -318,7 +318,7 @@ class Cluster:
     def generate_many(self, prompts: list[list[int]], max_tokens: int, *,
                       timeout: float = 60.0, ignore_eos: bool = False) -> dict:
         """Greedy tokens for every prompt, submitted at once (the ranks run their layers on
-        the engine: ``ClusterRequest(stage="engine")``, so they run concurrently): rank 0's
+        the engine, the default stage, so they run concurrently): rank 0's
         ``done`` event (``outputs``: each prompt's tokens; ``most_rows``)."""
         return self._ask({"op": "generate", "prompts": prompts, "max_tokens": max_tokens,
                           "ignore_eos": ignore_eos}, timeout, None)

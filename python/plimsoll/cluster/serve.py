@@ -253,7 +253,8 @@ def ring_worker_config(cf: ClusterFacts, *, model_name: str | None, host: str, p
         mlx_cache_mb=cache_limit_mib(d0.transient_reserve_bytes), host=host, port=port)
 
 
-def engine_parts(cf: ClusterFacts, cfg: WorkerConfig) -> tuple[BlockPool, SchedulerLimits]:
+def engine_parts(cf: ClusterFacts, cfg: WorkerConfig, *, pipelined: bool = False
+                 ) -> tuple[BlockPool, SchedulerLimits]:
     """The scheduler's pool and figures when every rank runs its layers on its engine.
 
     The pool is a local worker's (sharing on; hybrid when any layer holds state or a
@@ -261,7 +262,8 @@ def engine_parts(cf: ClusterFacts, cfg: WorkerConfig) -> tuple[BlockPool, Schedu
     and the largest per-sequence fixed blocks of any rank; prefix retention stays off
     (cache cap 0), as the cluster admits no prefix cache. A step computes at most the
     request's prefill chunk of prompt tokens (what the plan's activation messages are
-    sized by), for up to the committed concurrency of sequences."""
+    sized by), for up to the committed concurrency of sequences. ``pipelined`` (the
+    engine's): the decodes go in alternate halves, so two steps overlap across the ranks."""
     hybrid = any(c.kind in ("state", "window") for c in cf.facts.caches)
     pool = BlockPool(total=cfg.max_cache_blocks, block_tokens=cfg.block_tokens,
                      cache_cap_blocks=0, fixed_blocks_per_seq=cf.fixed_blocks_per_seq,
@@ -269,7 +271,8 @@ def engine_parts(cf: ClusterFacts, cfg: WorkerConfig) -> tuple[BlockPool, Schedu
                      extra_key=f"{cf.model_dir.resolve()}|{cf.facts.kv_format}".encode())
     limits = SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
                              max_batch=cfg.max_num_seqs,
-                             prefill_tokens=min(cf.request.prefill_chunk, cfg.context))
+                             prefill_tokens=min(cf.request.prefill_chunk, cfg.context),
+                             split_decodes=pipelined)
     return pool, limits
 
 
@@ -292,6 +295,7 @@ def ring_backend(sched: RingScheduler, cf: ClusterFacts, leader, guard):
             return {"cluster": {
                 "world_size": len(cf.answers), "backend": cf.request.backend,
                 "stage": cf.request.stage,
+                "pipelined": bool(getattr(sched.engine, "pipelined", False)),
                 "decision": cf.decision.model_dump(), "ranks": cf.ranks(),
                 "slots_open": sched.engine.open_slots,
                 "failed": sched.fatal.reason if sched.fatal else None}}
@@ -347,7 +351,7 @@ def serve_http(leader, cf: ClusterFacts, args, engine=None) -> int:
                                  cfg.trip_bytes, max_batch=cfg.max_num_seqs,
                                  prefill_tokens=cfg.context)
     else:
-        pool, limits = engine_parts(cf, cfg)
+        pool, limits = engine_parts(cf, cfg, pipelined=engine.pipelined)
     proc = psutil.Process()
     guard = SelfGuard.find()
     probe = memory_probe_with_guard(

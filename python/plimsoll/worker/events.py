@@ -82,3 +82,4 @@ class SchedulerLimits:
     transient_bytes: int = 0   # the compute transient bound (decode_bytes must stay under)
     decode_bytes: Callable[[int, int], int] | None = None  # (rows, longest) → transient
     chunk_for: Callable[[int], int] | None = None  # a prompt's length → its largest chunk
+    split_decodes: bool = False  # decodes in alternate halves (a pipeline across ranks)

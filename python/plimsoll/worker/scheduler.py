@@ -10,7 +10,8 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
 
 1. take new submissions into the bounded waiting queue (over the bound: refused at once),
    check the trip, end cancelled sequences;
-2. plan one :class:`~plimsoll.engine.work.Step`: a decode for every running sequence,
+2. plan one :class:`~plimsoll.engine.work.Step`: a decode for every running sequence (or,
+   with ``split_decodes``, for the half with no token in flight: :meth:`Scheduler._decoding`),
    then prompt chunks of prefilling sequences and of waiters admitted now (FIFO, while
    ``max_batch`` and the pool allow: :func:`.waiting.admit_waiting`) up to
    ``prefill_tokens`` per step, so a long prompt delays running streams by at most one chunk
@@ -248,14 +249,10 @@ class Scheduler:
     # --- planning -----------------------------------------------------------------------
     def _plan(self) -> Step:
         """Every running decode, then prompt chunks up to the per-step prefill budget."""
-        decodes, prefills, chunks, prompts = [], [], {}, []
+        decodes, prefills, chunks = [], [], {}
         budget = self.limits.prefill_tokens
-        for run in list(self._running.values()):
-            if run.prefilling:
-                prompts.append(run)
-                continue
-            if run.generated + run.pending >= run.req.max_tokens:
-                continue
+        prompts = [run for run in self._running.values() if run.prefilling]
+        for run in self._decoding():
             table = self.pool.grow(run.req.id, run.written + 1)
             if table is None:  # past its reservation: cannot happen, never raise for it
                 log.error("sequence %s would pass its reservation; ended", run.req.id)
@@ -277,6 +274,17 @@ class Scheduler:
                                                            prefills, chunks))
         self.step_log.append((self._steps + 1, tuple(w.seq_id for w in decodes), chunks))
         return Step(tuple(decodes), tuple(prefills))
+
+    def _decoding(self) -> list[Run]:
+        """The running sequences that decode this step: every one past its prompt and short of
+        ``max_tokens``. With ``limits.split_decodes`` (a pipeline across ranks) only those with
+        no token in flight, at most half of them (rounded up): consecutive steps then take
+        disjoint halves, so one step runs on a rank while the step before runs on the next."""
+        ready = [run for run in self._running.values()
+                 if not run.prefilling and run.generated + run.pending < run.req.max_tokens]
+        if not self.limits.split_decodes:
+            return ready
+        return [run for run in ready if not run.pending][:-(-len(ready) // 2)]
 
     def _admit(self, req: GenRequest, grant: Grant) -> Run:
         """``req`` joins the running batch (its blocks: :func:`.prefix.admit`)."""

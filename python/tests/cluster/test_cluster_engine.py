@@ -1,8 +1,10 @@
 """A rank's layers on the worker's engine: two ranks over ring on 127.0.0.1, the worker's
-scheduler on rank 0 driving every rank's own engine (``ClusterRequest(stage="engine")``).
+scheduler on rank 0 driving every rank's own engine (``ClusterRequest(stage="engine")``,
+the default).
 
-Greedy output at concurrency 2 (two sequences batched in one decode, a third queued) must
-equal mlx-lm's own generation on the unsplit model, for the tiny (qwen3, tied head) and
+Greedy output at concurrency 2 (two sequences running, a third queued; pipelined in two
+micro-batches, the default, and in one: both batched in one decode) must equal mlx-lm's own
+generation on the unsplit model, for the tiny (qwen3, tied head) and
 hybrid (qwen3_next: linear attention state + full attention, MoE) demos; also over the
 all-sum path MLX's nccl backend takes. The wire format and the per-stage facts are
 checked purely.
@@ -72,19 +74,25 @@ def reference(model_dir, prompts: list[list[int]]) -> list[list[int]]:
             for p in prompts]
 
 
-def serve(model_dir, preset: str, env: dict[str, str] | None = None):
+def serve(model_dir, preset: str, env: dict[str, str] | None = None, request=REQUEST):
     ceilings, _ = SPLITS[preset]
     specs = [RankSpec(ceiling_bytes=c * GIB, total_ram_bytes=c * GIB, budget_bytes=c * GIB,
                       env=env or {}) for c in ceilings]
-    with Cluster(model_dir, specs, REQUEST, env=worker_env()) as c:
+    with Cluster(model_dir, specs, request, env=worker_env()) as c:
         decision = c.start(timeout=120)
         done = c.generate_many(prompts_for(model_dir), NEW, timeout=120, ignore_eos=True)
         again = c.generate_many(prompts_for(model_dir)[:1], NEW, timeout=120, ignore_eos=True)
         return decision, done, again, dict(c.ready)
 
 
+def test_the_engine_is_the_default_stage_pipelined_in_two_micro_batches():
+    assert (cp.ClusterRequest().stage, cp.ClusterRequest().micro_batches) == ("engine", 2)
+
+
 @pytest.mark.parametrize("preset", sorted(SPLITS))
 def test_the_stage_on_the_engine_equals_the_unsplit_model(preset, request):
+    """Pipelined (the default): the two sequences decode in alternate steps, one on rank 0
+    while the other is on rank 1."""
     model_dir = request.getfixturevalue("sharp_tiny" if preset == "tiny" else "hybrid_model")
     decision, done, again, ready = serve(model_dir, preset)
     assert decision.action == "commit" and decision.concurrency == 2
@@ -94,14 +102,24 @@ def test_the_stage_on_the_engine_equals_the_unsplit_model(preset, request):
     want = reference(model_dir, prompts_for(model_dir))
     assert len(set(map(tuple, want))) == 3 and len(set(want[0])) > 1  # a meaningful check
     assert done["outputs"] == want
-    assert done["most_rows"] == 2  # two sequences decoded in one step: the concurrency
+    assert done["most_rows"] == 1  # alternate halves of the two running sequences
+    assert done["overlapped"] >= NEW  # a step went out while the one before was on rank 1
     assert again["outputs"] == want[:1]  # freed state and blocks: the next request is fresh
+
+
+def test_one_micro_batch_decodes_both_sequences_in_each_step(sharp_tiny):
+    one = REQUEST.model_copy(update={"micro_batches": 1})
+    _, done, _, _ = serve(sharp_tiny, "tiny", request=one)
+    assert done["outputs"] == reference(sharp_tiny, prompts_for(sharp_tiny))
+    assert done["most_rows"] == 2  # two sequences decoded in one step: the concurrency
+    assert done["overlapped"] == 0
 
 
 def test_the_all_sum_path_on_the_engine_gives_the_same_tokens(hybrid_model):
     _, done, _, ready = serve(hybrid_model, "hybrid", {"PLIMSOLL_CLUSTER_COLLECTIVE": "1"})
     assert {ready[r]["messages"] for r in (0, 1)} == {"all-sum"}
     assert done["outputs"] == reference(hybrid_model, prompts_for(hybrid_model))
+    assert done["overlapped"] == 0  # all-sums pair in order: never pipelined
 
 
 # ---- pure parts ------------------------------------------------------------------------------
@@ -163,9 +181,11 @@ def test_stage_facts_add_up_to_the_model(preset, request):
 # ---- over HTTP: the worker's API, two requests at once -------------------------------------
 
 
-def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model):
-    """``plimsoll cluster serve --stage engine``: two requests in flight at once get what a
-    single-process worker gives each, and the status says every rank runs the engine."""
+@pytest.mark.parametrize("stage", ["engine", "loop"])
+def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model, stage):
+    """``plimsoll cluster serve`` (the engine stage, the default; ``--stage loop`` still
+    selectable): two requests in flight at once get what a single-process worker gives each,
+    and the status says which stage every rank runs, pipelined on the engine."""
     import concurrent.futures
 
     from conftest import Worker
@@ -177,7 +197,8 @@ def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model):
         one = [complete(single.url, p, 24)["choices"][0]["text"] for p in prompts]
     finally:
         single.stop()
-    served = ClusterServe(tiny_model, "4", "4", extra=["--stage", "engine"])
+    served = ClusterServe(tiny_model, "4", "4",
+                          extra=["--stage", "loop"] if stage == "loop" else None)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             two = list(pool.map(lambda p: complete(served.url, p, 24), prompts))
@@ -185,7 +206,8 @@ def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model):
     finally:
         assert served.stop() == 0
     assert [t["choices"][0]["text"] for t in two] == one
-    assert status["cluster"]["stage"] == "engine" and status["max_num_seqs"] == 2
+    assert status["cluster"]["stage"] == stage and status["max_num_seqs"] == 2
+    assert status["cluster"]["pipelined"] is (stage == "engine")
     assert [r["messages"] for r in status["cluster"]["ranks"]] == ["send/recv"] * 2
 
 
@@ -239,3 +261,33 @@ def test_a_stage_names_its_weights_as_the_engine_reads_them(tiny_model, rank):
     assert mine and mine <= names
     assert all(name.startswith(("layers.", "lm_head.")) for name in names)
     assert names - mine == ({name for name in names if name.startswith("lm_head.")})
+
+
+@given(st.integers(1, 9), st.integers(1, 40))
+def test_split_decodes_take_disjoint_halves_and_starve_none(n, steps):
+    """The scheduler's ``split_decodes`` (pure: its plan over runs, no engine): each step
+    decodes only sequences with no token in flight, at most half of them rounded up, and
+    every sequence decodes at least every other step (so two steps overlap across ranks)."""
+    from plimsoll.worker.events import GenRequest, SchedulerLimits
+    from plimsoll.worker.scheduler import Scheduler
+    from plimsoll.worker.waiting import Run
+
+    sched = Scheduler.__new__(Scheduler)
+    sched.limits = SchedulerLimits(n, 1, 1.0, 0, split_decodes=True)
+    sched._running = {}
+    for _ in range(n):
+        req = GenRequest(prompt=[1], max_tokens=1000, sink=lambda _e: None)
+        sched._running[req.id] = Run(req, [1], 1, 1, 0)
+    inflight: set[int] = set()
+    last = {seq: -1 for seq in sched._running}
+    for step in range(steps):
+        chosen = {run.req.id for run in sched._decoding()}
+        # one sequence alone waits out its own token: every other step is empty
+        assert (chosen or n == 1) and not chosen & inflight and len(chosen) <= -(-n // 2)
+        for seq in chosen:
+            sched._running[seq].pending = 1
+            last[seq] = step
+        for seq in inflight:  # the step before is read after this one is submitted
+            sched._running[seq].pending = 0
+        inflight = chosen
+        assert all(step - s <= 2 for s in last.values())  # none waits two steps

@@ -31,7 +31,8 @@ from plimsoll.cluster.runner import (
 from plimsoll.web.serve import free_port
 
 GIB = 1 << 30
-REQUEST = ClusterRequest(concurrency=1, context=2048, max_tokens=512, min_context=1024)
+REQUEST = ClusterRequest(concurrency=1, context=2048, max_tokens=512, min_context=1024,
+                         stage="loop")  # the per-layer loop (the engine: test_cluster_engine)
 
 _PROBE = textwrap.dedent("""
     import mlx.core as mx
