@@ -49,6 +49,22 @@ def gauge_text(status: dict[str, dict]) -> str:
     return generate_latest(reg).decode()
 
 
+def sharpened_model(src: Path, out: Path, scale: float = 4.0) -> Path:
+    """A copy of the model at ``src`` with its matrices scaled by ``scale`` (as
+    ``plimsoll.engine.drive.sharpen`` does in memory), saved at ``out``: at scale 1 a tiny
+    random model repeats one token, which would make an equality of outputs weak."""
+    import shutil
+
+    import mlx.core as mx
+
+    shutil.copytree(src, out)
+    for f in out.glob("*.safetensors"):
+        weights = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v * scale if v.ndim == 2 else v
+                                     for k, v in weights.items()}, metadata={"format": "mlx"})
+    return out
+
+
 def worker_env() -> dict[str, str]:
     """float32 matmul through OpenBLAS is ~70x faster than MLX's own CPU kernels here."""
     env = dict(os.environ)

@@ -12,10 +12,8 @@ checked purely.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from conftest import worker_env
+from conftest import sharpened_model, worker_env
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -35,17 +33,8 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def sharp_tiny(tiny_model, tmp_path_factory):
-    """The tiny demo with its matrices scaled (engine_drive.sharpen), saved as a model:
-    at scale 1 it repeats one token, which would make equality weak."""
-    import mlx.core as mx
-
-    out = tmp_path_factory.mktemp("models") / "tiny-sharp"
-    shutil.copytree(tiny_model, out)
-    for f in out.glob("*.safetensors"):
-        weights = mx.load(str(f))
-        mx.save_safetensors(str(f), {k: v * 4.0 if v.ndim == 2 else v
-                                     for k, v in weights.items()}, metadata={"format": "mlx"})
-    return out
+    """The tiny demo with its matrices scaled, saved as a model (conftest.sharpened_model)."""
+    return sharpened_model(tiny_model, tmp_path_factory.mktemp("models") / "tiny-sharp")
 
 
 @pytest.fixture(scope="module")

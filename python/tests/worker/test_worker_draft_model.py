@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import shutil
 
 import httpx
 import pytest
 from click.testing import CliRunner
-from conftest import Worker
+from conftest import Worker, sharpened_model
 
 from plimsoll.demo.model import build_demo_model
 
@@ -25,23 +24,11 @@ PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
            "one two three four one two three four one two"]
 
 
-def sharpened(src, out):
-    """``src`` with its matrices scaled ×4 (engine.drive.sharpen), saved as a model."""
-    import mlx.core as mx
-
-    shutil.copytree(src, out)
-    for f in out.glob("*.safetensors"):
-        weights = mx.load(str(f))
-        mx.save_safetensors(str(f), {k: v * 4.0 if v.ndim == 2 else v
-                                     for k, v in weights.items()}, metadata={"format": "mlx"})
-    return out
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("draft")
-    target = sharpened(build_demo_model(root / "t", preset="tiny"), root / "target")
-    other = sharpened(build_demo_model(root / "o", preset="tiny", seed=1), root / "other")
+    target = sharpened_model(build_demo_model(root / "t", preset="tiny"), root / "target")
+    other = sharpened_model(build_demo_model(root / "o", preset="tiny", seed=1), root / "other")
     return target, other
 
 
@@ -156,15 +143,3 @@ def test_the_policy_entry_and_the_flags_carry_the_draft_model(models):
     assert flags[flags.index("--draft-model") + 1] == str(other)
     pol = served_policy(None, str(target), 4096, 1, None, None, str(other))
     assert pol.models["target"].draft_model == str(other)
-
-
-def test_a_model_that_cannot_speculate_loads_no_draft(family_dir):
-    w = Worker(family_dir("qwen3_next"), draft_model=family_dir("qwen3"))
-    try:
-        st = w.status()["speculative"]
-        assert st["enabled"] is False and "RecurrentState" in st["reason"]
-        r = httpx.post(w.url + "/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": "a b a b a b", "max_tokens": 8, "temperature": 0})
-        assert r.status_code == 200, r.text
-    finally:
-        w.stop()

@@ -89,8 +89,13 @@ def test_a_constrained_request_decodes_plainly_beside_speculating_ones(pair):
     json.loads(want)  # the grammar held
 
 
-def test_a_hybrid_model_refuses_to_speculate(family_dir):
-    w = Worker(family_dir("qwen3_next"), prompt_lookup=3)
+@pytest.mark.parametrize("proposer", ["prompt_lookup", "draft_model"])
+def test_a_hybrid_model_refuses_to_speculate(family_dir, proposer):
+    """Recurrent state cannot roll back by length: neither proposer is used, the status
+    says why, and requests are served plainly."""
+    how = ({"prompt_lookup": 3} if proposer == "prompt_lookup"
+           else {"draft_model": family_dir("qwen3")})
+    w = Worker(family_dir("qwen3_next"), **how)
     try:
         st = w.status()["speculative"]
         assert st["enabled"] is False and "RecurrentState" in st["reason"]
