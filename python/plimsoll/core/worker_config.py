@@ -138,6 +138,10 @@ class WorkerConfig(BaseModel):
         "Speculate by prompt lookup: draft the tokens that followed the last N tokens' (N "
         "down to 1) latest earlier occurrence in the prompt and output, verified in the "
         "batch's one forward; unconstrained requests only, greedy or sampled; 0: off."))
+    compile_decode: bool = Field(default=False, description=(
+        "Compile decode-only steps per shape bucket (mx.compile; plain full-attention "
+        "models only, at most 24 buckets): less host time per step; off by default until a "
+        "GPU run shows the whole step faster."))
     num_draft_tokens: int = Field(default=3, gt=0, le=16, description=(
         "Most tokens drafted per sequence and step (each sequence's draft length adapts "
         "to its acceptance, down to 0)."))

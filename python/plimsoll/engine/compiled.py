@@ -32,7 +32,7 @@ every step while streams come and go, and a shape met once is not worth a trace)
 tape). A traced bucket holds its tape (the graph's nodes, no arrays of its own: the weights
 and pools are the engine's).
 
-**Off by default** (``PLIMSOLL_COMPILE_DECODE=1`` or ``Engine(compile_decode=True)`` turns
+**Off by default** (``plimsoll worker --compile-decode``, ``Engine(compile_decode=True)`` turns
 it on): on the shared 2-core CPU box it cut the host time of a step 1.2-1.8x, but the
 qwen3-0.6b-shaped float32 model's whole step took 30-50 % longer at 8 and 32 rows
 (bench/results/host-time-cpu-2026-12-02.md); no GPU has run it yet.

@@ -33,7 +33,6 @@ Not thread-safe: one owner calls it from one thread.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -98,7 +97,7 @@ class Engine:
     def __init__(self, model, tokenizer, facts: ModelFacts, *, block_tokens: int,
                  max_blocks: int, kv_dtype: str | None = None, pipeline: bool = True,
                  slab_blocks: int | None = None, context: int | None = None,
-                 kv_bits: int | None = None, compile_decode: bool | None = None):
+                 kv_bits: int | None = None, compile_decode: bool = False):
         if block_tokens <= 0 or max_blocks <= 0:
             raise ValueError("block_tokens and max_blocks must be positive")
         self.model, self.tokenizer, self.facts = model, tokenizer, facts
@@ -166,10 +165,8 @@ class Engine:
             and not any("sinks" in name for name, _ in tree_flatten(model.parameters())))
         #: decode-only steps compiled per shape bucket where every layer is a plain
         #: full-attention pool (engine/compiled.py); None: every step is built eagerly
-        #: (``compile_decode`` None: off unless the environment sets PLIMSOLL_COMPILE_DECODE=1;
-        #: measured on the CPU it cuts host time but not the step, see engine/compiled.py)
-        if compile_decode is None:
-            compile_decode = os.environ.get("PLIMSOLL_COMPILE_DECODE", "0") == "1"
+        #: (off by default, ``plimsoll worker --compile-decode``: measured on the CPU it cuts
+        #: host time but not the step, see engine/compiled.py)
         self.compiled = compiled.CompiledDecode(self) \
             if compile_decode and compiled.eligible(self.layers) else None
 
@@ -177,7 +174,7 @@ class Engine:
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
              kv_dtype: str | None = None, pipeline: bool = True,
              slab_blocks: int | None = None, context: int | None = None,
-             compile_decode: bool | None = None) -> Engine:
+             compile_decode: bool = False) -> Engine:
         """Load ``model_dir`` with mlx-lm; refuse cache kinds this engine cannot serve."""
         float_dtype, bits = parse_kv_dtype(kv_dtype)  # "q8" / "q4": the model's dtype, quantized
         facts = inspect_model(model_dir, kv_dtype=kv_dtype)  # refuses head dims off the groups
