@@ -169,6 +169,10 @@ class Engine:
         #: host time but not the step, see engine/compiled.py)
         self.compiled = compiled.CompiledDecode(self) \
             if compile_decode and compiled.eligible(self.layers) else None
+        #: the checkpoint's MTP head drafting from this engine's hidden states
+        #: (engine/mtp_head.py; set by the worker where it drafts): every step hands it the
+        #: last decoder layer's rows, so no step runs compiled meanwhile
+        self.mtp = None
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
@@ -279,6 +283,8 @@ class Engine:
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
         self._reads.forget(seq_id)
+        if self.mtp is not None:
+            self.mtp.forget(seq_id)
 
     def snapshot_state(self, seq_id: int, key) -> None:
         """Keep a copy of ``seq_id``'s state (after every step submitted so far) as ``key``."""
@@ -319,7 +325,8 @@ class Engine:
             self._check(step)
             if any(w.constraint is not None and w.tokens is None for w in step.decodes):
                 self._settle_until(None)
-            if self.compiled is not None and step.decodes and not step.prefills \
+            if self.compiled is not None and self.mtp is None and step.decodes \
+                    and not step.prefills \
                     and self.compiled.takes(step.decodes):
                 out = compiled.run(self.compiled, step.decodes)
             else:

@@ -19,7 +19,9 @@ a chunk's last token): the last decoder layer's output is cut to those rows
 and the lm head sees only the sampled rows. A speculating sequence's Work (``draft`` > 0)
 is a chunk whose every row is sampled: all such rows of a step are checked at once
 (:mod:`plimsoll.engine.verify`: greedy by the argmax, sampled by the rejection-sampling
-rule), and :class:`~plimsoll.engine.core.Pending` takes each one's accepted prefix. A quantized
+rule), and :class:`~plimsoll.engine.core.Pending` takes each one's accepted prefix. Where
+an MTP head drafts (:attr:`Engine.mtp`), the last decoder layer's output at every row is
+handed to it (:mod:`plimsoll.engine.mtp_head`). A quantized
 pool's chunk that samples attends its last token to the quantized blocks as mlx-lm's own
 last-token step does
 (:attr:`Batch.tail`, :mod:`plimsoll.engine.quantized`).
@@ -172,6 +174,42 @@ def run(eng, groups: list[Group]) -> Out | None:
     """Run ``groups`` as one forward (see the module docstring) and queue it; None when
     nothing samples."""
     works = tuple(w for g in groups for w in g.works if w.sample)
+    kept = [] if getattr(eng, "mtp", None) is not None else None
+    with sampled_rows.capturing(eng.model, kept):
+        logits = _forward(eng, groups)
+    if kept:
+        _hand_over(eng.mtp, groups, kept)
+    _check(eng, groups)
+    _keep_states(eng, groups)
+    verified = None
+    if any(w.draft for w in works):
+        logits, works, verifying, rows = _split_verified(logits, works)
+        verified = (verifying, verify.check(rows, verifying, eng._keys))
+    tokens = sample(logits, works, eng._keys) if works else None
+    for row, w in enumerate(works):
+        eng._last[w.seq_id] = (tokens, row)
+    for w in verified[0] if verified else ():  # its next step names its tokens (never pipelined)
+        eng._last.pop(w.seq_id, None)
+    mx.async_eval(_arrays(eng, groups) + ([] if tokens is None else [tokens])
+                  + ([verified[1]] if verified else []))
+    return (works, tokens, verified) if works or verified else None
+
+
+def _hand_over(head, groups: list[Group], kept: list) -> None:
+    """The last decoder layer's outputs (one per model call, the groups' rows in order)
+    handed to the MTP head, each Work's rows at its positions."""
+    if not all(isinstance(h, mx.array) for h in kept):
+        return
+    flat = mx.concatenate([h.reshape(-1, h.shape[-1]) for h in kept])
+    at = 0
+    for g in groups:
+        for w in g.works:
+            head.take(w.seq_id, w.start, flat[at:at + w.length])
+            at += w.length
+
+
+def _forward(eng, groups: list[Group]) -> mx.array | None:
+    """The model's call(s) over ``groups``: the logits of the rows that sample, or None."""
     if len(groups) == 1 or not eng.mixers.ok:
         parts = []
         for g in groups:
@@ -189,20 +227,7 @@ def run(eng, groups: list[Group]) -> Out | None:
         inputs = mx.concatenate([_inputs(eng, g) for g in groups])[:, None]
         caches = [mixers.step_view(k, flat) for k in eng.layers]
         logits = _call(eng, inputs, caches, [r for g in groups for r in g.sampled()])
-    _check(eng, groups)
-    _keep_states(eng, groups)
-    verified = None
-    if any(w.draft for w in works):
-        logits, works, verifying, rows = _split_verified(logits, works)
-        verified = (verifying, verify.check(rows, verifying, eng._keys))
-    tokens = sample(logits, works, eng._keys) if works else None
-    for row, w in enumerate(works):
-        eng._last[w.seq_id] = (tokens, row)
-    for w in verified[0] if verified else ():  # its next step names its tokens (never pipelined)
-        eng._last.pop(w.seq_id, None)
-    mx.async_eval(_arrays(eng, groups) + ([] if tokens is None else [tokens])
-                  + ([verified[1]] if verified else []))
-    return (works, tokens, verified) if works or verified else None
+    return logits
 
 
 def _split_verified(logits: mx.array, works: tuple[Work, ...]):

@@ -4,6 +4,8 @@ The last decoder layer's class (``model.layers[-1]``) is wrapped once per class:
 step (:func:`selecting`) that layer's output keeps only the rows that sample — each decode
 row, each chunk's last token that samples — so the final norm and the lm head run on those
 rows alone (vLLM's ``logits_indices``); outside a step the wrapper calls straight through.
+While :func:`capturing`, the wrapper also keeps the layer's full output (the hidden states
+an MTP head drafts from).
 :func:`rows_selectable` checks at load, on mlx-lm's own caches, that the model's logits of
 the selected rows equal its full logits' rows; a model where they do not gets its logits
 for every row and the rows taken after (:mod:`plimsoll.engine.forward`).
@@ -22,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 _SELECT: dict[int, Callable] = {}  # id(last decoder layer) -> row selection, during a step
+_CAPTURE: dict[int, list] = {}  # id(last decoder layer) -> its full outputs, while capturing
 
 
 def _last_layer(model):
@@ -36,6 +39,8 @@ def _wrap_select(cls: type) -> None:
 
     def selected(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
+        if (kept := _CAPTURE.get(id(self))) is not None:
+            kept.append(out)
         pick = _SELECT.get(id(self))
         return out if pick is None else pick(out)
 
@@ -56,6 +61,22 @@ def selecting(model, pick: Callable | None):
         yield
     finally:
         _SELECT.pop(id(last), None)
+
+
+@contextlib.contextmanager
+def capturing(model, into: list | None):
+    """During the block, every output of the last decoder layer, before any row is cut, is
+    appended to ``into`` (None: nothing is kept); what an MTP head reads."""
+    last = _last_layer(model)
+    if into is None or last is None:
+        yield
+        return
+    _wrap_select(type(last))
+    _CAPTURE[id(last)] = into
+    try:
+        yield
+    finally:
+        _CAPTURE.pop(id(last), None)
 
 
 def rows_selectable(model) -> bool:

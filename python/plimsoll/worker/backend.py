@@ -23,7 +23,7 @@ from plimsoll.core.transients import decode_transient_bytes, default_prefill_chu
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard.process import FootprintGuard, SelfGuard, memory_probe_with_guard
 
-from . import draft_model, speculate
+from . import draft_model, mtp, speculate
 from .events import SchedulerLimits
 from .pool import BlockPool
 from .scheduler import Scheduler
@@ -122,6 +122,29 @@ def draft_drafter(cfg: WorkerConfig, eng: Any, draft: Any) -> draft_model.DraftM
                                   name=str(cfg.draft_model))
 
 
+def mtp_drafter(cfg: WorkerConfig, eng: Any) -> mtp.MTPDrafter | None:
+    """The checkpoint's MTP head as the proposer (None: --no-mtp, the checkpoint has none,
+    or the model cannot speculate); refused at load (``SystemExit``) when it does not fit."""
+    if cfg.no_mtp or eng.speculation_refused:
+        return None
+    from plimsoll.engine import mtp_head  # the engine edge
+
+    head, why = mtp_head.attach(eng, cfg.model_dir)
+    if head is None:
+        log.info("no MTP head: %s", why)
+        return None
+    if problem := mtp.fit_problem(
+            weights=eng.facts.weights_bytes, mtp_weights=head.weights_bytes,
+            blocks=cfg.max_cache_blocks, seqs=cfg.max_num_seqs, block_bytes=eng.block_bytes,
+            mtp_block_bytes=head.block_bytes,
+            transient=(cfg.transient_bytes or 0) + cfg.mlx_cache_bytes,
+            limit=cfg.allocation_limit_bytes):
+        raise SystemExit(problem)
+    if cfg.prompt_lookup:
+        log.info("--prompt-lookup %d unused: the MTP head proposes instead", cfg.prompt_lookup)
+    return mtp.MTPDrafter(0, cfg.num_draft_tokens, head=head)
+
+
 #: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
 #: block_bytes, kv_bytes_per_token, applied_limits, and either ``live`` (an async callable:
 #: the figures of :func:`plimsoll.worker.app.live_figures`) or engine_memory, rss and guard;
@@ -165,11 +188,13 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
             sched.disk = open_tier(cfg.disk_cache_dir, cfg.disk_cache_bytes, cfg.model_dir, eng)
             sched.disk.attach(pool)
         limits = scheduler_limits(cfg, eng)
-        if cfg.draft_model is not None:  # the draft model wins over prompt lookup
+        if cfg.draft_model is not None:  # the draft model wins over MTP and prompt lookup
             sched.drafter = draft_drafter(cfg, eng, draft)
             if cfg.prompt_lookup:
                 log.info("--prompt-lookup %d unused: --draft-model proposes instead",
                          cfg.prompt_lookup)
+        elif (drafter := mtp_drafter(cfg, eng)) is not None:
+            sched.drafter = drafter
         elif cfg.prompt_lookup:
             sched.drafter = speculate.Drafter(cfg.prompt_lookup, cfg.num_draft_tokens,
                                               eng.speculation_refused)
