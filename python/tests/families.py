@@ -43,6 +43,7 @@ class Family:
     module: str  # mlx_lm.models.<module> that serves it
     quantize_bits: int | None = None  # weights quantized (mlx-lm's quantize_model)
     extra_tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)  # e.g. MTP layers
+    mtp_layer: bool = False  # extra_tensors also hold a random decoder layer (the MTP's own)
     scale: float = 3.0  # matrices × scale: random init at 1× gives near-uniform logits, greedy
     #                     output then repeats one token (measured: 2-5 distinct of 24 at 1×)
 
@@ -230,7 +231,7 @@ FAMILIES["glm4_moe_mtp"] = Family({**FAMILIES["glm4_moe"].config, "num_nextn_pre
                                       f"model.layers.{{n}}.{name}": shape for name, shape in (
                                           ("eh_proj.weight", (64, 128)),
                                           ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
-                                          ("self_attn.q_proj.weight", (64, 64)))})
+                                          ("shared_head.norm.weight", (64,)))}, mtp_layer=True)
 
 def has_module(fam: Family) -> bool:
     return importlib.util.find_spec(f"mlx_lm.models.{fam.module}") is not None
@@ -282,8 +283,19 @@ def build_family(name: str, out: Path, tokenizer, seed: int = 0) -> Path:
         config["quantization"] = {"group_size": 64, "bits": fam.quantize_bits}
     if fam.extra_tensors:  # tensors mlx-lm's sanitize drops (MTP layers): a real checkpoint's
         n = config["num_hidden_layers"]
-        extra = {k.format(n=n): mx.zeros(shape, dtype=mx.float32)
+        mx.random.seed(seed + 1)
+        extra = {k.format(n=n): (mx.ones(shape) if len(shape) == 1
+                                 else mx.random.normal(shape) * shape[1] ** -0.5 * fam.scale)
                  for k, shape in fam.extra_tensors.items()}
+        if fam.mtp_layer:  # the decoder layer, of the model's own class, at index n
+            from mlx.utils import tree_flatten
+
+            layer = type(model.layers[-1])(model.args, n)
+            layer.set_dtype(mx.float32)
+            if fam.scale != 1.0:
+                _scale_weights(layer, fam.scale)
+            extra.update({f"model.layers.{n}.{k}": v
+                          for k, v in tree_flatten(layer.parameters())})
         mx.save_safetensors(str(out / "model-mtp.safetensors"), extra, metadata={"format": "mlx"})
         index = json.loads((out / "model.safetensors.index.json").read_text()) \
             if (out / "model.safetensors.index.json").exists() else None

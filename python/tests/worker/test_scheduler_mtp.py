@@ -1,0 +1,73 @@
+"""The scheduler speculating with the checkpoint's MTP head over the real paged engine
+(``glm4_moe_mtp``: mlx-lm's glm4_moe with a random nextn layer, CPU), driven step by step on
+this thread: three sequences at once, two sharing a prompt prefix, prompts of several chunks.
+Greedy output is mlx-lm's own; the head drafts (random weights: acceptance means nothing);
+its first draft at a step is what the head computes from scratch over the target's own
+hidden states of the whole sequence (so the hidden states handed over from the one forward
+sit at the right positions across chunks, verifications and their rollbacks); ended
+sequences leave nothing behind. A checkpoint without MTP tensors has no head, with why."""
+
+from __future__ import annotations
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from test_worker_paged import BLOCK, Req, drain, load, scheduler  # noqa: E402
+
+from plimsoll.engine import mtp_head  # noqa: E402
+from plimsoll.engine.drive import reference, text  # noqa: E402
+from plimsoll.worker.mtp import MTPDrafter  # noqa: E402
+
+
+def from_scratch(eng, head, tokens: list[int]) -> int:
+    """The head's first draft after ``tokens`` over the target's hidden states of all of
+    them, on a fresh cache."""
+    hidden = eng.model.model(mx.array([tokens[:-1]]))  # under the final norm, as handed over
+    cache = mtp_head.Cache(0, BLOCK)
+    x = mx.concatenate([head.enorm(eng.model.model.embed_tokens(mx.array([tokens[1:]]))),
+                        head.hnorm(hidden)], axis=-1)
+    out = head.layer(head.eh_proj(x), "causal" if len(tokens) > 2 else None, cache)
+    return int(mx.argmax(head._logits(out[:, -1:])[0, -1]).item())
+
+
+def test_mtp_drafts_from_the_targets_hidden_states_and_changes_nothing(family_dir):
+    d = family_dir("glm4_moe_mtp")
+    eng = load(d, 256)
+    head, why = mtp_head.attach(eng, d)
+    assert head is not None, why
+    assert head.weights_bytes > 0 and head.block_bytes > 0
+    s = scheduler(eng, 256, prefill=24)
+    s.drafter = MTPDrafter(0, 3, head=head)
+    seen: list[tuple[list[int], int, int]] = []  # (tokens, head KV base, first draft)
+    draft = head.draft
+
+    def recording(wants):
+        out = draft(wants)
+        seen.extend((list(wants[sid][0]), head._caches[sid].base, ts[0])
+                    for sid, ts in out.items())
+        return out
+
+    head.draft = recording
+    system = text(eng.tokenizer, 3 * BLOCK, salt=1)
+    prompts = [system + text(eng.tokenizer, 7, salt=2), system + text(eng.tokenizer, 12, salt=3),
+               text(eng.tokenizer, 41, salt=4)]
+    reqs = [Req(s, p, 40) for p in prompts]
+    drain(s)
+    assert [r.tokens for r in reqs] == [reference(eng.model, p, 40) for p in prompts]
+    fig = s.drafter.figures
+    assert fig.proposed > 0 and fig.steps > 0
+    report = s.drafter.report()
+    assert report["proposer"] == "mtp" and report["by_proposer"]["mtp"]["proposed"] > 0
+    from_zero = [(t, first) for t, base, first in seen if base == 0]
+    assert len(from_zero) >= 3 and any(base > 0 for _, base, _ in seen)  # a prefix hit too
+    agree = sum(from_scratch(eng, head, t) == first for t, first in from_zero)
+    assert agree >= 0.9 * len(from_zero), (agree, len(from_zero))
+    assert head._caches == {} and head.captured == {}  # ended sequences forgotten
+
+
+def test_a_checkpoint_without_mtp_tensors_has_no_head(family_dir):
+    tensors, why = mtp_head.find(family_dir("glm4_moe"))
+    assert tensors == {} and "num_nextn_predict_layers is 0" in why
+    tensors, why = mtp_head.find(family_dir("glm4_moe_mtp"))
+    assert why == "" and any(k.endswith(".eh_proj.weight") for k in tensors)
