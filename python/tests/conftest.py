@@ -120,7 +120,7 @@ class Worker:
         argv = [sys.executable, "-m", "plimsoll.cli", "worker", "--model", str(model),
                 "--model-name", "tiny", "--port", str(self.port)]
         for k, v in defaults.items():
-            argv += [f"--{k}", str(v)]
+            argv += [f"--{k}"] if v is True else [f"--{k}", str(v)]  # True: a bare flag
         env = worker_env() | (extra_env or {})
         out = log.open("w") if log is not None else None  # else: pytest's own output
         self.proc = subprocess.Popen(argv, env=env, start_new_session=True, stdout=out,

@@ -49,7 +49,7 @@ class MTPDrafter(Drafter):
 
     proposer = "mtp"
     head: Any = None  # the engine's MTP head (None where refused)
-    kv_bytes: int = 0  # the head's KV held after the last prepare (status)
+    kv_bytes: int = 0  # the head's KV held, as of the last prepare or forget (status)
     _ready: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def lookup(self, seq_id: int, tokens: Sequence[int], k: int) -> tuple[int, ...]:
@@ -76,6 +76,7 @@ class MTPDrafter(Drafter):
         self._ready.pop(seq_id, None)
         if self.head is not None:
             self.head.forget(seq_id)
+            self.kv_bytes = self.head.kv_bytes()
 
     def report(self) -> dict:
         out = super().report()
