@@ -33,7 +33,7 @@ FLAGS = {
     "--total-ram-bytes", "--trip-offset", "--mlx-cache-mb", "--wired-limit-bytes",
     "--disk-cache-dir", "--disk-cache-gb", "--host", "--port", "--max-tokens-over-limit",
     "--drain-timeout", "--quiet", "--prompt-lookup", "--num-draft-tokens",
-    "--draft-model", "--compile-decode",
+    "--draft-model", "--compile-decode", "--no-mtp",
 }
 NAME = st.text("abcdefghijklmnopqrstuvwxyz0123456789-._", min_size=1, max_size=20).filter(
     lambda s: not s.startswith("-"))
