@@ -124,7 +124,8 @@ def draft_drafter(cfg: WorkerConfig, eng: Any, draft: Any) -> draft_model.DraftM
 
 def mtp_drafter(cfg: WorkerConfig, eng: Any) -> mtp.MTPDrafter | None:
     """The checkpoint's MTP head as the proposer (None: --no-mtp, the checkpoint has none,
-    or the model cannot speculate); refused at load (``SystemExit``) when it does not fit."""
+    the model cannot speculate, or the head does not fit beside the pool the flags size:
+    admission does not count it yet, so a pool sized to the limit runs without it)."""
     if cfg.no_mtp or eng.speculation_refused:
         return None
     from plimsoll.engine import mtp_head  # the engine edge
@@ -139,7 +140,9 @@ def mtp_drafter(cfg: WorkerConfig, eng: Any) -> mtp.MTPDrafter | None:
             mtp_block_bytes=head.block_bytes,
             transient=(cfg.transient_bytes or 0) + cfg.mlx_cache_bytes,
             limit=cfg.allocation_limit_bytes):
-        raise SystemExit(problem)
+        eng.mtp = None  # nothing captured for it; its weights go with it
+        log.warning("no MTP head: %s", problem)
+        return None
     if cfg.prompt_lookup:
         log.info("--prompt-lookup %d unused: the MTP head proposes instead", cfg.prompt_lookup)
     return mtp.MTPDrafter(0, cfg.num_draft_tokens, head=head)

@@ -12,7 +12,8 @@ constrained sequence never drafts: the head keeps nothing for it.
 
 Memory: the head's weights and its KV (one layer, a block of tokens at a time, at most a
 block per sequence past its own blocks) are checked against the allocation limit at load
-(:func:`fit_problem`), together with the model and its pool.
+(:func:`fit_problem`), together with the model and its pool; a head that does not fit is
+not used (the worker logs the figures).
 """
 
 from __future__ import annotations

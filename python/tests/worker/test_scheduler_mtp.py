@@ -71,3 +71,14 @@ def test_a_checkpoint_without_mtp_tensors_has_no_head(family_dir):
     assert tensors == {} and "num_nextn_predict_layers is 0" in why
     tensors, why = mtp_head.find(family_dir("glm4_moe_mtp"))
     assert why == "" and any(k.endswith(".eh_proj.weight") for k in tensors)
+
+
+def test_a_head_that_does_not_fit_says_by_how_much():
+    from plimsoll.worker.mtp import fit_problem
+
+    fits = dict(weights=100, mtp_weights=10, blocks=4, seqs=2, block_bytes=8,
+                mtp_block_bytes=2, transient=5)
+    need = 100 + 10 + 4 * 8 + (4 + 2) * 2 + 5
+    assert fit_problem(**fits, limit=need) == ""
+    why = fit_problem(**fits, limit=need - 1)
+    assert "the MTP head does not fit" in why and "--no-mtp" in why
