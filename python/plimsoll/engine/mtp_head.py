@@ -197,8 +197,11 @@ class Head(nn.Module):
 
     def _draft(self, wants: dict[int, tuple[list[int], int]]) -> dict[int, tuple[int, ...]]:
         lazy: dict[int, list[mx.array]] = {}
-        for seq_id, (tokens, k) in wants.items():
+        written: list[mx.array] = []  # every cache the catch-up wrote: evaluated now, so no
+        for seq_id, (tokens, k) in wants.items():  # graph grows over steps without a draft
             cache, out = self._catch_up(seq_id, tokens)
+            if out is not None:
+                written += [cache.keys, cache.values]
             if k <= 0 or out is None or cache.offset != len(tokens) - 1:
                 continue
             drafts = [mx.argmax(self._logits(out)[0, -1]).astype(mx.uint32)]
@@ -208,8 +211,10 @@ class Head(nn.Module):
             lazy[seq_id] = drafts
             cache.trim(k - 1)  # the drafted positions: rewritten with the target's states
         if not lazy:
+            if written:
+                mx.async_eval(written)
             return {}
-        mx.eval([t for ts in lazy.values() for t in ts])
+        mx.eval([t for ts in lazy.values() for t in ts] + written)
         return {sid: tuple(int(t.item()) for t in ts) for sid, ts in lazy.items()}
 
     def forget(self, seq_id: int) -> None:

@@ -13,7 +13,8 @@ step's figures), the scheduler — :mod:`.scheduler` (the thread, the step loop,
 :mod:`.prefix` (an admission's hit blocks, prompt chunks, registered blocks, hybrid state
 snapshots), :mod:`.speculate` (prompt-lookup drafts, each sequence's draft length, drafts
 verified and settled), :mod:`.draft_model` (a draft model's proposals on its own paged KV,
-its load-time checks), :mod:`.trip` (the memory lines, what a trip sheds), :mod:`.stats` (the
+its load-time checks), :mod:`.mtp` (the checkpoint's MTP head as the proposer),
+:mod:`.trip` (the memory lines, what a trip sheds), :mod:`.stats` (the
 published figures), :mod:`.pool` (the pure block pool the scheduler alone owns) — and the
 disk tier, :mod:`.disk_tier` (the files) and :mod:`.disk_restore` (spilling and reading
 blocks back). Between them: :mod:`.events` (requests and events) and :mod:`.ipc` (the wire).

@@ -49,3 +49,12 @@ def test_the_mtp_head_drafts_and_changes_no_token(pair):
     assert st["mtp_kv_bytes_held"] == 0  # every sequence ended: its head KV went with it
     off = without.wait_idle()["speculative"]
     assert off["proposer"] == "prompt_lookup"
+
+
+def test_no_mtp_alone_speculates_with_nothing(family_dir):
+    w = Worker(family_dir("glm4_moe_mtp"), no_mtp=True)
+    try:
+        complete(w, PROMPTS[0], 8)
+        assert "speculative" not in w.wait_idle()
+    finally:
+        w.stop()
