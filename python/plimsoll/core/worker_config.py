@@ -138,10 +138,11 @@ class WorkerConfig(BaseModel):
         "Speculate by prompt lookup: draft the tokens that followed the last N tokens' (N "
         "down to 1) latest earlier occurrence in the prompt and output, verified in the "
         "batch's one forward; unconstrained requests only, greedy or sampled; 0: off."))
-    no_mtp: bool = Field(default=False, description=(
-        "Do not speculate with the checkpoint's MTP head (num_nextn_predict_layers > 0 and "
-        "its tensors present: used by default, verified in the batch's one forward; "
-        "--draft-model wins over it, --prompt-lookup is the fallback)."))
+    mtp: bool = Field(default=False, description=(
+        "Speculate with the checkpoint's MTP head where it has one (num_nextn_predict_layers "
+        "> 0 and its tensors present), verified in the batch's one forward; --draft-model "
+        "wins over it, --prompt-lookup is the fallback. Off by default: admission does not "
+        "count the head yet (the worker drops one that does not fit beside its pool)."))
     compile_decode: bool = Field(default=False, description=(
         "Compile decode-only steps per shape bucket (mx.compile; plain full-attention "
         "models only, at most 24 buckets): less host time per step; off by default until a "

@@ -123,10 +123,10 @@ def draft_drafter(cfg: WorkerConfig, eng: Any, draft: Any) -> draft_model.DraftM
 
 
 def mtp_drafter(cfg: WorkerConfig, eng: Any) -> mtp.MTPDrafter | None:
-    """The checkpoint's MTP head as the proposer (None: --no-mtp, the checkpoint has none,
+    """The checkpoint's MTP head as the proposer (None: no --mtp, the checkpoint has none,
     the model cannot speculate, or the head does not fit beside the pool the flags size:
     admission does not count it yet, so a pool sized to the limit runs without it)."""
-    if cfg.no_mtp or eng.speculation_refused:
+    if not cfg.mtp or eng.speculation_refused:
         return None
     from plimsoll.engine import mtp_head  # the engine edge
 

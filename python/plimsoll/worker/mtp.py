@@ -1,5 +1,5 @@
-"""Speculation with the checkpoint's own MTP head (used where the checkpoint has one and
-neither ``--draft-model`` nor ``--no-mtp`` is given).
+"""Speculation with the checkpoint's own MTP head (``--mtp``, where the checkpoint has one
+and no ``--draft-model`` is given).
 
 The head (:mod:`plimsoll.engine.mtp_head`, handed in: this module never imports mlx) drafts
 from the target's hidden states, which the target's one forward hands it every step. Per
@@ -41,7 +41,7 @@ def fit_problem(*, weights: int, mtp_weights: int, blocks: int, seqs: int, block
             f"{fmt_bytes(mtp_weights)} + {blocks} blocks × {block_bytes} B + the head's KV "
             f"({blocks} + {seqs} blocks × {mtp_block_bytes} B) + transient "
             f"{fmt_bytes(transient)} = {fmt_bytes(need)} > the allocation limit "
-            f"{fmt_bytes(limit)}: pass --no-mtp, or lower --max-cache-blocks")
+            f"{fmt_bytes(limit)}: drop --mtp, or lower --max-cache-blocks")
 
 
 @dataclass

@@ -33,7 +33,7 @@ FLAGS = {
     "--total-ram-bytes", "--trip-offset", "--mlx-cache-mb", "--wired-limit-bytes",
     "--disk-cache-dir", "--disk-cache-gb", "--host", "--port", "--max-tokens-over-limit",
     "--drain-timeout", "--quiet", "--prompt-lookup", "--num-draft-tokens",
-    "--draft-model", "--compile-decode", "--no-mtp",
+    "--draft-model", "--compile-decode", "--mtp",
 }
 NAME = st.text("abcdefghijklmnopqrstuvwxyz0123456789-._", min_size=1, max_size=20).filter(
     lambda s: not s.startswith("-"))
@@ -94,7 +94,7 @@ def _no_probe():
     raise AssertionError("every figure was given: the live probe must not be read")
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs())
 def test_config_to_argv_to_config_is_the_identity(cfg: WorkerConfig) -> None:
     argv = worker_argv(cfg)

@@ -81,4 +81,4 @@ def test_a_head_that_does_not_fit_says_by_how_much():
     need = 100 + 10 + 4 * 8 + (4 + 2) * 2 + 5
     assert fit_problem(**fits, limit=need) == ""
     why = fit_problem(**fits, limit=need - 1)
-    assert "the MTP head does not fit" in why and "--no-mtp" in why
+    assert "the MTP head does not fit" in why and "--mtp" in why

@@ -1,6 +1,6 @@
 """Speculation with the checkpoint's MTP head, for real: two workers on ``glm4_moe_mtp``
-(mlx-lm's glm4_moe with a random nextn layer), one with the head (used by default, found in
-the checkpoint) and one with ``--no-mtp`` (prompt lookup instead). Greedy answers are token
+(mlx-lm's glm4_moe with a random nextn layer), one with the head (``--mtp``: found in the
+checkpoint) and one without (prompt lookup instead). Greedy answers are token
 for token the same, alone and four at once, through the HTTP API; the status names the
 proposer, the head drafted, and its weights and KV are reported."""
 
@@ -21,7 +21,7 @@ PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
 @pytest.fixture(scope="module")
 def pair(family_dir):
     d = family_dir("glm4_moe_mtp")
-    with_head, without = Worker(d), Worker(d, no_mtp=True, prompt_lookup=2)
+    with_head, without = Worker(d, mtp=True), Worker(d, prompt_lookup=2)
     yield with_head, without
     for w in (with_head, without):
         w.stop()
@@ -51,8 +51,8 @@ def test_the_mtp_head_drafts_and_changes_no_token(pair):
     assert off["proposer"] == "prompt_lookup"
 
 
-def test_no_mtp_alone_speculates_with_nothing(family_dir):
-    w = Worker(family_dir("glm4_moe_mtp"), no_mtp=True)
+def test_without_mtp_a_checkpoint_with_a_head_speculates_with_nothing(family_dir):
+    w = Worker(family_dir("glm4_moe_mtp"))
     try:
         complete(w, PROMPTS[0], 8)
         assert "speculative" not in w.wait_idle()
