@@ -20,7 +20,9 @@ greedily, so a sampled sequence's verification treats it as a point mass):
    ``probe`` tokens, the last ones (the draft KV between what it had seen and them is left
    unwritten: a gap whose stale contents only make the retry's draft worse, never the
    output); a retry that accepts rewinds the draft to the gap's start, so the next catch-ups
-   fill it and redo what follows, and the sequence drafts from a whole context again;
+   fill it and redo what follows, and the sequence drafts from a whole context again (a
+   sequence whose first step is a retry, :func:`.speculate.start_length`, catches up only
+   its prompt's last ``probe`` tokens the same way);
 2. propose: ``k - 1`` more draft decode steps (``k`` from the :class:`.speculate.Drafter`'s
    adaptive length), every sequence a row of one batch, pipelined (each names the token the
    step before sampled); then every step's tokens are read.

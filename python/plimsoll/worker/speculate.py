@@ -16,9 +16,10 @@ them. Constrained sequences decode plainly (a row's mask needs each previous tok
   (mlx-lm / vLLM style): the sequence's last ``n`` tokens (``n`` from the longest down to 1)
   at their most recent earlier place in the prompt and the output so far; the tokens that
   followed there are the drafts.
-- :class:`Drafter` keeps each sequence's draft length: it starts at ``most``, or at 1 where
-  the drafts verified so far were mostly rejected (a proposer that keeps failing costs a new
-  sequence one short verifying step, not ``most`` longer ones); one more after a step that
+- :class:`Drafter` keeps each sequence's draft length: it starts at ``most``, or shorter
+  where the drafts verified so far were mostly rejected (:func:`start_length`: a proposer
+  that keeps failing costs a new sequence one short retry, not ``most`` longer steps, nor a
+  draft model's prefill of its whole prompt); one more after a step that
   accepted everything (up to ``most``), one fewer after a step that accepted none or found no
   match,
   down to 0, where the sequence decodes plainly (and pipelined) and tries one draft again
@@ -89,11 +90,13 @@ class Figures:
 
 
 def start_length(most: int, figures: Figures) -> int:
-    """A new sequence's draft length: ``most``, or 1 where fewer than half the drafts verified
-    so far were accepted (its length grows by one per step that accepts every draft)."""
-    if figures.proposed and 2 * figures.accepted < figures.proposed:
-        return min(1, most)
-    return most
+    """A new sequence's draft length: ``most``; 1 where fewer than half the drafts verified so
+    far were accepted (its length grows by one per step that accepts every draft); 0, its
+    first step a retry, where fewer than a quarter were (a draft model's retry catches up only
+    the prompt's last tokens: a proposer that keeps failing does not prefill every prompt)."""
+    if not figures.proposed or 2 * figures.accepted >= figures.proposed:
+        return most
+    return min(1, most) if 4 * figures.accepted >= figures.proposed else 0
 
 
 @dataclass
@@ -124,9 +127,12 @@ class Drafter:
             or self._idle.get(seq_id, 0) >= self._retry(seq_id) - 1
 
     def _current(self, seq_id: int) -> int:
-        """``seq_id``'s draft length, set at its first use (:func:`start_length`)."""
+        """``seq_id``'s draft length, set at its first use (:func:`start_length`; one that
+        starts at 0 retries at its first step)."""
         if seq_id not in self._length:
-            self._length[seq_id] = start_length(self.most, self.figures)
+            self._length[seq_id] = k = start_length(self.most, self.figures)
+            if k == 0:
+                self._idle[seq_id] = self._retry(seq_id) - 1
         return self._length[seq_id]
 
     def retrying(self, seq_id: int) -> bool:

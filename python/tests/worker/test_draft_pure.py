@@ -40,10 +40,16 @@ def test_retries_back_off_while_they_accept_nothing():
 
 
 def test_a_new_sequence_starts_short_where_drafts_have_mostly_failed():
+    """Most drafts rejected: a new sequence starts at 1; nearly all: its first step a retry."""
     assert start_length(3, Figures()) == 3  # nothing verified yet
     assert start_length(3, Figures(proposed=10, accepted=5)) == 3
     assert start_length(3, Figures(proposed=10, accepted=4)) == 1
-    assert start_length(0, Figures(proposed=10, accepted=0)) == 0
+    assert start_length(3, Figures(proposed=12, accepted=2)) == 0  # its first step a retry
+    d = Drafter(3, 3, figures=Figures(proposed=12, accepted=2))
+    assert d.wants(7) and d.length(7) == 1 and d.propose(7, [1, 2, 1], 5) == (2,)
+    d.started(7, 2, 1)
+    d.settle(7, 0)  # a retry that accepted nothing: the next waits twice as long
+    assert not d.wants(7) and d._retry(7) == 2 * RETRY_STEPS
 
 
 def test_a_retry_that_accepts_rewinds_the_draft_to_its_gap():
