@@ -1,6 +1,6 @@
-"""Single-stream greedy decode with and without speculation (prompt lookup, or a draft model
-with ``--draft-model``), at controlled acceptance, through the HTTP API of a real
-``plimsoll worker``.
+"""Greedy decode of 1 and 8 concurrent streams with and without speculation (prompt lookup,
+or a draft model with ``--draft-model``), at controlled acceptance, through the HTTP API of a
+real ``plimsoll worker``, beside ``mlx_lm.server`` with the same draft model.
 
 Random weights give no realistic acceptance, so the acceptance is set by the model and
 the prompt:
@@ -8,25 +8,27 @@ the prompt:
 - ``repeat``: the tiny demo model as built (its greedy output settles into a loop, so
   lookup's drafts are right) and a prompt that repeats one sentence: high acceptance;
 - ``random``: the same model with its matrices scaled by 4 (its greedy output varies from
-  token to token, as ``plimsoll.engine.drive.sharpen``) and a prompt of random words:
+  token to token, as ``plimsoll.engine.drive.sharpen``) and prompts of random words:
   lookup's few matches are wrong, each sequence's draft length falls to 0 and it retries one
   draft after 16 steps, then 32, 64 ... (each retry that accepts nothing doubles the wait):
   acceptance near 0.
 
-For each regime both modes' workers (``plain``; ``lookup``: ``--prompt-lookup 3
---num-draft-tokens K``) are started and warmed by one request, then ``--runs`` rounds of one
-streamed request to each (interleaved, so a shared machine's drifting load hits both) of
-``--tokens`` output tokens are timed: ``tok_s`` is tokens / (the last token's arrival - the
-request's start); the prompt is short, so its prefill is a small part (a speculating
-stream's tokens come in bursts, so first-to-last token time would overstate it). The
-speculating worker's status gives proposed / accepted.
+For each regime every mode's server (``plain``; ``lookup``: ``--prompt-lookup 3
+--num-draft-tokens K``) is started, then for each stream count (``--streams``, default 1,8)
+warmed by one round and timed over ``--runs`` rounds, the modes interleaved (a shared
+machine's drifting load hits each alike): a round sends its streams at once, each for
+``--tokens`` output tokens, with new prompts every round (no server answers from a cached
+prompt); ``tok_s`` is every stream's tokens over the first send to the last end, prefill
+included. The speculating worker's status gives proposed / accepted.
 
 ``--draft-model`` measures the draft-model proposer instead, in one regime (``draft``: the
 sharpened model and the random words): ``plain``; ``self-draft``, the model as its own draft
 model (every draft right: acceptance ≈ 1, at the cost of a draft forward as large as the
 model's for every drafted token); ``other-draft``, the same architecture built with another
-seed and sharpened alike (its drafts are wrong: acceptance ≈ 0, each sequence's draft length
-falls to 0). Run with OpenBLAS::
+seed and sharpened alike (its drafts are wrong: acceptance ≈ 0); and ``mlx_lm.server`` with
+no draft, and with each draft model and ``--num-draft-tokens K`` (``--no-mlx-lm`` leaves
+them out). ``--before-code DIR`` runs each speculating plimsoll mode a second time on the
+sources in DIR (``MODE before``), in the same interleaved rounds. Run with OpenBLAS::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
       PYTHONPATH=python python bench/speculative.py [--draft-model] \\
