@@ -1,6 +1,6 @@
-"""Single-stream greedy decode with and without speculation (prompt lookup, or a draft model
-with ``--draft-model``), at controlled acceptance, through the HTTP API of a real
-``plimsoll worker``.
+"""Greedy decode of 1 and 8 concurrent streams with and without speculation (prompt lookup,
+or a draft model with ``--draft-model``), at controlled acceptance, through the HTTP API of a
+real ``plimsoll worker``, beside ``mlx_lm.server`` with the same draft model.
 
 Random weights give no realistic acceptance, so the acceptance is set by the model and
 the prompt:
@@ -8,25 +8,27 @@ the prompt:
 - ``repeat``: the tiny demo model as built (its greedy output settles into a loop, so
   lookup's drafts are right) and a prompt that repeats one sentence: high acceptance;
 - ``random``: the same model with its matrices scaled by 4 (its greedy output varies from
-  token to token, as ``plimsoll.engine.drive.sharpen``) and a prompt of random words:
+  token to token, as ``plimsoll.engine.drive.sharpen``) and prompts of random words:
   lookup's few matches are wrong, each sequence's draft length falls to 0 and it retries one
   draft after 16 steps, then 32, 64 ... (each retry that accepts nothing doubles the wait):
   acceptance near 0.
 
-For each regime both modes' workers (``plain``; ``lookup``: ``--prompt-lookup 3
---num-draft-tokens K``) are started and warmed by one request, then ``--runs`` rounds of one
-streamed request to each (interleaved, so a shared machine's drifting load hits both) of
-``--tokens`` output tokens are timed: ``tok_s`` is tokens / (the last token's arrival - the
-request's start); the prompt is short, so its prefill is a small part (a speculating
-stream's tokens come in bursts, so first-to-last token time would overstate it). The
-speculating worker's status gives proposed / accepted.
+For each regime every mode's server (``plain``; ``lookup``: ``--prompt-lookup 3
+--num-draft-tokens K``) is started, then for each stream count (``--streams``, default 1,8)
+warmed by one round and timed over ``--runs`` rounds, the modes interleaved (a shared
+machine's drifting load hits each alike): a round sends its streams at once, each for
+``--tokens`` output tokens, with new prompts every round (no server answers from a cached
+prompt); ``tok_s`` is every stream's tokens over the first send to the last end, prefill
+included. The speculating worker's status gives proposed / accepted.
 
 ``--draft-model`` measures the draft-model proposer instead, in one regime (``draft``: the
 sharpened model and the random words): ``plain``; ``self-draft``, the model as its own draft
 model (every draft right: acceptance ≈ 1, at the cost of a draft forward as large as the
 model's for every drafted token); ``other-draft``, the same architecture built with another
-seed and sharpened alike (its drafts are wrong: acceptance ≈ 0, each sequence's draft length
-falls to 0). Run with OpenBLAS::
+seed and sharpened alike (its drafts are wrong: acceptance ≈ 0); and ``mlx_lm.server`` with
+no draft, and with each draft model and ``--num-draft-tokens K`` (``--no-mlx-lm`` leaves
+them out). ``--before-code DIR`` runs each speculating plimsoll mode a second time on the
+sources in DIR (``MODE before``), in the same interleaved rounds. Run with OpenBLAS::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
       PYTHONPATH=python python bench/speculative.py [--draft-model] \\
@@ -36,20 +38,22 @@ falls to 0). Run with OpenBLAS::
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-
 from lib import report
-from lib.servers import OPENBLAS, ServerProcess, free_port, server_env
+from lib.servers import OPENBLAS, ServerProcess, free_port, served_model, server_env
+from lib.workloads import concurrent_streams
 
 SENTENCE = "the quick brown fox jumps over the lazy dog and runs into the woods. "
+WORDS = ["alpha", "delta", "orbit", "cinder", "mango", "quartz", "velvet", "ember", "harbor",
+         "tundra", "pixel", "lumen", "saffron", "glacier", "nimbus", "zephyr"]
 
 
 def sharpened(base: Path, out: Path, scale: float = 4.0) -> Path:
@@ -71,59 +75,77 @@ def sharpened(base: Path, out: Path, scale: float = 4.0) -> Path:
     return out
 
 
-class Worker:
-    def __init__(self, model: Path, log: Path, extra: list[str]):
+class Server:
+    """One mode's server: a plimsoll worker (``extra``: its speculation flags) or, with
+    ``mlx_lm`` set, an ``mlx_lm.server`` (``extra``: ``--draft-model DIR`` and
+    ``--num-draft-tokens K`` for its speculation); ``code``: the plimsoll sources it runs
+    (PYTHONPATH; default this interpreter's)."""
+
+    def __init__(self, model: Path, log: Path, extra: list[str], mlx_lm: bool = False,
+                 code: Path | None = None):
         port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "plimsoll.cli", "worker", "--model", str(model),
-                "--model-name", "m", "--port", str(port), "--max-cache-blocks", "1024",
-                "--gpu-memory-utilization", "0.9", "--cache-memory-mb", "0",
-                "--max-num-seqs", "1", "--context", "2048", "--max-tokens", "512",
-                "--ceiling-bytes", str(16 << 30), "--total-ram-bytes", str(24 << 30),
-                "--quiet", *extra]
-        self.server = ServerProcess("worker", argv, server_env(OPENBLAS), port, log).start()
-        self.server.wait_ready(300, paths=("/v1/plimsoll/status",))
+        self.url, self.mlx_lm = f"http://127.0.0.1:{port}", mlx_lm
+        if mlx_lm:
+            argv = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model),
+                    "--host", "127.0.0.1", "--port", str(port), *extra]
+        else:
+            argv = [sys.executable, "-m", "plimsoll.cli", "worker", "--model", str(model),
+                    "--model-name", "m", "--port", str(port), "--max-cache-blocks", "1024",
+                    "--gpu-memory-utilization", "0.9", "--cache-memory-mb", "0",
+                    "--max-num-seqs", "8", "--context", "2048", "--max-tokens", "512",
+                    "--ceiling-bytes", str(16 << 30), "--total-ram-bytes", str(24 << 30),
+                    "--quiet", *extra]
+        env = server_env(OPENBLAS) | ({"PYTHONPATH": str(code)} if code else {})
+        self.server = ServerProcess("server", argv, env, port, log).start()
+        self.server.wait_ready(300, paths=("/v1/models",) if mlx_lm
+                               else ("/v1/plimsoll/status",))
+        self.model = served_model(self.url, model) if mlx_lm else "m"
 
     def status(self) -> dict:
+        if self.mlx_lm:
+            return {}
         return httpx.get(self.url + "/v1/plimsoll/status", timeout=30).json()
 
-    def stream(self, prompt: str, tokens: int) -> dict:
-        """One streamed greedy completion: its token times."""
-        times: list[float] = []
-        t0 = time.perf_counter()
-        body = {"model": "m", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-                "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if (line.startswith("data: ") and line != "data: [DONE]"
-                        and json.loads(line[6:])["choices"]):
-                    times.append(time.perf_counter())
-        first, last = times[0], times[-1]
-        return {"ttft_s": first - t0, "events": len(times), "tok_s": tokens / (last - t0)}
+    def streams(self, prompts: list[str], tokens: int) -> dict:
+        """``prompts`` streamed at once (greedy): aggregate tok/s, all completion tokens over
+        the first send to the last end."""
+        bodies = [{"model": self.model, "prompt": p, "max_tokens": tokens, "temperature": 0,
+                   **({} if self.mlx_lm else {"ignore_eos": True})} for p in prompts]
+        r = concurrent_streams(self.url, bodies, 600, path="/v1/completions")
+        if r.get("errors") or r.get("completed") != len(prompts):
+            raise RuntimeError(f"{self.url}: {r.get('errors')}")
+        return {"tok_s": r["aggregate_tps"], "tokens": r["completion_tokens"],
+                "tokens_each_min": r["tokens_each_min"],
+                "ttft_s": statistics.median(r["ttft_s"])}
 
 
-def measure(model: Path, prompt: str, modes: dict[str, list[str]], logs: Path,
-            args) -> dict[str, dict]:
-    """Every mode's worker at once, their requests interleaved (a shared machine's load
-    drifts: each mode sees the same drift)."""
-    workers: dict[str, Worker] = {}
+def measure(model: Path, prompts: Callable[[int, int], list[str]],
+            modes: dict[str, tuple], logs: Path, args) -> dict[str, dict]:
+    """Every mode's server at once; for each stream count, their rounds interleaved (a
+    shared machine's load drifts: each mode sees the same drift). Each round's prompts are
+    new (``prompts(round, streams)``), so no server answers from a cached prompt."""
+    servers: dict[str, Server] = {}
+    out: dict[str, dict] = {}
     try:
-        for mode, extra in modes.items():
-            workers[mode] = Worker(model, logs / f"{mode}.log", extra)
-        before = {}
-        for mode, w in workers.items():
-            w.stream(prompt, 8)  # warm
-            before[mode] = w.status().get("speculative", {})
-        runs: dict[str, list[dict]] = {mode: [] for mode in workers}
-        for _ in range(args.runs):
-            for mode, w in workers.items():
-                runs[mode].append(w.stream(prompt, args.tokens))
-        after = {mode: w.status().get("speculative", {}) for mode, w in workers.items()}
+        for mode, (extra, mlx_lm, *code) in modes.items():
+            servers[mode] = Server(model, logs / f"{mode}.log", extra, mlx_lm, *code)
+        for n in args.streams:
+            before = {}
+            for mode, srv in servers.items():
+                srv.streams(prompts(-1 - n, n), 8)  # warm
+                before[mode] = srv.status().get("speculative", {})
+            runs: dict[str, list[dict]] = {mode: [] for mode in servers}
+            for i in range(args.runs):
+                batch = prompts(100 * n + i, n)
+                for mode, srv in servers.items():
+                    runs[mode].append(srv.streams(batch, args.tokens))
+            for mode, srv in servers.items():
+                spec = srv.status().get("speculative", {})
+                out.setdefault(mode, {})[str(n)] = figures(runs[mode], before[mode], spec)
     finally:
-        for w in workers.values():
-            w.server.stop()
-    return {mode: figures(runs[mode], before[mode], after[mode]) for mode in workers}
+        for srv in servers.values():
+            srv.server.stop()
+    return out
 
 
 def figures(runs: list[dict], before: dict, spec: dict) -> dict:
@@ -133,6 +155,7 @@ def figures(runs: list[dict], before: dict, spec: dict) -> dict:
     rates = [r["tok_s"] for r in runs]
     return {"tok_s": statistics.median(rates), "tok_s_runs": rates,
             "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+            "tokens_each_min": min(r["tokens_each_min"] for r in runs),
             "proposed": proposed, "accepted": accepted, "verify_steps": steps,
             "acceptance": accepted / proposed if proposed else None,
             "speculative": spec}
@@ -166,48 +189,70 @@ def engine_steps(model: Path, steps: int = 60) -> dict:
     return {"decode_step_ms": d, "verify4_step_ms": v, "ratio": v / d}
 
 
+def varied(salt: int, n: int) -> list[str]:
+    """``n`` prompts of 60 random words (high-entropy text: lookup rarely matches)."""
+    rng = random.Random(salt)
+    return [" ".join(rng.choice(WORDS) for _ in range(60)) for _ in range(n)]
+
+
+def repeated(salt: int, n: int) -> list[str]:
+    """``n`` prompts of one sentence six times, each after its own number."""
+    return [f"{salt} {i}. " + SENTENCE * 6 for i in range(n)]
+
+
 def markdown(result: dict) -> str:
     rows = []
     for regime, modes in result["regimes"].items():
-        plain = modes["plain"]["tok_s"]
-        for mode, m in modes.items():
-            rows.append((regime, mode, report.num(m["tok_s"]),
-                         f"{min(m['tok_s_runs']):.0f}–{max(m['tok_s_runs']):.0f}",
-                         report.num(m["tok_s"] / plain, ".2f"),
-                         m["proposed"], m["accepted"], report.num(m["acceptance"], ".2f")))
+        for n in map(str, result["streams"]):
+            plain = modes["plain"][n]["tok_s"]
+            own = modes.get("mlx_lm plain", {}).get(n, {}).get("tok_s")
+            for mode, by in modes.items():
+                m = by[n]
+                base = own if mode.startswith("mlx_lm") and own else plain
+                rows.append((regime, mode, n, report.num(m["tok_s"]),
+                             f"{min(m['tok_s_runs']):.0f}–{max(m['tok_s_runs']):.0f}",
+                             report.num(m["tok_s"] / plain, ".2f"),
+                             report.num(m["tok_s"] / base, ".2f"),
+                             m["proposed"], m["accepted"], report.num(m["acceptance"], ".2f")))
     eng = result["engine"]
     draft = result.get("proposer") == "draft_model"
     title = "Draft-model" if draft else "Prompt-lookup"
-    about = ("`draft`: the tiny demo with its matrices × 4 (varied greedy output) and random "
-             "words. `self-draft`: the model as its own draft model (`--draft-model` = the "
-             "model: every draft right, but each drafted token costs a draft forward as large "
-             "as the model's, so this measures the mechanism, not a speed-up a small draft "
-             "would give). `other-draft`: the same architecture built with another seed (its "
-             "drafts are wrong: each sequence's draft length falls to 0 in 3 steps, then it "
-             "retries after 16, 32, 64 ... steps). Each retry costs a draft prefill of the "
-             "tokens it missed "
-             "and an unpipelined verifying step: on this CPU a chunk of 16 or more tokens of "
-             "the tiny model takes 2-4 decode steps' time (a draft as large as the model), so the "
-             "retries cost more here than a small draft on a GPU would. A shared 2-core "
-             "machine: compare each mode's runs column."
-             if draft else
-             "`repeat`: the demo model's looping greedy output and a repeated sentence (high "
-             "acceptance). `random`: matrices × 4 (varied output) and random words: lookup "
-             "rarely matches, and a sequence whose drafts find no match or are rejected falls "
-             "to draft length 0 in 3 steps; what remains is an unpipelined retry step after "
-             "16, 32, 64 ... steps. A shared 2-core machine: compare each mode's runs column, "
-             "not just medians.")
-    lines = [f"# {title} speculation, 1 stream, {result['machine']}", "",
+    about = DRAFT_ABOUT if draft else LOOKUP_ABOUT
+    lines = [f"# {title} speculation, {' and '.join(map(str, result['streams']))} streams, "
+             f"{result['machine']}", "",
              f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
-             f"Model: the tiny demo ({result['tokens']} greedy tokens per request, "
-             f"{result['runs']} runs, median; k = {result['num_draft_tokens']}).", "",
-             *report.table(("regime", "mode", "tok/s", "runs", "× plain", "proposed",
-                            "accepted", "acceptance"), rows), "",
+             f"Model: the tiny demo ({result['tokens']} greedy tokens per stream, "
+             f"{result['runs']} runs, median of aggregate tok/s: every stream's tokens over the "
+             f"first send to the last end, prefill included; k = {result['num_draft_tokens']}).",
+             "", *report.table(("regime", "mode", "streams", "tok/s", "runs", "× plain",
+                                "× its plain", "proposed", "accepted",
+                                "acceptance"), rows), "",
              about, "",
+             "`× its plain`: an mlx_lm.server row against mlx_lm.server without a draft model "
+             "(a plimsoll row: against plimsoll's plain). `... before`: the same mode running "
+             f"the code at {result.get('before_code') or '(none)'} (PYTHONPATH), the code "
+             "before a change, in the same run.", "",
              "The engine alone (in process, interleaved, the tiny model at 100-560 tokens): a "
              f"decode step {eng['decode_step_ms']:.1f} ms, a step verifying 3 drafts (4 "
              f"tokens) {eng['verify4_step_ms']:.1f} ms ({eng['ratio']:.2f} x).", ""]
     return "\n".join(lines)
+
+
+DRAFT_ABOUT = (
+    "`draft`: the tiny demo with its matrices × 4 (varied greedy output) and random words (one "
+    "prompt per stream). `self-draft`: the model as its own draft model (`--draft-model` = the "
+    "model: every draft right, but each drafted token costs a draft forward as large as the "
+    "model's, so this measures the mechanism, not a speed-up a small draft would give). "
+    "`other-draft`: the same architecture built with another seed (its drafts are wrong). "
+    "`mlx_lm ...`: `mlx_lm.server` with the same target, and the same draft model with "
+    "`--num-draft-tokens` k (it serves one request at a time with a draft model). A shared "
+    "2-core machine: compare each mode's runs column.")
+LOOKUP_ABOUT = (
+    "`repeat`: the demo model's looping greedy output and a repeated sentence (high "
+    "acceptance). `random`: matrices × 4 (varied output) and random words (one prompt per "
+    "stream): lookup rarely matches, and a sequence whose drafts find no match or are rejected "
+    "falls to draft length 0; what remains is an unpipelined retry step after 16, 32, 64 ... "
+    "steps. A shared 2-core machine: compare each mode's runs column, not just medians.")
 
 
 def main() -> None:
@@ -215,43 +260,58 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=report.OUT / "speculative")
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--streams", type=lambda x: [int(v) for v in x.split(",")], default=[1, 8],
+                    help="concurrent stream counts, comma-separated (default 1,8)")
     ap.add_argument("--num-draft-tokens", type=int, default=3)
     ap.add_argument("--draft-model", action="store_true",
                     help="measure the draft-model proposer (the model as its own draft, and a "
-                         "different-seed draft) instead of prompt lookup")
+                         "different-seed draft, beside mlx_lm.server's) instead of prompt lookup")
+    ap.add_argument("--no-mlx-lm", dest="mlx_lm", action="store_false",
+                    help="leave out the mlx_lm.server rows of --draft-model")
+    ap.add_argument("--before-code", type=Path, default=None,
+                    help="plimsoll sources (a python/ directory) of the code before a change: "
+                         "each speculating mode also runs on them, as `MODE before`")
     ap.add_argument("--out-dir", type=Path, default=report.RESULTS)
     ap.add_argument("--name", default=report.default_name("speculative"))
     args = ap.parse_args()
+    import plimsoll
     from plimsoll.demo.model import build_demo_model
 
     base = build_demo_model(args.dir / "tiny", preset="tiny")
     sharp = sharpened(base, args.dir / "tiny-sharp")
-    rng = random.Random(0)
-    words = ["alpha", "delta", "orbit", "cinder", "mango", "quartz", "velvet", "ember",
-             "harbor", "tundra", "pixel", "lumen", "saffron", "glacier", "nimbus", "zephyr"]
-    regimes = {"repeat": (base, SENTENCE * 6),
-               "random": (sharp, " ".join(rng.choice(words) for _ in range(60)))}
+    regimes = {"repeat": (base, repeated), "random": (sharp, varied)}
     k = ["--num-draft-tokens", str(args.num_draft_tokens)]
-    modes = {"plain": [], "lookup": ["--prompt-lookup", "3", *k]}
+    modes = {"plain": ([], False), "lookup": (["--prompt-lookup", "3", *k], False)}
     if args.draft_model:
         other = sharpened(build_demo_model(args.dir / "tiny-seed1", preset="tiny", seed=1),
                           args.dir / "tiny-seed1-sharp")
         regimes = {"draft": regimes["random"]}
-        modes = {"plain": [], "self-draft": ["--draft-model", str(sharp), *k],
-                 "other-draft": ["--draft-model", str(other), *k]}
+        modes = {"plain": ([], False), "self-draft": (["--draft-model", str(sharp), *k], False),
+                 "other-draft": (["--draft-model", str(other), *k], False)}
+        if args.mlx_lm:
+            modes |= {"mlx_lm plain": ([], True),
+                      "mlx_lm self-draft": (["--draft-model", str(sharp), *k], True),
+                      "mlx_lm other-draft": (["--draft-model", str(other), *k], True)}
+    if args.before_code is not None:
+        speculating = [m for m, (extra, mlx_lm) in modes.items() if extra and not mlx_lm]
+        modes |= {f"{m} before": (*modes[m], args.before_code) for m in speculating}
     host = report.host_facts()
     out: dict = {}
-    for regime, (model, prompt) in regimes.items():
-        out[regime] = measure(model, prompt, modes, args.dir / regime, args)
-        for mode, m in out[regime].items():
-            print(f"{regime:7s} {mode:11s} {m['tok_s']:8.1f} tok/s  "
-                  f"accepted {m['accepted']}/{m['proposed']}", flush=True)
+    for regime, (model, prompts) in regimes.items():
+        out[regime] = measure(model, prompts, modes, args.dir / regime, args)
+        for mode, by in out[regime].items():
+            for n, m in by.items():
+                print(f"{regime:7s} {mode:19s} {n:>2s} streams {m['tok_s']:8.1f} tok/s  "
+                      f"accepted {m['accepted']}/{m['proposed']}", flush=True)
     engine = engine_steps(base)
     host["loadavg_end"] = report.loadavg()
     result = {"command": report.command(), "host": host, "engine": engine,
+              "plimsoll_from": str(Path(plimsoll.__file__).parent),
               "machine": report.machine(), "tokens": args.tokens, "runs": args.runs,
-              "num_draft_tokens": args.num_draft_tokens, "regimes": out,
-              "proposer": "draft_model" if args.draft_model else "prompt_lookup"}
+              "streams": args.streams, "num_draft_tokens": args.num_draft_tokens,
+              "regimes": out, "proposer": "draft_model" if args.draft_model else "prompt_lookup"}
+    if args.before_code is not None:
+        result["before_code"] = str(args.before_code)
     print(report.write(result, args.out_dir, args.name, markdown))
 
 

@@ -15,7 +15,14 @@ greedily, so a sampled sequence's verification treats it as a point mass):
    the decode rows) of one draft step of at most ``chunk`` tokens over every sequence, which
    samples its first draft. A catch-up that does not fit takes what is left of the step and
    goes on at the next step, the sequence decoding plainly meanwhile (so running streams
-   wait for at most one draft chunk a step, as for one prompt chunk);
+   wait for at most one draft chunk a step, as for one prompt chunk). A sequence at draft
+   length 0 does no draft work at all until a retry is due, and a retry catches up at most
+   ``probe`` tokens, the last ones (the draft KV between what it had seen and them is left
+   unwritten: a gap whose stale contents only make the retry's draft worse, never the
+   output); a retry that accepts rewinds the draft to the gap's start, so the next catch-ups
+   fill it and redo what follows, and the sequence drafts from a whole context again (a
+   sequence whose first step is a retry, :func:`.speculate.start_length`, catches up only
+   its prompt's last ``probe`` tokens the same way);
 2. propose: ``k - 1`` more draft decode steps (``k`` from the :class:`.speculate.Drafter`'s
    adaptive length), every sequence a row of one batch, pipelined (each names the token the
    step before sampled); then every step's tokens are read.
@@ -80,12 +87,14 @@ class DraftModel(Drafter):
     engine: Any = None  # the draft model's Engine (its pools: the target's block ids); None
     #                     where refused (the model cannot speculate: no draft is loaded)
     chunk: int = 512    # most catch-up tokens per draft step, over every sequence
+    probe: int = 16     # most catch-up tokens of a retry (a sequence at draft length 0)
     vocab: int = 0      # the target's embedding rows: a draft token at or past it ends a draft
     name: str = ""      # the draft model's directory, for the status
     kv_bytes: int = 0   # the draft pools' bytes allocated after the last draft pass (status)
     _seen: dict[int, int] = field(default_factory=dict)
     _ready: dict[int, tuple[int, ...]] = field(default_factory=dict)
     _catching: set[int] = field(default_factory=set)  # still catching up at this step
+    _gap: dict[int, int] = field(default_factory=dict)  # where its unwritten draft KV starts
 
     def lookup(self, seq_id: int, tokens: Sequence[int], k: int) -> tuple[int, ...]:
         return self._ready.get(seq_id, ())[:k]
@@ -119,6 +128,9 @@ class DraftModel(Drafter):
         for run, k, table in want:
             sid = run.req.id
             seen, end = self._seen.get(sid, 0), len(run.tokens)
+            if self.retrying(sid) and end - seen > self.probe:  # a retry: the last tokens
+                self._gap.setdefault(sid, seen)
+                seen = end - self.probe
             take = min(end - seen, left)
             if take > 0:
                 works.append(Work(sid, tuple(run.tokens[seen:seen + take]), seen, table,
@@ -152,6 +164,8 @@ class DraftModel(Drafter):
         (the rejected positions roll back by length)."""
         start, drafts = super().settle(seq_id, accepted)
         self._seen[seq_id] = start + min(drafts, accepted + 1)
+        if accepted and seq_id in self._gap:  # drafting again: fill the gap from its start
+            self._seen[seq_id] = self._gap.pop(seq_id)
         return start, drafts
 
     def forget(self, seq_id: int) -> None:
@@ -159,6 +173,7 @@ class DraftModel(Drafter):
         self._seen.pop(seq_id, None)
         self._ready.pop(seq_id, None)
         self._catching.discard(seq_id)
+        self._gap.pop(seq_id, None)
         if self.engine is not None:
             self.engine.free_state(seq_id)
 

@@ -16,8 +16,12 @@ them. Constrained sequences decode plainly (a row's mask needs each previous tok
   (mlx-lm / vLLM style): the sequence's last ``n`` tokens (``n`` from the longest down to 1)
   at their most recent earlier place in the prompt and the output so far; the tokens that
   followed there are the drafts.
-- :class:`Drafter` keeps each sequence's draft length: one more after a step that accepted
-  everything (up to ``most``), one fewer after a step that accepted none or found no match,
+- :class:`Drafter` keeps each sequence's draft length: it starts at ``most``, or shorter
+  where the drafts verified so far were mostly rejected (:func:`start_length`: a proposer
+  that keeps failing costs a new sequence one short retry, not ``most`` longer steps, nor a
+  draft model's prefill of its whole prompt); one more after a step that
+  accepted everything (up to ``most``), one fewer after a step that accepted none or found no
+  match,
   down to 0, where the sequence decodes plainly (and pipelined) and tries one draft again
   after :data:`RETRY_STEPS` steps (twice as many after each retry that accepted nothing, up
   to :data:`MAX_RETRY_STEPS`). Its counters are the status's ``speculative`` figures.
@@ -85,6 +89,16 @@ class Figures:
                 if self.steps else 0.0}
 
 
+def start_length(most: int, figures: Figures) -> int:
+    """A new sequence's draft length: ``most``; 1 where fewer than half the drafts verified so
+    far were accepted (its length grows by one per step that accepts every draft); 0, its
+    first step a retry, where fewer than a quarter were (a draft model's retry catches up only
+    the prompt's last tokens: a proposer that keeps failing does not prefill every prompt)."""
+    if not figures.proposed or 2 * figures.accepted >= figures.proposed:
+        return most
+    return min(1, most) if 4 * figures.accepted >= figures.proposed else 0
+
+
 @dataclass
 class Drafter:
     """Prompt lookup with a per-sequence adaptive draft length (see the module docstring).
@@ -109,8 +123,21 @@ class Drafter:
     def wants(self, seq_id: int) -> bool:
         """Whether ``seq_id`` may draft at its next step, or has drafts in flight (either
         way its next step needs its tokens read: it is not pipelined)."""
-        return seq_id in self.inflight or self._length.get(seq_id, self.most) > 0 \
+        return seq_id in self.inflight or self._current(seq_id) > 0 \
             or self._idle.get(seq_id, 0) >= self._retry(seq_id) - 1
+
+    def _current(self, seq_id: int) -> int:
+        """``seq_id``'s draft length, set at its first use (:func:`start_length`; one that
+        starts at 0 retries at its first step)."""
+        if seq_id not in self._length:
+            self._length[seq_id] = k = start_length(self.most, self.figures)
+            if k == 0:
+                self._idle[seq_id] = self._retry(seq_id) - 1
+        return self._length[seq_id]
+
+    def retrying(self, seq_id: int) -> bool:
+        """Whether ``seq_id`` is at draft length 0 (a draft it makes is a retry)."""
+        return self._current(seq_id) == 0
 
     def _retry(self, seq_id: int) -> int:
         return self._wait.get(seq_id, RETRY_STEPS)
@@ -121,8 +148,8 @@ class Drafter:
 
     def length(self, seq_id: int) -> int:
         """The drafts :meth:`propose` will ask for ``seq_id`` now (before ``room``); changes
-        nothing."""
-        k = self._length.get(seq_id, self.most)
+        nothing but a new sequence's start length, fixed here at its first use."""
+        k = self._current(seq_id)
         if k == 0:
             return 1 if self._idle.get(seq_id, 0) + 1 >= self._retry(seq_id) else 0
         return k
@@ -137,7 +164,7 @@ class Drafter:
 
     def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:
         """The drafts for ``seq_id``'s next step (``room``: tokens it may still draft)."""
-        k = retry = self._length.get(seq_id, self.most)
+        k = retry = self._current(seq_id)
         if k == 0:
             idle = self._idle.get(seq_id, 0) + 1
             self._idle[seq_id] = idle
@@ -154,7 +181,7 @@ class Drafter:
     def skip(self, seq_id: int) -> None:
         """``seq_id`` decodes pipelined this step (its draft length is 0): one step nearer
         its retry."""
-        if self._length.get(seq_id, self.most) == 0:
+        if self._current(seq_id) == 0:
             self._idle[seq_id] = self._idle.get(seq_id, 0) + 1
 
     def started(self, seq_id: int, start: int, drafts: int) -> None:
@@ -164,7 +191,7 @@ class Drafter:
         """``seq_id``'s verifying step accepted ``accepted`` drafts: count them, adapt its
         length; returns the step's start position and its drafts."""
         start, drafts = self.inflight.pop(seq_id)
-        k = self._length.get(seq_id, self.most)
+        k = self._current(seq_id)
         if accepted == drafts:
             self._length[seq_id] = min(self.most, max(k, drafts) + 1)
         elif accepted == 0:

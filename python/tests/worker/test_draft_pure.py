@@ -1,13 +1,14 @@
-"""Speculation's pure parts beside a draft model: a retry's back-off, the draft model's
-load-time checks (vocabulary, fit) and admission's refusal of a draft that leaves no room."""
+"""Speculation's pure parts beside a draft model: a retry's back-off, a new sequence's start
+length, a retry's gap in the draft KV filled once it accepts, the draft model's load-time
+checks (vocabulary, fit) and admission's refusal of a draft that leaves no room."""
 
 from __future__ import annotations
 
 import pytest
 
 from plimsoll.core.admission import AdmissionRequest, admit
-from plimsoll.worker.draft_model import fit_problem, vocab_problem
-from plimsoll.worker.speculate import MAX_RETRY_STEPS, RETRY_STEPS, Drafter
+from plimsoll.worker.draft_model import DraftModel, fit_problem, vocab_problem
+from plimsoll.worker.speculate import MAX_RETRY_STEPS, RETRY_STEPS, Drafter, Figures, start_length
 
 pytestmark = pytest.mark.pure
 
@@ -36,6 +37,30 @@ def test_retries_back_off_while_they_accept_nothing():
     d.started(7, 5, 1)
     d.settle(7, 0)
     assert wait_and_retry(0) == RETRY_STEPS - 1
+
+
+def test_a_new_sequence_starts_short_where_drafts_have_mostly_failed():
+    """Most drafts rejected: a new sequence starts at 1; nearly all: its first step a retry."""
+    assert start_length(3, Figures()) == 3  # nothing verified yet
+    assert start_length(3, Figures(proposed=10, accepted=5)) == 3
+    assert start_length(3, Figures(proposed=10, accepted=4)) == 1
+    assert start_length(3, Figures(proposed=12, accepted=2)) == 0  # its first step a retry
+    d = Drafter(3, 3, figures=Figures(proposed=12, accepted=2))
+    assert d.wants(7) and d.length(7) == 1 and d.propose(7, [1, 2, 1], 5) == (2,)
+    d.started(7, 2, 1)
+    d.settle(7, 0)  # a retry that accepted nothing: the next waits twice as long
+    assert not d.wants(7) and d._retry(7) == 2 * RETRY_STEPS
+
+
+def test_a_retry_that_accepts_rewinds_the_draft_to_its_gap():
+    d = DraftModel(0, 3)
+    d._length[7], d._gap[7] = 0, 40  # at length 0; its draft KV unwritten from 40
+    d.started(7, 90, 1)
+    d.settle(7, 0)  # rejected: valid through the verified token, the gap stays
+    assert d._seen[7] == 91 and d._gap[7] == 40
+    d.started(7, 120, 1)
+    d.settle(7, 1)  # accepted: drafting again, from a catch-up that starts at the gap
+    assert d._seen[7] == 40 and 7 not in d._gap and d.length(7) == 2
 
 
 def test_a_draft_that_does_not_fit_is_refused_by_admission():

@@ -139,7 +139,7 @@ def test_draft_length_adapts_to_acceptance():
     assert not d.wants(7)
     assert d.figures.proposed == 7 and d.figures.accepted == 0
     d.forget(7)
-    assert d.wants(7)  # a new sequence starts at the longest draft
+    assert d.wants(7) and d.length(7) == 1  # none accepted so far: its first step a retry
     assert d.propose(8, toks, 1) == (3,)  # never past the request's room
 
 
