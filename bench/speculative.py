@@ -47,6 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
 from lib import report
 from lib.servers import OPENBLAS, ServerProcess, free_port, served_model, server_env
 from lib.workloads import concurrent_streams
