@@ -16,7 +16,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,35 +25,18 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import free_port, worker_env
+from serve_process import Served
 
 MSG = [{"role": "user", "content": "hello there"}]
-SERVE = "from plimsoll.cli.serve import serve_command; serve_command()"
 
 
-class Proxy:
+class Proxy(Served):
+    """``plimsoll serve`` (started as :class:`serve_process.Served`) and its admin routes."""
+
     def __init__(self, args: list[str], log: Path, env_extra: dict[str, str] | None = None,
                  api_key: str | None = None):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVE, *args, "--port", str(self.port)],
-            env=worker_env() | (env_extra or {}), stdout=log.open("w"),
-            stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited {self.proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("serve not up in time:\n" + log.read_text())
-            time.sleep(0.2)
+        super().__init__(args, log, env_extra)
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"),
