@@ -11,7 +11,17 @@ raw figures (the results files quote them):
   long prompt in big chunks, with MLX and NVML memory after each;
 - ``batched-prefill MODEL``: N prompts of 115–575 tokens arriving together, a scheduler-like
   loop (2048 prompt tokens a step beside every running decode, pipelined) to 128 tokens each,
-  ``Engine.batch_prefill`` off and on, alternating.
+  ``Engine.batch_prefill`` off and on, alternating;
+- ``subagents MODEL``: the sub-agent workload at the engine (no scheduler, no HTTP): one
+  17,109-token prompt in 2048-token chunks, then 7 prompts that share its first 15,936 tokens'
+  blocks and add 1,173 of their own, 2048 prompt tokens a step; each step synchronised and
+  timed (host build, total) with its groups (tokens @ start). Rounds: ``cold`` (new shapes),
+  ``warm`` (the same shapes, new tokens), ``no-attn`` (attention replaced by the identity:
+  what the rest of the step costs). Run again with ``MLX_CUDA_USE_CUDNN_SDPA=0``;
+- ``decode-kernels MODEL [--old FILE]``: decode tok/s at the engine at 1, 8 and 32 rows with
+  the decode kernel in use, with the gather path (no kernel), and with an older
+  ``paged_cuda`` module (FILE, e.g. ``git show REV:python/plimsoll/engine/paged_cuda.py``),
+  alternating, plus each one's start-time check (kernel vs reference ms).
 
 MODEL is bench/gpu_model.py's (``python3 bench/gpu_model.py /tmp/m``).
 """
@@ -24,6 +34,7 @@ import os
 import random
 import sys
 import time
+from pathlib import Path
 
 from lib.samplers import Gpu
 
@@ -210,6 +221,119 @@ def batched_prefill(a) -> None:
         print(run(n, flag, salt=salt), flush=True)
 
 
+def subagents(a) -> None:
+    import mlx.core as mx
+    from plimsoll.engine import Engine, attention, backend, limits, warm_up, warmup
+    from plimsoll.engine.work import Step, Work
+
+    bt, total, shared, budget = 16, 17109, 15936, 2048
+    eng = Engine.load(a.model, block_tokens=bt, max_blocks=4000)
+    eng.warm = warm_up(eng)
+    import json
+    vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+
+    def ids(n: int, seed: int) -> tuple[int, ...]:  # within the model's vocabulary
+        return tuple((seed * 7919 + i * 104729) % (vocab - 10) + 10 for i in range(n))
+
+    first = ids(total, 1)
+    blocks = -(-(total + 64) // bt)
+    base = tuple(range(blocks))
+
+    def step(prefills: list[Work]) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        pending = eng.run_async(Step((), tuple(prefills)))
+        host = time.perf_counter() - t0
+        pending.result()
+        mx.synchronize()
+        return round(host * 1000, 1), round((time.perf_counter() - t0) * 1000, 1)
+
+    out = []
+    for start in range(0, total, budget):  # the first request, alone
+        n = min(budget, total - start)
+        out.append((n, step([Work(0, first[start:start + n], start, base, start + n == total)])))
+    print("alone", sum(t for _, (_, t) in out), out, flush=True)
+
+    def round_(tag: str, salt: int, shared: int = shared) -> None:
+        seqs = []
+        for i in range(7):
+            own = ids(total - shared, 100 * salt + i + 2)
+            own_blocks = blocks - shared // bt
+            lo = blocks + i * own_blocks  # each round writes the same slots again
+            table = base[:shared // bt] + tuple(range(lo, lo + own_blocks))
+            seqs.append([10 * salt + i + 1, own, shared, table])
+        log, t_all = [], 0.0
+        while any(s[2] < total for s in seqs):
+            left, works = budget, []
+            for s in seqs:
+                if s[2] < total and left > 0:
+                    n = min(left, total - s[2])
+                    w = s[1][s[2] - shared:s[2] - shared + n]
+                    works.append(Work(s[0], w, s[2], s[3], s[2] + n == total))
+                    s[2] += n
+                    left -= n
+            host, ms = step(works)
+            t_all += ms
+            log.append(([f"{len(w.tokens)}@{w.start}" for w in works], host, ms))
+        for s in seqs:
+            eng.free_state(s[0])
+        print(tag, round(t_all, 1), log, flush=True)
+
+    def identity(self, queries, scale, sinks):
+        self.batch.attended += 1
+        return queries
+
+    round_("cold", 0)
+    round_("warm", 1)
+    real = attention.PagedView.attend
+    attention.PagedView.attend = identity
+    try:
+        round_("no-attn", 2)
+    finally:
+        attention.PagedView.attend = real
+    round_("warm-again", 3)
+    # the worker's idle warmer (engine/warmup.PlanWarmer) over shapes up to this context,
+    # then a round at a prefix length no round has used: new shapes, built ahead
+    warmer = warmup.PlanWarmer(warmup.plan_shapes(backend.causal_grid(), budget, total + 64,
+                                                  limits.warm_plans_most()))
+    while warmer.step():
+        pass
+    print("warmer", warmer.figures(), flush=True)
+    round_("cold-after-warmer", 4, shared - 2048 - 512)
+
+
+def decode_kernels(a) -> None:
+    import importlib.util
+
+    import mlx.core as mx
+    from plimsoll.engine import Engine, kernels, warm_up
+
+    from lib.engine import code_prompts, decode_rate
+
+    eng = Engine.load(a.model, block_tokens=16, max_blocks=6000)
+    eng.warm = warm_up(eng)
+    variants = {"current": eng.kernels.decode, "gather": None}
+    if a.old:
+        spec = importlib.util.spec_from_file_location("paged_cuda_old", a.old)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        variants["old"] = kernels.Kernel("paged_decode_cuda_old", "cuda", old.paged_decode,
+                                         old.serves)
+    print("verdicts", eng.kernels.report(), flush=True)
+    for name, k in variants.items():
+        if k is not None:
+            v = kernels.check(k, mx.bfloat16, 32, [(8, 128, 128)])  # the 4B shape
+            print("check", name, v.as_dict(), flush=True)
+    prompts = code_prompts(eng.tokenizer, 32)
+    for rnd in range(2):
+        for name, k in variants.items():
+            eng.kernels.decode = k
+            for rows in (1, 8, 32):
+                r = decode_rate(eng, [p * 4 for p in prompts[:rows]], 128)
+                print(f"round {rnd} {name} rows {rows}: {r['tps']:.0f} tok/s, "
+                      f"{1000 * rows / r['tps']:.2f} ms/step, cpu {r['cpu_ms_per_step']:.2f}",
+                      flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -217,11 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("sdpa", help="attention by shape: plan builds vs cached plans")
     for name, what in (("prefill-chunks", "prefill chunks with and without attention"),
                        ("first-use", "first-use compilation and memory"),
-                       ("batched-prefill", "batched first chunks off vs on")):
+                       ("batched-prefill", "batched first chunks off vs on"),
+                       ("subagents", "the sub-agent workload at the engine, step by step")):
         sub.add_parser(name, help=what).add_argument("model", help="bench/gpu_model.py's dir")
+    dk = sub.add_parser("decode-kernels", help="decode tok/s: the kernel, gather, an old kernel")
+    dk.add_argument("model", help="bench/gpu_model.py's dir")
+    dk.add_argument("--old", help="an older paged_cuda.py to compare")
     a = p.parse_args(argv)
     {"sdpa": sdpa, "prefill-chunks": prefill_chunks, "first-use": first_use,
-     "batched-prefill": batched_prefill}[a.probe](a)
+     "batched-prefill": batched_prefill, "subagents": subagents,
+     "decode-kernels": decode_kernels}[a.probe](a)
     return 0
 
 

@@ -74,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--agentic-max-tokens", type=int, default=16)
     a("--warmup-tokens", type=int, default=0, help="prompt tokens of a warm-up request sent "
       "to every fresh server before its phases (0: a 2-token one only)")
+    a("--wait-plans", type=float, default=0, metavar="S", help="after the warm-up, wait up "
+      "to S seconds for plimsoll's idle attention-plan warmer to finish (its status' "
+      "attention_plans; CUDA only; 0: do not wait)")
     a("--decode-tokens", type=int, default=256)
     a("--decode-prompt-tokens", type=int, default=64)
     a("--streams", default="8,32", help="stream counts: phases streamsN")
@@ -193,6 +196,10 @@ def run_group(label: str, template: str, group: list[str], args, work, facts,
                                 args.request_timeout)
             out["warmup_long"] = {"ttft_s": warm.get("ttft_s"), "error": warm.get("error"),
                                   "prompt_tokens": warm.get("prompt_tokens")}
+        if args.wait_plans and sampler is not None:  # the worker's idle plan warming
+            out["attention_plans"] = status.wait_plans(server.base_url, args.status_path,
+                                                       args.wait_plans)
+            print(f"[{label}] attention plans: {out['attention_plans']}", flush=True)
         out |= {"warmup_s": time.perf_counter() - t, "ignore_eos": eos, "model_id": model}
         print(f"[{label}] ready in {out['ready_s']:.1f} s, warm-up {out['warmup_s']:.1f} s, "
               f"status: {sampler is not None}, ignore_eos: {eos}", flush=True)

@@ -79,6 +79,26 @@ def get(base_url: str, path: str = PATH) -> dict | None:
     return None
 
 
+def wait_plans(base_url: str, path: str, most_s: float, poll_s: float = 0.5) -> dict:
+    """Wait (at most ``most_s``) until the worker's idle attention-plan warmer has built every
+    shape it planned (``attention_plans.built == planned``); what it found, and the wait."""
+    import time
+
+    start, last = time.perf_counter(), {}
+    while True:
+        flat = numeric(get(base_url, path) or {})
+        built = next((v for k, v in flat.items() if k.endswith("attention_plans.built")), None)
+        planned = next((v for k, v in flat.items() if k.endswith("attention_plans.planned")),
+                       None)
+        last = {"built": built, "planned": planned}
+        if built is None or planned is None or built >= planned:
+            break
+        if time.perf_counter() - start >= most_s:
+            break
+        time.sleep(poll_s)
+    return last | {"waited_s": round(time.perf_counter() - start, 2)}
+
+
 def sampler(base_url: str, path: str, interval: float) -> tuple[Sampler, dict]:
     """A sampler of the status endpoint's figures; the dict holds the last raw snapshot."""
     raw: dict = {}

@@ -39,7 +39,7 @@ from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
 _EXPORTS = {
     "Engine": "core", "Pending": "core",
     "active_memory": "limits", "clear_buffer_cache": "limits", "process_limits": "limits",
-    "warm_up": "warmup",
+    "plan_warmer": "warmup", "warm_up": "warmup",
 }
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "Work",
     "active_memory",
     "clear_buffer_cache",
+    "plan_warmer",
     "process_limits",
     "warm_up",
 ]
@@ -58,7 +59,7 @@ __all__ = [
 if TYPE_CHECKING:
     from plimsoll.engine.core import Engine, Pending
     from plimsoll.engine.limits import active_memory, clear_buffer_cache, process_limits
-    from plimsoll.engine.warmup import warm_up
+    from plimsoll.engine.warmup import plan_warmer, warm_up
 
 
 def __getattr__(name: str) -> Any:

@@ -120,21 +120,65 @@ class PagedView(PoolCache):
 
 
 def causal_on_grid(queries, keys, values, scale: float, mask, sinks, grid: int) -> mx.array:
-    """Attention with ``mask``; a causal chunk's queries and keys padded at the end by the
-    same ``p`` to a multiple of ``grid`` queries (0: as they are). Exact: the causal mask is
-    aligned bottom-right, so a real query still sees exactly the keys up to its own
-    position, the padded queries see the zero keys, and their rows are cut off. Only
-    without a cast (the gather's second copy is then headroom the transient counts)."""
-    n = queries.shape[2]
-    pad = (-n) % grid if grid and isinstance(mask, str) and mask == "causal" else 0
-    if not pad or keys.dtype != queries.dtype:
+    """Attention with ``mask``; a causal chunk's shape put on the ``grid`` (0: as it is).
+
+    cuDNN builds a plan per (queries, keys) shape, so both lengths are made multiples of
+    ``grid`` (:func:`grid_pads`): queries and keys padded at the end by the same ``back`` (the
+    keys reach the grid), then ``front`` dummy queries before the real ones (the queries
+    reach it too). Exact: the causal mask is aligned bottom-right, so a real query still sees
+    exactly the keys up to its own position; the dummy and padded rows are cut off. The
+    inputs are always made contiguous, so a plan's strides do not follow the pool's size
+    either, and :class:`~plimsoll.engine.warmup.PlanWarmer` can build the same plans ahead.
+    Only without a cast (the gather's second copy is then headroom the transient counts)."""
+    if not grid or not (isinstance(mask, str) and mask == "causal") or keys.dtype != queries.dtype:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                     mask=mask, sinks=sinks)
-    widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
-    out = mx.fast.scaled_dot_product_attention(
-        mx.pad(queries, widths), mx.pad(keys, widths), mx.pad(values, widths),
-        scale=scale, mask=mask, sinks=sinks)
-    return out[:, :, :n]
+    n = queries.shape[2]
+    front, back = grid_pads(n, keys.shape[2], grid)
+    _SIGNATURES.setdefault(signature(queries, keys, values, sinks), None)
+    if front or back:
+        queries = mx.pad(queries, [(0, 0), (0, 0), (front, back), (0, 0)])
+        keys, values = (mx.pad(a, [(0, 0), (0, 0), (0, back), (0, 0)]) for a in (keys, values))
+    else:
+        queries, keys, values = (mx.contiguous(a) for a in (queries, keys, values))
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                               mask=mask, sinks=sinks)
+    return out[:, :, front:front + n]
+
+
+def grid_pads(queries: int, keys: int, grid: int) -> tuple[int, int]:
+    """(front, back): ``back`` pads queries and keys at the end to a multiple of ``grid``
+    keys, ``front`` dummy queries then make the queries one too — unless the chunk starts
+    too early for them (fewer cached keys than ``front``: the queries stay off the grid)."""
+    back = (-keys) % grid
+    front = (-(queries + back)) % grid
+    return (front if front <= keys - queries else 0), back
+
+
+#: (query heads, dim, KV heads, value dim, dtype, sinks dtype or None) of every causal chunk
+#: attention put on the grid in this process: what :func:`build_plan` warms.
+_SIGNATURES: dict[tuple, None] = {}
+
+
+def signature(queries, keys, values, sinks) -> tuple:
+    return (queries.shape[1], queries.shape[3], keys.shape[1], values.shape[3], queries.dtype,
+            None if sinks is None else sinks.dtype)
+
+
+def signatures() -> list[tuple]:
+    return list(_SIGNATURES)
+
+
+def build_plan(sig: tuple, queries: int, keys: int) -> None:
+    """Run (and so plan) one causal attention of ``queries`` × ``keys`` on zeros, as
+    :func:`causal_on_grid` would call it for a chunk of signature ``sig``."""
+    heads, dim, kv_heads, v_dim, dtype, sinks_dtype = sig
+    q = mx.zeros((1, heads, queries, dim), dtype=dtype)
+    k = mx.zeros((1, kv_heads, keys, dim), dtype=dtype)
+    v = mx.zeros((1, kv_heads, keys, v_dim), dtype=dtype)
+    sinks = None if sinks_dtype is None else mx.zeros((heads,), dtype=sinks_dtype)
+    mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5, mask="causal",
+                                                 sinks=sinks))
 
 
 def fused_prefill(dtype: mx.Dtype, head_dims: set[int]) -> bool:

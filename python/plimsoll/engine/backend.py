@@ -23,12 +23,12 @@ def name() -> str:
     return "metal" if metal_available() else "cuda"
 
 
-#: queries (and keys, by as many) a causal prefill chunk's attention is padded to a multiple
-#: of on CUDA: cuDNN builds a plan for every new (queries, keys) shape, 40-55 ms each on an
-#: H200 (bench/results/cuda-attention-h200-2026-12-01.md), and a chunk at a prefix has a new
-#: key length almost every time; on the grid, chunks of one length class at one cached
-#: prefix (sub-agents sharing a system prompt) share one plan
-CUDA_CAUSAL_GRID = 128
+#: the multiple a causal prefill chunk's attention queries and keys are put on, on CUDA
+#: (engine.attention.causal_on_grid): cuDNN builds a plan for every new (queries, keys)
+#: shape, 40-55 ms each on an H200 (bench/results/cuda-attention-h200-2026-12-01.md), and a
+#: chunk at a prefix has a new key length almost every time. On a 512 grid a 40k context has
+#: ~400 shapes in all, which an idle worker builds ahead (engine.warmup.PlanWarmer)
+CUDA_CAUSAL_GRID = 512
 
 
 def causal_grid() -> int:

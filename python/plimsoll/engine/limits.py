@@ -27,6 +27,16 @@ BACKEND_ENV_DEFAULTS = {
 }
 
 
+def warm_plans_most() -> int:
+    """How many attention plans an idle worker builds ahead: half of MLX's SDPA plan cache
+    (the rest for the shapes requests make besides), so warming never evicts its own."""
+    try:
+        return int(os.environ.get("MLX_CUDA_SDPA_CACHE_SIZE",
+                                  BACKEND_ENV_DEFAULTS["MLX_CUDA_SDPA_CACHE_SIZE"])) // 2
+    except ValueError:
+        return 0
+
+
 def backend_env_defaults() -> dict[str, str]:
     """Apply :data:`BACKEND_ENV_DEFAULTS` where the environment does not set them; returns
     the values in effect. Process-lifetime by nature (MLX reads each once), so never

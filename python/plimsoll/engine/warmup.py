@@ -63,3 +63,68 @@ def warm_up(engine, chunk: int = 128, *, force: bool = False) -> float:
         for seq in (_A, _B, _C):
             engine.free_state(seq)
     return time.perf_counter() - start
+
+
+def plan_shapes(grid: int, budget: int, context: int, most: int) -> list[tuple[int, int]]:
+    """The (queries, keys) shapes a causal chunk's attention takes on ``grid``
+    (:func:`plimsoll.engine.attention.causal_on_grid`) for chunks of at most ``budget``
+    tokens in sequences of at most ``context``, most likely first, at most ``most``: whole
+    chunks from a chunk boundary (a long prompt's ``(budget, j × budget)``), then every other
+    shape by key length (sessions grow). Empty without a grid."""
+    if grid <= 0 or budget <= 0 or context <= 0 or most <= 0:
+        return []
+    top_q = -(-budget // grid) * grid + grid  # a chunk's end and front padding
+    top_k = -(-context // grid) * grid
+    first = [(budget, k) for k in range(budget, top_k + 1, budget)] if budget % grid == 0 else []
+    seen = set(first)
+    rest = [(q, k) for k in range(grid, top_k + 1, grid)
+            for q in range(min(top_q, k), 0, -grid) if (q, k) not in seen]
+    return (first + rest)[:most]
+
+
+class PlanWarmer:
+    """Builds the cuDNN attention plans of :func:`plan_shapes` ahead, one shape a call
+    (:meth:`step`, ~40-55 ms on an H200), for every chunk signature this process has run
+    (the load-time warm-up runs one): the worker calls it on its engine thread (MLX's plan
+    cache is per thread) only while nothing is running or waiting, so a request waits at
+    most one plan build. Its transient (zeros of one chunk's queries and one layer's keys at
+    the context) is below a chunk's, which the reserve holds and nothing uses while idle;
+    MLX's buffer cache is emptied when the last shape is built. Measured on the H200
+    (bench/results/cuda-probes-h200-2026-12-02.md): 160 shapes in 8.9 s."""
+
+    def __init__(self, shapes: list[tuple[int, int]]):
+        self.shapes, self.built, self.seconds = shapes, 0, 0.0
+
+    def step(self) -> bool:
+        """Build the next shape's plans; False when none is left (or no chunk has run)."""
+        from plimsoll.engine import attention
+
+        sigs = attention.signatures()
+        if self.built >= len(self.shapes) or not sigs:
+            return False
+        queries, keys = self.shapes[self.built]
+        start = time.perf_counter()
+        for sig in sigs:
+            attention.build_plan(sig, queries, keys)
+        self.built += 1
+        if self.built == len(self.shapes):  # its zeros stay in MLX's buffer cache: returned
+            from plimsoll.engine import limits
+
+            limits.clear_buffer_cache()
+        self.seconds += time.perf_counter() - start
+        return True
+
+    def figures(self) -> dict:
+        return {"planned": len(self.shapes), "built": self.built,
+                "seconds": round(self.seconds, 2)}
+
+
+def plan_warmer(engine, budget: int) -> PlanWarmer | None:
+    """The warmer for ``engine``'s chunks of ``budget`` tokens on this backend's grid, up to
+    its context (None where the backend has no grid or the engine no context)."""
+    from plimsoll.engine import limits
+
+    grid = backend.causal_grid()
+    if not grid or not engine.context:
+        return None
+    return PlanWarmer(plan_shapes(grid, budget, engine.context, limits.warm_plans_most()))

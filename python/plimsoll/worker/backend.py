@@ -206,6 +206,7 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
         for warmed in (eng, draft):  # GPU backends only: see engine/warmup
             if warmed is not None and (took := engine.warm_up(warmed)):
                 log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
+        sched.warmer = engine.plan_warmer(eng, limits.prefill_tokens)  # built while idle
         return eng, pool, limits
 
     def rss() -> int:

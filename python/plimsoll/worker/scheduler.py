@@ -108,6 +108,7 @@ class Scheduler:
         self._dirty = True        # something a reader sees changed besides the step count
         self.disk: Any = None  # the tier under the pool (worker/disk_restore.DiskTier) or None
         self.drafter: speculate.Drafter | None = None  # speculation (worker/speculate) or None: off
+        self.warmer: Any = None  # attention plans built while idle (engine.warmup.PlanWarmer)
 
     @property
     def tripped(self) -> str:
@@ -177,6 +178,10 @@ class Scheduler:
             with self._wake:
                 idle = (not self._inbox and not self._running and self._pending is None
                         and not self._stop.is_set())
+            if idle and self.warmer is not None:
+                self._flush()  # the last pass's events (a request's end) go out before it
+                if self.warmer.step():
+                    continue  # one attention plan built ahead; the inbox is looked at first
             if idle:  # fresh figures for whoever reads them while nothing runs
                 self._publish()
             self._flush()
@@ -404,4 +409,5 @@ class Scheduler:
         self.stats = status_figures(
             self.pool, self.engine, self._running.values(),
             len(self._waiting) + len(self._inbox), self.limits, self.counters, self._steps,
-            self.tripped, self.disk, allocated, self.kv_bytes_peak)
+            self.tripped, self.disk, allocated, self.kv_bytes_peak,
+            None if self.warmer is None else self.warmer.figures())

@@ -22,7 +22,8 @@ PUBLISH_INTERVAL_S = 0.05
 
 def status_figures(pool: Any, engine: Any, running: Collection[Any], waiting: int,
                    limits: SchedulerLimits, counters: Counter[str], steps: int, tripped: str,
-                   disk: Any, kv_bytes_allocated: int, kv_bytes_peak: int) -> dict[str, Any]:
+                   disk: Any, kv_bytes_allocated: int, kv_bytes_peak: int,
+                   attention_plans: dict | None = None) -> dict[str, Any]:
     """One consistent snapshot of the scheduler's figures (``running``: its running
     sequences; ``waiting``: requests queued or not yet taken in)."""
     prefilling = sum(1 for r in running if r.prefilling)
@@ -51,4 +52,6 @@ def status_figures(pool: Any, engine: Any, running: Collection[Any], waiting: in
         "trip_reason": tripped,
         "counters": dict(counters),
         "disk": disk.stats() if disk is not None else None,
+        # cuDNN attention plans built ahead while idle (CUDA; engine/warmup.PlanWarmer)
+        "attention_plans": attention_plans,
     }

@@ -231,10 +231,12 @@ def test_several_first_chunks_in_one_step_equal_mlx_lm(tmp_path):
     assert [out[i][:new] for i in range(4)] == want
 
 
-@pytest.mark.parametrize(("queries", "keys"), [(1, 1), (5, 5), (7, 40), (130, 130), (33, 97)])
+@pytest.mark.parametrize(("queries", "keys"), [(1, 1), (5, 5), (7, 40), (130, 130), (33, 97),
+                                              (20, 300), (100, 1000)])
 def test_a_causal_chunk_padded_to_the_grid_attends_as_unpadded(queries, keys):
-    """engine/attention.causal_on_grid pads queries and keys by the same count (the CUDA
-    plan-cache grid): the real rows are what the unpadded causal attention gives."""
+    """engine/attention.causal_on_grid pads queries and keys at the end by the same count and
+    puts dummy queries in front (the CUDA plan-cache grid): the real rows are what the
+    unpadded causal attention gives."""
     from plimsoll.engine.attention import causal_on_grid
 
     mx.random.seed(queries * 1000 + keys)

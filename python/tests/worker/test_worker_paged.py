@@ -216,3 +216,69 @@ def test_a_reservation_filled_to_its_last_block_never_fails(tiny_dir):
     assert first.events[-1] == Finished("length", 24) and first.tokens == want
     assert again.started.cached_tokens == 2 * BLOCK and again.tokens == want
     assert s.counters.get("refused_worker_error", 0) == 0 and s.pool.committed == 0
+
+
+def test_an_idle_scheduler_builds_attention_plans_ahead_only_while_idle(tiny_dir, monkeypatch):
+    """The scheduler thread runs the plan warmer (engine/warmup.PlanWarmer) while nothing
+    runs or waits, one shape a pass; a request that arrives meanwhile is served first and
+    exactly, and the status reports the warmer's progress."""
+    import threading
+    import time
+
+    import mlx.core as mx
+
+    from plimsoll.engine import attention
+    from plimsoll.engine.warmup import PlanWarmer
+
+    eng = load(tiny_dir, 256)  # this thread's: the reference and the pool's figures
+    pool = scheduler(eng, 256).pool
+    held: list = []  # events wait for the pass's flush, as the engine process's do
+
+    def flush():
+        while held:
+            deliver(held.pop(0))
+
+    s = Scheduler(lambda stack: (load(tiny_dir, 256), pool), scheduler(eng, 256).limits,
+                  lambda: {}, flush=flush)  # the thread loads its own (MLX streams are per thread)
+    busy_builds = []
+    real = attention.build_plan
+
+    def build(sig, q, k):
+        busy_builds.append(bool(s._running or s._waiting or s._inbox))
+        time.sleep(0.002)
+        real(sig, q, k)
+
+    monkeypatch.setattr(attention, "_SIGNATURES", {(4, 16, 2, 16, mx.float32, None): None})
+    monkeypatch.setattr(attention, "build_plan", build)
+    s.warmer = PlanWarmer([(16 * (i % 4 + 1), 16 * (i % 4 + 1) + 64) for i in range(400)])
+    prompt = text(eng.tokenizer, 40, salt=9)
+    done = threading.Event()
+    tokens: list[int] = []
+
+    built_at_end: list[int] = []
+
+    def deliver(ev):
+        if isinstance(ev, Token):
+            tokens.append(ev.token_id)
+        if isinstance(ev, Finished):
+            built_at_end.append(s.warmer.built)
+            done.set()
+
+    sink = held.append
+
+    s.start()
+    try:
+        deadline = time.monotonic() + 60
+        while s.warmer.built < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s.submit(GenRequest(prompt=list(prompt), max_tokens=8, sink=sink, ignore_eos=True))
+        assert done.wait(60)
+        while s.warmer.built < 400 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+    finally:
+        s.stop()
+    assert s.warmer.built == 400 and not any(busy_builds)
+    assert built_at_end[0] < 400  # the request's end went out before the warming went on
+    assert s.stats["attention_plans"]["built"] == 400
+    assert tokens == reference(eng.model, prompt, 8)
