@@ -52,10 +52,14 @@ def _positive(kind, most: float):
 @click.option("--draft-model", metavar="DIR|ORG/NAME",
               help="Count a draft model (speculation): its weights, its KV for every pool "
                    "block and its transient [default: the policy's draftModel, else none].")
+@click.option("--mtp", is_flag=True,
+              help="Count the checkpoint's MTP head (plimsoll worker --mtp): its weights, which "
+                   "mlx-lm drops at load, and one layer's KV for every pool block; ignored "
+                   "with a draft model or a checkpoint without one.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every figure.")
 def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_gib,
                   concurrency, context, max_tokens, block_tokens, kv_dtype, draft_model,
-                  as_json) -> None:
+                  mtp, as_json) -> None:
     """Size a worker for MODEL (a directory, or a name in the policy) and decide.
 
     Without overrides the ceiling and total RAM come from the live probes (macOS:
@@ -85,7 +89,7 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
         model_dir, entry = resolve_model(model, pol)
     figures = memory_figures(pol, mode, MemoryOverrides(budget_gib, ceiling_mib, total_ram_gib),
                              read_snapshot)
-    wanted = Wanted(concurrency, context, max_tokens, block_tokens, kv_dtype, draft_model)
+    wanted = Wanted(concurrency, context, max_tokens, block_tokens, kv_dtype, draft_model, mtp)
     try:
         facts, _req, decision = plan(model_dir, entry, pol, figures, wanted)
     except (ModelInspectionError, ModelNotFound) as err:
@@ -106,7 +110,8 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
     else:
         from .report import admission_report
 
+        head = mtp and not (draft_model or (entry and entry.draft_model))
         click.echo(admission_report(facts, decision, str(model_dir), mode, figures.source,
-                                    refusal))
+                                    refusal, "MTP head" if head else "draft model"))
     if not decision.admitted or refusal is not None:
         raise SystemExit(EXIT_REFUSED)

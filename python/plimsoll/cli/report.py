@@ -65,7 +65,7 @@ def capability_line(refusal: Unsupported | None) -> str:
 
 def admission_report(
     facts: ModelFacts, d: AdmissionDecision, model_dir: str, mode: str, sources: str,
-    refusal: Unsupported | None = None,
+    refusal: Unsupported | None = None, proposer: str = "draft model",
 ) -> str:
     """The figures, one a line; ``refusal`` (the capability check) overrides the verdict."""
     verdict = {"admit": "ADMIT", "clamp": "ADMIT (clamped)", "refuse": "REFUSE"}[d.decision]
@@ -87,7 +87,7 @@ def admission_report(
         + (f"; {d.fixed_blocks_per_seq} fixed block(s)/seq for window/recurrent state"
            if d.fixed_blocks_per_seq else ""),
         f"  weights         {fmt_bytes(d.weights_bytes)} ({d.weights_bytes} B, safetensors)",
-        *([f"  draft model     weights {fmt_bytes(d.draft_weights_bytes)} "
+        *([f"  {proposer:<15} weights {fmt_bytes(d.draft_weights_bytes)} "
            f"({d.draft_weights_bytes} B), KV {d.draft_block_bytes} B a block, its pool "
            f"{fmt_bytes(d.draft_pool_bytes)} (a block for every pool block)"]
           if d.draft_weights_bytes or d.draft_block_bytes else []),
@@ -102,7 +102,7 @@ def admission_report(
         f"  pool            {d.pool_blocks} blocks = {fmt_bytes(d.pool_bytes)} "
         f"(--max-cache-blocks, global, shared by all sequences)",
         f"  footprint       {fmt_bytes(d.footprint_bytes)} = weights + reserve + pool"
-        + (" (the draft model's included)" if d.draft_weights_bytes else ""),
+        + (f" (the {proposer}'s included)" if d.draft_weights_bytes else ""),
         f"  context         {d.context} tokens configured (asked {d.requested_context}, "
         f"model-native {d.native_max_context or 'unknown'}), "
         f"output reservation {d.output_reservation}",

@@ -45,7 +45,7 @@ from .safetensors_header import (
     ModelInspectionError,
     dominant_float_dtype,
     load_json,
-    weights_by_dtype,
+    weights_and_dropped,
 )
 
 __all__ = ["DTYPE_BYTES", "KV_QUANT", "ModelFacts", "ModelInspectionError", "check_servable",
@@ -85,6 +85,8 @@ class ModelFacts(BaseModel):
     # MLA: values per context token of one layer a prefill chunk expands the latent into
     # (per-head keys and values, a transient); 0 for other models.
     prefill_expand_per_token: int = Field(default=0, ge=0)
+    # An MTP head's tensors (mlx-lm drops them at load; the worker's --mtp loads them)
+    mtp_weights_bytes: int = Field(default=0, ge=0)
     notes: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
@@ -107,6 +109,13 @@ class ModelFacts(BaseModel):
         if self.kv_layers + self.sliding_layers > self.num_layers:
             raise ValueError("kv_layers + sliding_layers exceeds num_layers")
         return self
+
+    @property
+    def mtp_kv_bytes_per_token(self) -> int:
+        """The MTP head's KV per token: one decoder layer's growing cache (0 without one)."""
+        if not self.mtp_weights_bytes or not self.kv_layers:
+            return 0
+        return self.kv_bytes_per_token // self.kv_layers
 
     @property
     def kv_format(self) -> str:
@@ -292,8 +301,8 @@ def inspect_model(path: str | Path, kv_dtype: str | None = None) -> ModelFacts:
             raise ModelInspectionError(f"{config_path} must hold a JSON object")
         notes: list[str] = []
         layers = lookup(config, "num_hidden_layers") or lookup(config, "num_layers")
-        by_dtype = weights_by_dtype(model_dir, layers if isinstance(layers, int) else None,
-                                    notes)
+        by_dtype, dropped = weights_and_dropped(
+            model_dir, layers if isinstance(layers, int) else None, notes)
     except OSError as e:  # unreadable, a directory where a file should be, a dangling link
         raise ModelInspectionError(f"cannot read {e.filename or model_dir}: "
                                    f"{e.strerror or e}; fix the model directory") from None
@@ -303,7 +312,10 @@ def inspect_model(path: str | Path, kv_dtype: str | None = None) -> ModelFacts:
         notes.append(f"config declares no torch_dtype: KV dtype {explicit} taken from the "
                      "dominant float dtype of the weights")
     facts = facts_from_config(config, sum(by_dtype.values()), explicit, bits)
-    return facts.model_copy(update={"notes": notes + facts.notes}) if notes else facts
+    update: dict = {"mtp_weights_bytes": dropped} if dropped else {}
+    if notes:
+        update["notes"] = notes + facts.notes
+    return facts.model_copy(update=update) if update else facts
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")

@@ -150,6 +150,12 @@ def dropped_at_load(name: str, num_layers: int | None) -> bool:
 def weights_by_dtype(model_dir: Path, num_layers: int | None,
                      notes: list[str]) -> dict[str, int]:
     """Bytes per safetensors dtype over every file mlx-lm loads, less what it drops at load."""
+    return weights_and_dropped(model_dir, num_layers, notes)[0]
+
+
+def weights_and_dropped(model_dir: Path, num_layers: int | None,
+                        notes: list[str]) -> tuple[dict[str, int], int]:
+    """:func:`weights_by_dtype`, and the bytes mlx-lm drops at load (an MTP head's)."""
     by_dtype: dict[str, int] = {}
     dropped = 0
     for path in weight_files(model_dir, notes):
@@ -161,4 +167,4 @@ def weights_by_dtype(model_dir: Path, num_layers: int | None,
     if dropped:
         notes.append(f"{dropped} B of multi-token-prediction tensors not counted: mlx-lm "
                      "drops them at load")
-    return by_dtype
+    return by_dtype, dropped

@@ -141,8 +141,10 @@ class WorkerConfig(BaseModel):
     mtp: bool = Field(default=False, description=(
         "Speculate with the checkpoint's MTP head where it has one (num_nextn_predict_layers "
         "> 0 and its tensors present), verified in the batch's one forward; --draft-model "
-        "wins over it, --prompt-lookup is the fallback. Off by default: admission does not "
-        "count the head yet (the worker drops one that does not fit beside its pool)."))
+        "wins over it, --prompt-lookup is the fallback. `plimsoll admit --mtp` counts the head "
+        "(its weights and one layer's KV a block; the worker drops one that does not fit "
+        "beside its pool). Off by default: the head drafts sequence by sequence, not yet as "
+        "one batch."))
     compile_decode: bool = Field(default=False, description=(
         "Compile decode-only steps per shape bucket (mx.compile; plain full-attention "
         "models only, at most 24 buckets): less host time per step; off by default until a "

@@ -97,6 +97,7 @@ class Wanted:
     block_tokens: int | None = None
     kv_dtype: str | None = None
     draft_model: str | None = None  # DIR|ORG/NAME; None: the entry's draftModel, else none
+    mtp: bool = False  # count the checkpoint's MTP head (worker --mtp) where it has one
 
 
 def resolve_model(model: str, policy: Policy | None) -> tuple[Path, ModelEntry | None]:
@@ -156,6 +157,9 @@ def plan(
         measured = lookup(model_dir, facts.kv_format, concurrency, context, calibration_root)
         reserve = reserve_fraction(reserve, measured, figures.budget_bytes)
 
+    mtp_on = wanted.mtp and draft is None  # a draft model wins over the head
+    mtp_weights = facts.mtp_weights_bytes if mtp_on else 0
+    mtp_kv = facts.mtp_kv_bytes_per_token if mtp_on else 0
     req = AdmissionRequest(
         ceiling_bytes=figures.ceiling_bytes,
         total_ram_bytes=figures.total_ram_bytes,
@@ -164,8 +168,9 @@ def plan(
         weights_bytes=facts.weights_bytes,
         # A model with no growing cache (pure state-space) pages nothing: one byte stands in.
         kv_bytes_per_token=max(facts.kv_bytes_per_token, 1),
-        draft_weights_bytes=draft.weights_bytes if draft else 0,
-        draft_kv_bytes_per_token=draft.kv_bytes_per_token if draft else 0,
+        # the proposer's memory: a draft model, else the MTP head (its own layer's KV)
+        draft_weights_bytes=draft.weights_bytes if draft else mtp_weights,
+        draft_kv_bytes_per_token=draft.kv_bytes_per_token if draft else mtp_kv,
         per_sequence_fixed_bytes=facts.fixed_bytes(context),  # windows at min(window, context)
         native_max_context=facts.native_max_context,
         transient_reserve=reserve,

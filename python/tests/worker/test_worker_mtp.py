@@ -58,3 +58,41 @@ def test_without_mtp_a_checkpoint_with_a_head_speculates_with_nothing(family_dir
         assert "speculative" not in w.wait_idle()
     finally:
         w.stop()
+
+
+def test_admission_counts_the_mtp_head_it_would_load(family_dir):
+    """``plimsoll admit --mtp`` counts the head mlx-lm drops at load: its tensors' bytes
+    (what the worker's head reports) and one decoder layer's KV for every pool block."""
+    import json
+
+    from click.testing import CliRunner
+
+    from plimsoll.cli.main import main as cli
+    from plimsoll.core.model_facts import inspect_model
+
+    d = family_dir("glm4_moe_mtp")
+    facts = inspect_model(d)
+    assert facts.mtp_weights_bytes > 0
+    assert facts.mtp_kv_bytes_per_token == facts.kv_bytes_per_token // facts.kv_layers
+    base = ["admit", str(d), "--budget-gib", "1", "--ceiling-mib", "2048",
+            "--total-ram-gib", "4", "--context", "4096", "--json"]
+    plain = json.loads(CliRunner().invoke(cli, base).output)
+    head = json.loads(CliRunner().invoke(cli, [*base, "--mtp"]).output)
+    assert plain["draft_weights_bytes"] == 0
+    assert head["draft_weights_bytes"] == facts.mtp_weights_bytes
+    assert head["draft_block_bytes"] == facts.mtp_kv_bytes_per_token * head["block_tokens"]
+    assert head["pool_blocks"] < plain["pool_blocks"]
+    assert head["footprint_bytes"] == (head["weights_bytes"] + head["draft_weights_bytes"]
+                                       + head["transient_reserve_bytes"] + head["pool_bytes"]
+                                       + head["draft_pool_bytes"])
+    text = CliRunner().invoke(cli, [*base[:-1], "--mtp"]).output
+    assert "MTP head        weights" in text and "(the MTP head's included)" in text
+
+
+def test_the_worker_reports_the_head_admission_counts(pair, family_dir):
+    """The head the worker loads weighs what admission counted from the headers."""
+    from plimsoll.core.model_facts import inspect_model
+
+    st = httpx.get(pair[0].url + "/v1/plimsoll/status", timeout=10).json()["speculative"]
+    want = inspect_model(family_dir("glm4_moe_mtp")).mtp_weights_bytes
+    assert st["mtp_weights_bytes"] == want
