@@ -7,7 +7,8 @@ agentic benchmark's turn 2 paid 3.15 s where later turns took 0.6-1.3 s. Metal c
 shaders on first use too. So a worker on a GPU runs a few tiny steps through the same paths
 before it says ready: a chunk from position 0, a chunk at a prefix with an off-grid length
 that samples beside two first chunks in the same forward (engine/forward.py), pipelined
-decodes of one row and of two rows of different lengths. They write
+decodes of one row and of two rows of different lengths, then two decodes beside a chunk at
+a prefix in one forward (a newcomer while others stream). They write
 the first blocks of the pool (the pool's first slab, which the first request allocates
 anyway; the scheduler has handed out no block yet, and a block is always written before it
 is read) and leave no state behind. The CPU backend compiles nothing: no warm-up there.
@@ -34,7 +35,7 @@ def warm_up(engine, chunk: int = 128, *, force: bool = False) -> float:
     second = first // 2 + 3  # off every grid: a key length no aligned shape covers
     length_a, length_b = first + second + 4, first // 2 + 1
     need_a = math.ceil(length_a / bt)
-    need_b = math.ceil((length_b + 2) / bt)  # its two decodes
+    need_b = math.ceil((length_b + 3) / bt)  # its three decodes
     if need_a + 2 * need_b > engine.max_blocks:
         return 0.0
     table_a = tuple(range(need_a))
@@ -59,6 +60,10 @@ def warm_up(engine, chunk: int = 128, *, force: bool = False) -> float:
                 pending.result()
             pending = nxt
         pending.result()
+        # decodes beside a chunk at a prefix in one forward (a newcomer while others stream)
+        engine.run(Step(decodes=(Work(_A, None, at + 3, table_a, True),
+                                 Work(_B, None, length_b + 2, table_b, True)),
+                        prefills=(Work(_C, tokens[:4], length_b - 6, table_c, True),)))
     finally:
         for seq in (_A, _B, _C):
             engine.free_state(seq)
