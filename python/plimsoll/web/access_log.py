@@ -3,12 +3,15 @@
 A line is ``key=value`` pairs on the ``plimsoll.access`` logger, e.g.::
 
     access route="POST /v1/messages" model=demo-tiny status=200 prompt=32221 cached=31870
-    completion=57 reservation=8192 ttft_s=0.412 total_s=3.118
+    completion=57 reservation=8192 submit_s=0.031 admit_s=0.034 ttft_s=0.412 total_s=3.118
 
 ``code`` is the refusal or error code of a non-2xx answer (or of an error event that ended
 a stream), ``reservation`` the output reservation the request was admitted with (after a
 clamp: see ``x-plimsoll-max-tokens``), ``drafted`` / ``accepted`` the tokens speculation
-proposed for the request and those the model accepted (only when it drafted). Figures a
+proposed for the request and those the model accepted (only when it drafted). Times are
+from the request's arrival: ``submit_s`` when it was handed to the scheduler (parsed, its
+prompt rendered and tokenized), ``admit_s`` when the scheduler admitted it (its prompt
+blocks reserved; its first chunk planned), ``ttft_s`` its first token. Figures a
 server does not know are left out (the proxy relays streams without parsing their prompt).
 ``--quiet`` turns the lines off (:func:`set_quiet`).
 """
@@ -37,6 +40,8 @@ class Access:
     drafted: int | None = None
     accepted: int | None = None
     started: float = field(default_factory=time.monotonic)
+    submitted_at: float | None = None
+    admitted_at: float | None = None
     first_token_at: float | None = None
 
     def first_token(self) -> None:
@@ -51,8 +56,10 @@ class Access:
             value = getattr(self, key)
             if value is not None:
                 parts.append(f"{key}={value}")
-        if self.first_token_at is not None:
-            parts.append(f"ttft_s={self.first_token_at - self.started:.3f}")
+        for key, at in (("submit_s", self.submitted_at), ("admit_s", self.admitted_at),
+                        ("ttft_s", self.first_token_at)):
+            if at is not None:
+                parts.append(f"{key}={at - self.started:.3f}")
         parts.append(f"total_s={now - self.started:.3f}")
         return "access " + " ".join(parts)
 

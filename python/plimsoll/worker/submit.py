@@ -168,8 +168,13 @@ async def submit(request: Request, prompt: list[int], max_tokens: int, *, temper
                      ignore_eos=ignore_eos)
     if on_loop and (refused := await sched.ensure_running()) is not None:
         return refused, queue, gen
+    rec = access(request)
+    rec.submitted_at = time.monotonic()
     sched.submit(gen)
-    return await next_event(queue, request, gen, wait_s), queue, gen
+    first = await next_event(queue, request, gen, wait_s)
+    if isinstance(first, Started):
+        rec.admitted_at = time.monotonic()
+    return first, queue, gen
 
 
 async def started(first: Any, queue: asyncio.Queue, request: Request, gen: GenRequest,
@@ -180,6 +185,8 @@ async def started(first: Any, queue: asyncio.Queue, request: Request, gen: GenRe
         first = await next_event(queue, request, gen, KEEPALIVE_S)
         if first is PENDING:
             yield keepalive
+    if isinstance(first, Started) and access(request).admitted_at is None:
+        access(request).admitted_at = time.monotonic()
     yield first
 
 

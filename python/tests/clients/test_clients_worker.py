@@ -65,9 +65,14 @@ def test_openai_sdk_every_tolerated_field_and_the_clamp(cw, wlog):
         chunks = list(resp.parse())
     assert chunks[-1].usage.completion_tokens <= 64
     lines = access_lines(wlog)
-    assert any('route="POST /v1/chat/completions"' in line and "reservation=64" in line
-               and "status=200" in line and "prompt=" in line and "ttft_s=" in line
-               for line in lines), lines
+    ours = [line for line in lines if 'route="POST /v1/chat/completions"' in line
+            and "reservation=64" in line and "status=200" in line and "prompt=" in line
+            and "ttft_s=" in line]
+    assert ours, lines
+    # where the time went: handed to the scheduler, admitted, first token, in that order
+    times = dict(kv.split("=") for kv in ours[-1].split() if kv.endswith(tuple("0123456789"))
+                 and kv.split("=")[0].endswith("_s"))
+    assert 0 <= float(times["submit_s"]) <= float(times["admit_s"]) <= float(times["ttft_s"])
     assert "'prediction' (logged once)" in wlog.read_text()
 
 
