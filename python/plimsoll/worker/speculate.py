@@ -23,8 +23,15 @@ them. Constrained sequences decode plainly (a row's mask needs each previous tok
   accepted everything (up to ``most``), one fewer after a step that accepted none or found no
   match,
   down to 0, where the sequence decodes plainly (and pipelined) and tries one draft again
-  after :data:`RETRY_STEPS` steps (twice as many after each retry that accepted nothing, up
-  to :data:`MAX_RETRY_STEPS`). Its counters are the status's ``speculative`` figures.
+  every :data:`RETRY_STEPS` steps (twice as many after each retry that accepted nothing, up
+  to :data:`MAX_RETRY_STEPS`). Retries keep one clock (:meth:`Drafter.tick`, once a step):
+  a sequence retries at the steps that are multiples of its interval, and the intervals
+  are powers of two, so sequences whose drafts keep failing retry in the same step: the
+  step is unpipelined (its drafts need the previous token) once, not once per sequence.
+  A seeded sequence keeps its own clock instead (from its first decode step): which steps
+  verify drafts decides its random draws, and its seed reproduces its tokens alone or
+  batched.
+  Its counters are the status's ``speculative`` figures.
 - The scheduler's side, as functions over the drafter and a sequence: :func:`drafting_waits`
   (a sequence that may draft has a token in flight: the previous step is read before
   planning, so it is never pipelined), :func:`verify_work` (its drafts as the step's Work)
@@ -44,9 +51,10 @@ from plimsoll.engine.work import Work
 
 from .waiting import Run
 
-#: steps a sequence at draft length 0 decodes plainly before it tries one draft again; each
-#: retry that accepts nothing doubles its wait, up to MAX_RETRY_STEPS (one that accepts
-#: resets it): where drafts stay wrong, what the retries cost shrinks towards nothing
+#: a sequence at draft length 0 tries one draft again at every step whose number is a
+#: multiple of this; each retry that accepts nothing doubles it, up to MAX_RETRY_STEPS (one
+#: that accepts resets it): where drafts stay wrong, what the retries cost shrinks towards
+#: nothing. Powers of two: the retries of sequences at different intervals still coincide
 RETRY_STEPS = 16
 MAX_RETRY_STEPS = 256
 
@@ -91,9 +99,10 @@ class Figures:
 
 def start_length(most: int, figures: Figures) -> int:
     """A new sequence's draft length: ``most``; 1 where fewer than half the drafts verified so
-    far were accepted (its length grows by one per step that accepts every draft); 0, its
-    first step a retry, where fewer than a quarter were (a draft model's retry catches up only
-    the prompt's last tokens: a proposer that keeps failing does not prefill every prompt)."""
+    far were accepted (its length grows by one per step that accepts every draft); 0, a
+    retry at the next retry step, where fewer than a quarter were (a draft model's retry
+    catches up only the prompt's last tokens: a proposer that keeps failing does not prefill
+    every prompt)."""
     if not figures.proposed or 2 * figures.accepted >= figures.proposed:
         return most
     return min(1, most) if 4 * figures.accepted >= figures.proposed else 0
@@ -110,9 +119,10 @@ class Drafter:
     most: int     # the longest draft (--num-draft-tokens)
     refused: str = ""  # why this engine does not speculate ("" when it does)
     figures: Figures = field(default_factory=Figures)
+    clock: int = 0  # the step being planned (tick): retries happen on its multiples
     _length: dict[int, int] = field(default_factory=dict)
-    _idle: dict[int, int] = field(default_factory=dict)
     _wait: dict[int, int] = field(default_factory=dict)  # its retry interval, where backed off
+    _origin: dict[int, int] = field(default_factory=dict)  # a seeded sequence's own clock
     #: seq id -> (start, drafts) of its verifying step in flight
     inflight: dict[int, tuple[int, int]] = field(default_factory=dict)
 
@@ -124,15 +134,25 @@ class Drafter:
         """Whether ``seq_id`` may draft at its next step, or has drafts in flight (either
         way its next step needs its tokens read: it is not pipelined)."""
         return seq_id in self.inflight or self._current(seq_id) > 0 \
-            or self._idle.get(seq_id, 0) >= self._retry(seq_id) - 1
+            or self._due(seq_id, self.clock + 1)
+
+    def tick(self) -> None:
+        """A step is about to be planned (the scheduler's, once a step)."""
+        self.clock += 1
+
+    def own_clock(self, seq_id: int) -> None:
+        """``seq_id`` (seeded) counts its retry steps from now, not on the shared clock."""
+        self._origin.setdefault(seq_id, self.clock - 1)
+
+    def _due(self, seq_id: int, step: int) -> bool:
+        """Whether step ``step`` is a retry step for ``seq_id`` (at draft length 0)."""
+        step -= self._origin.get(seq_id, 0)
+        return step > 0 and step % self._retry(seq_id) == 0  # 0: no step planned yet
 
     def _current(self, seq_id: int) -> int:
-        """``seq_id``'s draft length, set at its first use (:func:`start_length`; one that
-        starts at 0 retries at its first step)."""
+        """``seq_id``'s draft length, set at its first use (:func:`start_length`)."""
         if seq_id not in self._length:
-            self._length[seq_id] = k = start_length(self.most, self.figures)
-            if k == 0:
-                self._idle[seq_id] = self._retry(seq_id) - 1
+            self._length[seq_id] = start_length(self.most, self.figures)
         return self._length[seq_id]
 
     def retrying(self, seq_id: int) -> bool:
@@ -151,7 +171,7 @@ class Drafter:
         nothing but a new sequence's start length, fixed here at its first use."""
         k = self._current(seq_id)
         if k == 0:
-            return 1 if self._idle.get(seq_id, 0) + 1 >= self._retry(seq_id) else 0
+            return 1 if self._due(seq_id, self.clock) else 0
         return k
 
     def prepare(self, pool: Any, running: dict[int, Run]) -> None:
@@ -166,23 +186,15 @@ class Drafter:
         """The drafts for ``seq_id``'s next step (``room``: tokens it may still draft)."""
         k = retry = self._current(seq_id)
         if k == 0:
-            idle = self._idle.get(seq_id, 0) + 1
-            self._idle[seq_id] = idle
-            if idle < self._retry(seq_id):
+            if not self._due(seq_id, self.clock):
                 return ()
-            self._idle[seq_id], k = 0, 1
+            k = 1
         draft = self.lookup(seq_id, tokens, min(k, room))
         if not draft and room > 0:
             self._length[seq_id] = k - 1
             if retry == 0:
                 self._back_off(seq_id)  # a retry that found nothing to draft
         return draft
-
-    def skip(self, seq_id: int) -> None:
-        """``seq_id`` decodes pipelined this step (its draft length is 0): one step nearer
-        its retry."""
-        if self._current(seq_id) == 0:
-            self._idle[seq_id] = self._idle.get(seq_id, 0) + 1
 
     def started(self, seq_id: int, start: int, drafts: int) -> None:
         self.inflight[seq_id] = (start, drafts)
@@ -208,8 +220,8 @@ class Drafter:
     def forget(self, seq_id: int) -> None:
         """``seq_id`` ended: drop its state."""
         self._length.pop(seq_id, None)
-        self._idle.pop(seq_id, None)
         self._wait.pop(seq_id, None)
+        self._origin.pop(seq_id, None)
         self.inflight.pop(seq_id, None)
 
     def report(self) -> dict:
@@ -230,8 +242,10 @@ def may_draft(drafter: Drafter, run: Run) -> bool:
 
 
 def prepare(drafter: Drafter | None, pool: Any, running: dict[int, Run]) -> None:
-    """Before planning: the proposer's batched work for this step (a draft model's)."""
+    """Before planning: the retry clock ticks, then the proposer's batched work for this step
+    (a draft model's)."""
     if drafter is not None and drafter.on:
+        drafter.tick()
         drafter.prepare(pool, running)
 
 
@@ -249,8 +263,9 @@ def verify_work(drafter: Drafter | None, pool: Any, run: Run) -> Work | None:
     so they stay inside the reservation."""
     if drafter is None or not drafter.on or run.req.constraint is not None:
         return None
-    if run.pending:
-        drafter.skip(run.req.id)
+    if run.req.seed is not None:
+        drafter.own_clock(run.req.id)
+    if run.pending:  # pipelined: it does not draft this step
         return None
     room = run.req.max_tokens - run.generated - 1
     draft = drafter.propose(run.req.id, run.tokens, room)

@@ -16,37 +16,67 @@ pytestmark = pytest.mark.pure
 def test_retries_back_off_while_they_accept_nothing():
     d, toks = Drafter(3, 1), [1, 2, 1, 2, 1, 2]
 
-    def wait_and_retry(accepted: int) -> int:
-        """Pipelined steps until the sequence may draft again; then its retry, settled."""
-        n = 0
+    def retry(accepted: int) -> int:
+        """Steps (ticks) until the sequence may draft again; its retry, settled: the step."""
         while not d.wants(7):
-            d.skip(7)
-            n += 1
+            d.tick()
+            assert d.propose(7, toks, 10) == ()  # plain decoding between retries
+        d.tick()
         assert d.propose(7, toks, 10) == (1,)
         d.started(7, 5, 1)
         d.settle(7, accepted)
-        return n
+        return d.clock
 
     assert d.propose(7, toks, 10) == (1,)
     d.started(7, 5, 1)
     d.settle(7, 0)  # down to 0
-    waits = [wait_and_retry(0) for _ in range(6)]
-    assert waits == [RETRY_STEPS - 1, 31, 63, 127, MAX_RETRY_STEPS - 1, MAX_RETRY_STEPS - 1]
-    wait_and_retry(1)  # accepted: its length is back up, its wait reset
+    steps = [retry(0) for _ in range(7)]
+    # the interval doubles after each empty retry, up to MAX_RETRY_STEPS; every retry falls
+    # on a multiple of its interval (the shared clock), so the first back-off waits only
+    # to the next multiple of 32
+    assert steps == [RETRY_STEPS, 32, 64, 128, MAX_RETRY_STEPS, 2 * MAX_RETRY_STEPS,
+                     3 * MAX_RETRY_STEPS]
+    retry(1)  # accepted: its length is back up, its wait reset
+    d.tick()
     assert d.wants(7) and d.propose(7, toks, 10) == (1,)
     d.started(7, 5, 1)
     d.settle(7, 0)
-    assert wait_and_retry(0) == RETRY_STEPS - 1
+    at = d.clock
+    assert retry(0) == (at // RETRY_STEPS + 1) * RETRY_STEPS
+
+
+def test_sequences_whose_drafts_fail_retry_in_the_same_step():
+    """At length 0, whatever step each fell to it and whatever its back-off, the retries of
+    several sequences land on the same steps (one unpipelined step for all of them)."""
+    d, toks = Drafter(3, 1), [1, 2, 1, 2, 1, 2]
+    falls = {3: 1, 9: 2, 14: 3}  # the step at which each sequence's length fell to 0
+    d._wait[3] = 2 * RETRY_STEPS  # one of them backed off once already
+    retried: dict[int, list[int]] = {1: [], 2: [], 3: []}
+    while d.clock < 4 * RETRY_STEPS:
+        d.tick()
+        if d.clock in falls:
+            d._length[falls[d.clock]] = 0
+        for sid in retried:
+            if sid in d._length and d.propose(sid, toks, 10):
+                retried[sid].append(d.clock)
+                d.started(sid, 5, 1)
+                d.settle(sid, 0)  # rejected: its interval doubles
+    assert retried[1] == retried[2] == [16, 32, 64]
+    assert retried[3] == [32, 64]
 
 
 def test_a_new_sequence_starts_short_where_drafts_have_mostly_failed():
-    """Most drafts rejected: a new sequence starts at 1; nearly all: its first step a retry."""
+    """Most drafts rejected: a new sequence starts at 1; nearly all: it waits for a retry step."""
     assert start_length(3, Figures()) == 3  # nothing verified yet
     assert start_length(3, Figures(proposed=10, accepted=5)) == 3
     assert start_length(3, Figures(proposed=10, accepted=4)) == 1
-    assert start_length(3, Figures(proposed=12, accepted=2)) == 0  # its first step a retry
+    assert start_length(3, Figures(proposed=12, accepted=2)) == 0  # a retry at the next retry step
     d = Drafter(3, 3, figures=Figures(proposed=12, accepted=2))
-    assert d.wants(7) and d.length(7) == 1 and d.propose(7, [1, 2, 1], 5) == (2,)
+    assert not d.wants(7) and d.length(7) == 0  # it waits for the next retry step
+    while not d.wants(7):
+        d.tick()
+    d.tick()
+    assert d.length(7) == 1 and d.propose(7, [1, 2, 1], 5) == (2,)
     d.started(7, 2, 1)
     d.settle(7, 0)  # a retry that accepted nothing: the next waits twice as long
     assert not d.wants(7) and d._retry(7) == 2 * RETRY_STEPS

@@ -5,7 +5,7 @@ function (each token + 11), and the fake refuses what a real engine refuses — 
 
 Two prompts control acceptance: one that holds the fake's own progression (its drafts are
 right), one whose matches are followed by the wrong tokens (every draft rejected: the
-sequence's draft length falls to 0 and it retries every RETRY_STEPS steps, pipelined
+sequence's draft length falls to 0 and it retries on every RETRY_STEPS-th step, pipelined
 between). Both must produce exactly the tokens of a plain run."""
 
 from __future__ import annotations

@@ -127,19 +127,27 @@ def test_draft_length_adapts_to_acceptance():
     d.settle(7, 0)
     assert len(d.propose(7, toks, 10)) == 1
     d.started(7, 7, 1)
-    d.settle(7, 0)  # down to 0: plain decoding, a retry every RETRY_STEPS
+    d.settle(7, 0)  # down to 0: plain decoding, a retry every RETRY_STEPS steps
+    d.tick()
     assert not d.wants(7) and d.propose(7, toks, 10) == ()
-    for _ in range(RETRY_STEPS - 2):  # pipelined steps count towards the retry
+    for _ in range(RETRY_STEPS - 2):  # every step counts towards the retry, drafting or not
         assert not d.wants(7)
-        d.skip(7)
-    assert d.wants(7) and d.propose(7, toks, 10) == (3,)  # one draft again
+        d.tick()
+    assert d.wants(7)
+    d.tick()
+    assert d.clock == RETRY_STEPS and d.propose(7, toks, 10) == (3,)  # one draft again
     d.started(7, 7, 1)
     assert d.wants(7)  # its drafts in flight: its next step waits for them, at any length
     d.settle(7, 0)
     assert not d.wants(7)
     assert d.figures.proposed == 7 and d.figures.accepted == 0
     d.forget(7)
-    assert d.wants(7) and d.length(7) == 1  # none accepted so far: its first step a retry
+    d.tick()  # step 17: not a retry step
+    assert d.length(7) == 0  # none accepted so far: a new sequence waits for a retry step
+    while not d.wants(7):
+        d.tick()
+    d.tick()
+    assert d.length(7) == 1
     assert d.propose(8, toks, 1) == (3,)  # never past the request's room
 
 
