@@ -203,6 +203,7 @@ class Scheduler:
         if self.line.due(bool(self._running)):
             self._check_trip()
         self._end_cancelled()
+        speculate.begin_step(self.drafter)  # the retry clock
         if self._pending is not None and speculate.drafting_waits(self.drafter, self._running):
             previous, self._pending = self._pending, None  # its drafts need its tokens
             self.counters["speculation_unpipelined"] += 1

@@ -134,10 +134,11 @@ class Drafter:
         """Whether ``seq_id`` may draft at its next step, or has drafts in flight (either
         way its next step needs its tokens read: it is not pipelined)."""
         return seq_id in self.inflight or self._current(seq_id) > 0 \
-            or self._due(seq_id, self.clock + 1)
+            or self._due(seq_id, self.clock)
 
     def tick(self) -> None:
-        """A step is about to be planned (the scheduler's, once a step)."""
+        """A step is about to be planned (:func:`begin_step`, once a step, before anything
+        asks :meth:`wants`)."""
         self.clock += 1
 
     def own_clock(self, seq_id: int) -> None:
@@ -241,11 +242,15 @@ def may_draft(drafter: Drafter, run: Run) -> bool:
     return drafter.on and run.req.constraint is None and drafter.wants(run.req.id)
 
 
-def prepare(drafter: Drafter | None, pool: Any, running: dict[int, Run]) -> None:
-    """Before planning: the retry clock ticks, then the proposer's batched work for this step
-    (a draft model's)."""
-    if drafter is not None and drafter.on:
+def begin_step(drafter: Drafter | None) -> None:
+    """A step begins: the retry clock ticks (first thing in the scheduler's iteration)."""
+    if drafter is not None:
         drafter.tick()
+
+
+def prepare(drafter: Drafter | None, pool: Any, running: dict[int, Run]) -> None:
+    """Before planning: the proposer's batched work for this step (a draft model's)."""
+    if drafter is not None and drafter.on:
         drafter.prepare(pool, running)
 
 

@@ -18,10 +18,10 @@ def test_retries_back_off_while_they_accept_nothing():
 
     def retry(accepted: int) -> int:
         """Steps (ticks) until the sequence may draft again; its retry, settled: the step."""
-        while not d.wants(7):
-            d.tick()
-            assert d.propose(7, toks, 10) == ()  # plain decoding between retries
         d.tick()
+        while not d.wants(7):
+            assert d.propose(7, toks, 10) == ()  # plain decoding between retries
+            d.tick()
         assert d.propose(7, toks, 10) == (1,)
         d.started(7, 5, 1)
         d.settle(7, accepted)
@@ -75,7 +75,6 @@ def test_a_new_sequence_starts_short_where_drafts_have_mostly_failed():
     assert not d.wants(7) and d.length(7) == 0  # it waits for the next retry step
     while not d.wants(7):
         d.tick()
-    d.tick()
     assert d.length(7) == 1 and d.propose(7, [1, 2, 1], 5) == (2,)
     d.started(7, 2, 1)
     d.settle(7, 0)  # a retry that accepted nothing: the next waits twice as long
