@@ -41,8 +41,9 @@ from lib.samplers import Gpu
 VOCAB = 150000
 
 
-def ids(n: int, seed: int) -> tuple[int, ...]:
-    return tuple((seed * 7919 + i * 104729) % VOCAB + 10 for i in range(n))
+def ids(n: int, seed: int, vocab: int = VOCAB + 10) -> tuple[int, ...]:
+    """``n`` token ids in ``10 .. vocab - 1``, spread by ``seed``."""
+    return tuple((seed * 7919 + i * 104729) % (vocab - 10) + 10 for i in range(n))
 
 
 def sdpa(_) -> None:
@@ -231,11 +232,7 @@ def subagents(a) -> None:
     eng.warm = warm_up(eng)
     import json
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
-
-    def ids(n: int, seed: int) -> tuple[int, ...]:  # within the model's vocabulary
-        return tuple((seed * 7919 + i * 104729) % (vocab - 10) + 10 for i in range(n))
-
-    first = ids(total, 1)
+    first = ids(total, 1, vocab)
     blocks = -(-(total + 64) // bt)
     base = tuple(range(blocks))
 
@@ -256,7 +253,7 @@ def subagents(a) -> None:
     def round_(tag: str, salt: int, shared: int = shared) -> None:
         seqs = []
         for i in range(7):
-            own = ids(total - shared, 100 * salt + i + 2)
+            own = ids(total - shared, 100 * salt + i + 2, vocab)
             own_blocks = blocks - shared // bt
             lo = blocks + i * own_blocks  # each round writes the same slots again
             table = base[:shared // bt] + tuple(range(lo, lo + own_blocks))

@@ -12,6 +12,7 @@ from plimsoll.core.policy import PolicyError, load_policy
 from plimsoll.launch.live_admission import (
     MemoryOverrides,
     Wanted,
+    draft_spec,
     memory_figures,
     plan,
     resolve_model,
@@ -110,7 +111,7 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
     else:
         from .report import admission_report
 
-        head = mtp and not (draft_model or (entry and entry.draft_model))
+        head = mtp and draft_spec(wanted, entry) is None  # a draft model wins over the head
         click.echo(admission_report(facts, decision, str(model_dir), mode, figures.source,
                                     refusal, "MTP head" if head else "draft model"))
     if not decision.admitted or refusal is not None:
