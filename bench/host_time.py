@@ -124,12 +124,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--dir", default="/tmp/one-forward-model")
+    ap.add_argument("--model", type=Path, help="a built model directory instead of a preset "
+                    "(e.g. bench/gpu_model.py's on a GPU)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--label", required=True, help="e.g. before / after")
     ap.add_argument("--json", help="append the result under --label to this JSON file")
     args = ap.parse_args()
-    path = build_demo_model(Path(args.dir) / args.preset, args.preset)
+    path = args.model or build_demo_model(Path(args.dir) / args.preset, args.preset)
+    if args.model:
+        args.preset = args.model.name
     need = sum(-(-(LENGTH + 7 * r + 2 * (args.steps + 2) + 2) // BLOCK)
                for r in range(max(args.rows)))
     try:  # the compiled decode where this engine has it (off by default)

@@ -177,12 +177,15 @@ class _Interrupted(Exception):
               help="Speculate with this draft model (resolved as MODEL, never downloaded; "
               "its weights and KV counted by admission; wins over --prompt-lookup) "
               "[default: the policy's draftModel, else none].")
+@click.option("--compile-decode/--no-compile-decode", default=None,
+              help="Compile decode-only steps per shape bucket (the worker's flag) "
+              "[default: the worker's].")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8081, show_default=True,
               help="0 picks a free port.")
 def launch_command(model, policy_file, mode, concurrency, context, max_tokens, cache_memory_mb,
                    kv_dtype, disk_cache_dir, disk_cache_gb, prompt_lookup, num_draft_tokens,
-                   draft_model, host, port) -> None:
+                   draft_model, compile_decode, host, port) -> None:
     """Admit MODEL against live memory, start its worker with the derived caps, verify them.
 
     Refuses (exit 3, with the figures) a model that cannot hold one sequence; clamps
@@ -239,7 +242,8 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
                         port=port or free_port(host), host=host,
                         cache_memory_mb=cache_memory_mb, disk_cache_dir=disk_cache_dir,
                         disk_cache_gb=disk_cache_gb, prompt_lookup=prompt_lookup,
-                        num_draft_tokens=num_draft_tokens, draft_model=draft_model)
+                        num_draft_tokens=num_draft_tokens, draft_model=draft_model,
+                        compile_decode=compile_decode)
     # The worker runs in its own session, so signals to us don't reach it: forward them.
     # The handlers are in place before the worker exists (a SIGTERM right after the ready
     # line would otherwise kill us by the default action and leave the worker running). Until the

@@ -49,7 +49,7 @@ def worker_config(
     drain_s: float = WORKER_DRAIN_S, quiet: bool = False,
     disk_cache_dir: Path | None = None, disk_cache_gb: float | None = None,
     prompt_lookup: int | None = None, num_draft_tokens: int | None = None,
-    draft_model: str | None = None,
+    draft_model: str | None = None, compile_decode: bool | None = None,
 ) -> WorkerConfig:
     """The worker's flags from an admitted decision (never from a refused one). The disk
     tier: the flags, else the model's or host's ``diskCache`` in the policy, else off;
@@ -89,6 +89,7 @@ def worker_config(
         num_draft_tokens=(num_draft_tokens if num_draft_tokens is not None
                           else entry.num_draft_tokens if entry else 3),
         draft_model=resolve_model_dir(draft, "--draft-model") if draft else None,
+        **({} if compile_decode is None else {"compile_decode": compile_decode}),
     )
 
 

@@ -224,6 +224,8 @@ def test_the_policy_disk_cache_reaches_the_worker_flags(tmp_path):
     assert (flag.disk_cache_dir, flag.disk_cache_gb) == (tmp_path / "flag", 1.0)
     off = worker_config(Path("/m"), "m", facts, d, None, None, port=1)
     assert off.disk_cache_dir is None and "--disk-cache-dir" not in worker_argv(off)
+    assert "--compile-decode" not in worker_argv(off)  # launch's flag passes through, else off
+    assert "--compile-decode" in worker_argv(cfg("a", compile_decode=True))
     with pytest.raises(PolicyError, match="maxGb"):
         parse_policy({**base, "diskCache": {"path": "/x", "maxGb": 0}})
 
