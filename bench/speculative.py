@@ -27,7 +27,11 @@ model (every draft right: acceptance ≈ 1, at the cost of a draft forward as la
 model's for every drafted token); ``other-draft``, the same architecture built with another
 seed and sharpened alike (its drafts are wrong: acceptance ≈ 0); and ``mlx_lm.server`` with
 no draft, and with each draft model and ``--num-draft-tokens K`` (``--no-mlx-lm`` leaves
-them out). ``--before-code DIR`` runs each speculating plimsoll mode a second time on the
+them out). ``--mtp DIR`` measures the MTP proposer on DIR, a checkpoint with an MTP layer
+(``bench/gpu_model.py --mtp``: random, so its drafts are nearly all rejected), in one regime
+(``mtp``: random words): ``plain`` (``--no-mtp``), ``mtp`` (the head, the worker's default)
+and ``mlx_lm.server``, which drops the MTP layer: what the head costs at the adaptive draft
+length. ``--before-code DIR`` runs each speculating plimsoll mode a second time on the
 sources in DIR (``MODE before``), in the same interleaved rounds. Run with OpenBLAS::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
@@ -130,6 +134,12 @@ def measure(model: Path, prompts: Callable[[int, int], list[str]],
     try:
         for mode, (extra, mlx_lm, *code) in modes.items():
             servers[mode] = Server(model, logs / f"{mode}.log", extra, mlx_lm, *code)
+        for mode, srv in servers.items():  # a proposer that did not load measures nothing
+            want = {"mtp": "mtp"}.get(mode.split()[0])
+            got = srv.status().get("speculative", {}).get("proposer")
+            if want and got != want:
+                raise RuntimeError(f"{mode}: the worker's proposer is {got!r}, not {want!r} "
+                                   f"(see {logs / (mode + '.log')})")
         for n in args.streams:
             before = {}
             for mode, srv in servers.items():
@@ -216,13 +226,14 @@ def markdown(result: dict) -> str:
                              report.num(m["tok_s"] / base, ".2f"),
                              m["proposed"], m["accepted"], report.num(m["acceptance"], ".2f")))
     eng = result["engine"]
-    draft = result.get("proposer") == "draft_model"
-    title = "Draft-model" if draft else "Prompt-lookup"
-    about = DRAFT_ABOUT if draft else LOOKUP_ABOUT
+    proposer = result.get("proposer")
+    title = {"draft_model": "Draft-model", "mtp": "MTP-head"}.get(proposer, "Prompt-lookup")
+    about = {"draft_model": DRAFT_ABOUT, "mtp": MTP_ABOUT}.get(proposer, LOOKUP_ABOUT)
     lines = [f"# {title} speculation, {' and '.join(map(str, result['streams']))} streams, "
              f"{result['machine']}", "",
              f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
-             f"Model: the tiny demo ({result['tokens']} greedy tokens per stream, "
+             f"Model: {result.get('model_about', 'the tiny demo')} ({result['tokens']} greedy "
+             "tokens per stream, "
              f"{result['runs']} runs, median of aggregate tok/s: every stream's tokens over the "
              f"first send to the last end, prefill included; k = {result['num_draft_tokens']}).",
              "", *report.table(("regime", "mode", "streams", "tok/s", "runs", "× plain",
@@ -248,6 +259,13 @@ DRAFT_ABOUT = (
     "`mlx_lm ...`: `mlx_lm.server` with the same target, and the same draft model with "
     "`--num-draft-tokens` k (it serves one request at a time with a draft model). A shared "
     "2-core machine: compare each mode's runs column.")
+MTP_ABOUT = (
+    "`mtp`: random words to a checkpoint with a random MTP layer (bench/gpu_model.py --mtp), "
+    "`plain` the same worker with `--no-mtp`. Random weights: the head's drafts are nearly "
+    "all rejected, so each sequence falls to draft length 0 and retries one draft after 16, "
+    "32, 64 ... steps; the row measures what the head costs then (target: no worse than "
+    "0.95 x plain), not a speed-up. `mlx_lm plain`: mlx_lm.server on the same directory (it "
+    "drops the MTP layer at load).")
 LOOKUP_ABOUT = (
     "`repeat`: the demo model's looping greedy output and a repeated sentence (high "
     "acceptance). `random`: matrices × 4 (varied output) and random words (one prompt per "
@@ -267,8 +285,11 @@ def main() -> None:
     ap.add_argument("--draft-model", action="store_true",
                     help="measure the draft-model proposer (the model as its own draft, and a "
                          "different-seed draft, beside mlx_lm.server's) instead of prompt lookup")
+    ap.add_argument("--mtp", type=Path, default=None, metavar="DIR",
+                    help="measure the MTP-head proposer on DIR (a checkpoint with an MTP "
+                         "layer: bench/gpu_model.py --mtp) instead of prompt lookup")
     ap.add_argument("--no-mlx-lm", dest="mlx_lm", action="store_false",
-                    help="leave out the mlx_lm.server rows of --draft-model")
+                    help="leave out the mlx_lm.server rows of --draft-model and --mtp")
     ap.add_argument("--before-code", type=Path, default=None,
                     help="plimsoll sources (a python/ directory) of the code before a change: "
                          "each speculating mode also runs on them, as `MODE before`")
@@ -293,8 +314,14 @@ def main() -> None:
             modes |= {"mlx_lm plain": ([], True),
                       "mlx_lm self-draft": (["--draft-model", str(sharp), *k], True),
                       "mlx_lm other-draft": (["--draft-model", str(other), *k], True)}
+    if args.mtp is not None:
+        regimes = {"mtp": (args.mtp.resolve(), varied)}
+        modes = {"plain": (["--no-mtp"], False), "mtp": (["--mtp", *k], False)}
+        if args.mlx_lm:
+            modes["mlx_lm plain"] = ([], True)
     if args.before_code is not None:
-        speculating = [m for m, (extra, mlx_lm) in modes.items() if extra and not mlx_lm]
+        speculating = [m for m, (extra, mlx_lm) in modes.items()
+                       if extra and not mlx_lm and m != "plain"]
         modes |= {f"{m} before": (*modes[m], args.before_code) for m in speculating}
     host = report.host_facts()
     out: dict = {}
@@ -310,7 +337,11 @@ def main() -> None:
               "plimsoll_from": str(Path(plimsoll.__file__).parent),
               "machine": report.machine(), "tokens": args.tokens, "runs": args.runs,
               "streams": args.streams, "num_draft_tokens": args.num_draft_tokens,
-              "regimes": out, "proposer": "draft_model" if args.draft_model else "prompt_lookup"}
+              "regimes": out,
+              "proposer": "mtp" if args.mtp else "draft_model" if args.draft_model
+              else "prompt_lookup"}
+    if args.mtp is not None:
+        result["model_about"] = f"{args.mtp} (`bench/gpu_model.py --mtp`)"
     if args.before_code is not None:
         result["before_code"] = str(args.before_code)
     print(report.write(result, args.out_dir, args.name, markdown))

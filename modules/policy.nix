@@ -75,6 +75,7 @@ let
     maxTokensOverLimit = "clamp";
     promptLookup = 0;
     numDraftTokens = 3;
+    mtp = true;
     draftModel = null;
   };
 
@@ -85,7 +86,7 @@ let
   declKeys = [ "host" "totalRamGb" "osFloorGb" "maxLocalLlmGb" "transientReserve" "models" "settings" "aliases" "defaultModel" ];
   modeNames = [ "standalone" "clustered" ];
   settingsKeys = [ "tripOffset" "uMargin" "blockTokens" "minContext" "wire" "listen" "ollamaApi" "cluster" "pressure" "diskCache" ];
-  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" "diskCache" "maxTokensOverLimit" "promptLookup" "numDraftTokens" "draftModel" ];
+  modelKeys = [ "path" "context" "concurrency" "defaultMaxTokens" "maxTokens" "kvDtype" "sharded" "idleTtlS" "diskCache" "maxTokensOverLimit" "promptLookup" "numDraftTokens" "mtp" "draftModel" ];
   listenKeys = [ "host" "port" ];
   clusterKeys = [ "interface" "peers" "backend" ];
   peerKeys = [ "host" "address" ];
@@ -300,6 +301,7 @@ let
           (check (hasAttr "context" e) "${who}: ${where}: context is required (configured total context, prompt + output, in tokens)")
           (check (elem e.kvDtype kvDtypes) "${who}: ${where}: kvDtype is ${fmt e.kvDtype}, must be one of ${quoteList kvDtypes}")
           (check (isBool e.sharded) "${who}: ${where}: sharded must be true or false, got ${fmt e.sharded}")
+          (check (isBool e.mtp) "${who}: ${where}: mtp must be true (the checkpoint's MTP head drafts where it has one) or false, got ${fmt e.mtp}")
           (check (e.draftModel == null || (isString e.draftModel && e.draftModel != "")) "${who}: ${where}: draftModel must be null (off) or a non-empty string (a model directory or ORG/NAME), got ${fmt e.draftModel}")
         ]
         ++ (if hasAttr "context" e then numberChecks { field = "context"; where = "${where}: context"; value = e.context; integer = true; ok = v: v >= 256 && v <= 4194304; range = "between 256 and 4194304 tokens"; } else [ ])

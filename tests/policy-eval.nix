@@ -101,7 +101,7 @@ let
       })
     (equal "a model entry gets the pydantic defaults"
       (policy.checkedPolicy (withModel minimal "m" { path = "/m"; context = 8192; })).models.m
-      { path = "/m"; context = 8192; concurrency = 1; defaultMaxTokens = 512; maxTokens = 4096; kvDtype = "auto"; sharded = false; idleTtlS = 300; diskCache = null; maxTokensOverLimit = "clamp"; promptLookup = 0; numDraftTokens = 3; draftModel = null; })
+      { path = "/m"; context = 8192; concurrency = 1; defaultMaxTokens = 512; maxTokens = 4096; kvDtype = "auto"; sharded = false; idleTtlS = 300; diskCache = null; maxTokensOverLimit = "clamp"; promptLookup = 0; numDraftTokens = 3; mtp = true; draftModel = null; })
     (equal "a partial listen keeps the default host"
       (policy.checkedPolicy (withSettings minimal { listen.port = 9000; })).listen { host = "127.0.0.1"; port = 9000; })
     (equal "a partial pressure block keeps the other defaults"

@@ -120,7 +120,9 @@ class Worker:
         argv = [sys.executable, "-m", "plimsoll.cli", "worker", "--model", str(model),
                 "--model-name", "tiny", "--port", str(self.port)]
         for k, v in defaults.items():
-            argv += [f"--{k}"] if v is True else [f"--{k}", str(v)]  # True: a bare flag
+            # True: a bare flag; False: its --no- spelling (a flag that is on by default)
+            argv += [f"--{k}"] if v is True else [f"--no-{k}"] if v is False \
+                else [f"--{k}", str(v)]
         env = worker_env() | (extra_env or {})
         out = log.open("w") if log is not None else None  # else: pytest's own output
         self.proc = subprocess.Popen(argv, env=env, start_new_session=True, stdout=out,

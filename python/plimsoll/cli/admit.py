@@ -14,6 +14,7 @@ from plimsoll.launch.live_admission import (
     Wanted,
     draft_spec,
     memory_figures,
+    mtp_spec,
     plan,
     resolve_model,
 )
@@ -53,10 +54,11 @@ def _positive(kind, most: float):
 @click.option("--draft-model", metavar="DIR|ORG/NAME",
               help="Count a draft model (speculation): its weights, its KV for every pool "
                    "block and its transient [default: the policy's draftModel, else none].")
-@click.option("--mtp", is_flag=True,
-              help="Count the checkpoint's MTP head (plimsoll worker --mtp): its weights, which "
-                   "mlx-lm drops at load, and one layer's KV for every pool block; ignored "
-                   "with a draft model or a checkpoint without one.")
+@click.option("--mtp/--no-mtp", default=None,
+              help="Count the checkpoint's MTP head, which the worker drafts with unless "
+                   "--no-mtp: its weights, which mlx-lm drops at load, and one layer's KV for "
+                   "every pool block; nothing with a draft model or a checkpoint without one "
+                   "[default: the policy's mtp, else on].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with every figure.")
 def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_gib,
                   concurrency, context, max_tokens, block_tokens, kv_dtype, draft_model,
@@ -111,7 +113,9 @@ def admit_command(model, policy_file, mode, budget_gib, ceiling_mib, total_ram_g
     else:
         from .report import admission_report
 
-        head = mtp and draft_spec(wanted, entry) is None  # a draft model wins over the head
+        # a draft model wins over the head; a checkpoint without one counts nothing
+        head = mtp_spec(wanted.mtp, entry) and draft_spec(wanted, entry) is None \
+            and facts.mtp_weights_bytes > 0
         click.echo(admission_report(facts, decision, str(model_dir), mode, figures.source,
                                     refusal, "MTP head" if head else "draft model"))
     if not decision.admitted or refusal is not None:

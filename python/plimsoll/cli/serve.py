@@ -82,6 +82,10 @@ from plimsoll.cli.common import UsageFailure
               help="Speculate with this draft model for --model (or the demo), resolved as "
                    "--model: the policy entry's draftModel (its weights and KV counted by "
                    "admission; wins over --prompt-lookup). Default: none.")
+@click.option("--no-mtp", is_flag=True,
+              help="Do not speculate with the checkpoint's MTP head for --model (or the "
+                   "demo): the policy entry's mtp false. Default: the head drafts where the "
+                   "checkpoint has one (counted by admission).")
 @click.option("--quiet", is_flag=True, help="No access-log line per request (proxy and "
               "workers).")
 @click.option("--no-ollama-api", is_flag=True, help="Do not serve Ollama's API (/api/chat, "
@@ -89,7 +93,7 @@ from plimsoll.cli.common import UsageFailure
 def serve_command(policy_file, host, port, allowed_hosts, api_key, admin_token_file, mode,
                   max_waiting, swap_hold, drain_timeout, release_timeout, idle_ttls, cluster_ranks,
                   cluster_backend, model_spec, context, concurrency, max_tokens,
-                  prompt_lookup, draft_model, quiet, no_ollama_api) -> None:
+                  prompt_lookup, draft_model, no_mtp, quiet, no_ollama_api) -> None:
     """Serve every model of the policy behind one OpenAI-compatible endpoint.
 
     Workers start on demand through load-time admission with live inputs; a swap stops
@@ -106,7 +110,7 @@ def serve_command(policy_file, host, port, allowed_hosts, api_key, admin_token_f
     from plimsoll.cli.serve_model import served_policy
 
     pol = served_policy(policy_file, model_spec, context, concurrency, max_tokens,
-                        prompt_lookup, draft_model)
+                        prompt_lookup, draft_model, no_mtp)
     if not pol.models:
         raise UsageFailure(f"{policy_file}: the policy lists no models: add one under 'models'")
     try:

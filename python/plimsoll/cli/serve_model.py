@@ -23,7 +23,8 @@ from plimsoll.cli.common import UsageFailure
 
 def served_policy(policy_file: Path | None, model_spec: str | None, context: int | None,
                   concurrency: int | None, max_tokens: int | None,
-                  prompt_lookup: int | None = None, draft_model: str | None = None):
+                  prompt_lookup: int | None = None, draft_model: str | None = None,
+                  no_mtp: bool = False):
     """The policy to serve, or a usage error that says what to change."""
     from plimsoll.core.model_facts import ModelInspectionError
     from plimsoll.core.paths import cache_dir
@@ -33,11 +34,11 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
     from plimsoll.launch.serve_sizing import model_entry
     from plimsoll.probes import read_snapshot
 
-    sizing = (context, concurrency, max_tokens, prompt_lookup, draft_model)
+    sizing = (context, concurrency, max_tokens, prompt_lookup, draft_model, no_mtp or None)
     if policy_file is not None and model_spec is None and any(v is not None for v in sizing):
-        raise UsageFailure("--context, --concurrency, --max-tokens, --prompt-lookup and "
-                           "--draft-model set the model of --model (or the demo); with "
-                           "--policy, set them in its models")
+        raise UsageFailure("--context, --concurrency, --max-tokens, --prompt-lookup, "
+                           "--draft-model and --no-mtp set the model of --model (or the "
+                           "demo); with --policy, set them in its models")
     speculation = {"promptLookup": prompt_lookup} if prompt_lookup else {}
     try:
         if draft_model is not None:  # resolved once, as --model is
@@ -51,7 +52,7 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
         if policy_file is None:
             entry = model_entry(model_dir, context=context, concurrency=concurrency,
                                 max_tokens=max_tokens, snapshot=snap,
-                                draft_model=draft_model) | speculation
+                                draft_model=draft_model, mtp=not no_mtp) | speculation
             # the embedded demo gets a bounded disk tier under the user cache: its
             # prefixes survive idle unloads and restarts
             disk = cache_dir() / "kv-blocks" if model_spec is None else None
@@ -62,7 +63,7 @@ def served_policy(policy_file: Path | None, model_spec: str | None, context: int
             return pol
         entry = model_entry(model_dir, context=context, concurrency=concurrency,
                             max_tokens=max_tokens, snapshot=snap,
-                            draft_model=draft_model) | speculation
+                            draft_model=draft_model, mtp=not no_mtp) | speculation
         data = pol.model_dump(mode="json", by_alias=True, exclude_defaults=True)
         data.setdefault("models", {})[name] = entry
         data["defaultModel"] = name

@@ -55,7 +55,9 @@ def worker_options(command: Callable) -> Callable:
             command = click.option(alias.flag, f"{s.name}__alias",
                                    type=click.Choice(list(alias.values)), help=alias.help)(command)
         if s.info.annotation is bool:
-            command = click.option(s.flag, s.name, is_flag=True,
+            spelling = f"{s.flag}/{s.no_flag}" if s.info.default else s.flag
+            command = click.option(spelling, s.name, is_flag=True, default=s.info.default,
+                                   show_default=bool(s.info.default),
                                    help=s.info.description)(command)
             continue
         required = s.info.is_required() and not s.spelling.filled
@@ -177,6 +179,9 @@ class _Interrupted(Exception):
               help="Speculate with this draft model (resolved as MODEL, never downloaded; "
               "its weights and KV counted by admission; wins over --prompt-lookup) "
               "[default: the policy's draftModel, else none].")
+@click.option("--mtp/--no-mtp", default=None,
+              help="Speculate with the checkpoint's MTP head where it has one (the worker's "
+              "flag; admission counts the head) [default: the policy's mtp, else on].")
 @click.option("--compile-decode/--no-compile-decode", default=None,
               help="Compile decode-only steps per shape bucket (the worker's flag) "
               "[default: the worker's].")
@@ -185,7 +190,7 @@ class _Interrupted(Exception):
               help="0 picks a free port.")
 def launch_command(model, policy_file, mode, concurrency, context, max_tokens, cache_memory_mb,
                    kv_dtype, disk_cache_dir, disk_cache_gb, prompt_lookup, num_draft_tokens,
-                   draft_model, compile_decode, host, port) -> None:
+                   draft_model, mtp, compile_decode, host, port) -> None:
     """Admit MODEL against live memory, start its worker with the derived caps, verify them.
 
     Refuses (exit 3, with the figures) a model that cannot hold one sequence; clamps
@@ -222,7 +227,8 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     try:
         facts, _req, decision = plan(model_dir, entry, pol, figures,
                                      Wanted(concurrency, context, max_tokens,
-                                            kv_dtype=kv_dtype, draft_model=draft_model))
+                                            kv_dtype=kv_dtype, draft_model=draft_model,
+                                            mtp=mtp))
         check_servable(model_dir)
         require_supported(facts, model_dir.name)  # before any worker (or weight byte) exists
     except UnsupportedModel as err:
@@ -243,7 +249,7 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
                         cache_memory_mb=cache_memory_mb, disk_cache_dir=disk_cache_dir,
                         disk_cache_gb=disk_cache_gb, prompt_lookup=prompt_lookup,
                         num_draft_tokens=num_draft_tokens, draft_model=draft_model,
-                        compile_decode=compile_decode)
+                        mtp=mtp, compile_decode=compile_decode)
     # The worker runs in its own session, so signals to us don't reach it: forward them.
     # The handlers are in place before the worker exists (a SIGTERM right after the ready
     # line would otherwise kill us by the default action and leave the worker running). Until the

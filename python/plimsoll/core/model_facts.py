@@ -85,7 +85,7 @@ class ModelFacts(BaseModel):
     # MLA: values per context token of one layer a prefill chunk expands the latent into
     # (per-head keys and values, a transient); 0 for other models.
     prefill_expand_per_token: int = Field(default=0, ge=0)
-    # An MTP head's tensors (mlx-lm drops them at load; the worker's --mtp loads them)
+    # An MTP head's tensors (mlx-lm drops them at load; the worker loads them unless --no-mtp)
     mtp_weights_bytes: int = Field(default=0, ge=0)
     notes: list[str] = Field(default_factory=list)
 

@@ -149,6 +149,10 @@ class ModelEntry(_Strict):
         "prompt and output (the worker's --prompt-lookup); 0: off."))
     num_draft_tokens: int = Field(default=3, ge=1, le=16, description=(
         "Most tokens drafted per sequence and step (the worker's --num-draft-tokens)."))
+    mtp: bool = Field(default=True, description=(
+        "Speculate with the checkpoint's MTP head where it has one (the worker's --mtp / "
+        "--no-mtp; its weights and one layer's KV counted by admission); a draftModel wins "
+        "over it."))
     draft_model: str | None = Field(default=None, min_length=1, description=(
         "Speculate with this draft model (a local directory, or ORG/NAME in the local "
         "Hugging Face cache; the worker's --draft-model): a smaller model of the same "

@@ -138,13 +138,13 @@ class WorkerConfig(BaseModel):
         "Speculate by prompt lookup: draft the tokens that followed the last N tokens' (N "
         "down to 1) latest earlier occurrence in the prompt and output, verified in the "
         "batch's one forward; unconstrained requests only, greedy or sampled; 0: off."))
-    mtp: bool = Field(default=False, description=(
+    mtp: bool = Field(default=True, description=(
         "Speculate with the checkpoint's MTP head where it has one (num_nextn_predict_layers "
-        "> 0 and its tensors present), verified in the batch's one forward; --draft-model "
-        "wins over it, --prompt-lookup is the fallback. `plimsoll admit --mtp` counts the head "
-        "(its weights and one layer's KV a block; the worker drops one that does not fit "
-        "beside its pool). Off by default: the head drafts sequence by sequence, not yet as "
-        "one batch."))
+        "> 0 and its tensors present, as GLM-4.x and DeepSeek-V3 ship them; mlx conversions "
+        "drop them): the head drafts for every sequence as one batch on its own paged KV, "
+        "verified in the batch's one forward; --draft-model wins over it, --prompt-lookup is "
+        "the fallback; --no-mtp: off. Admission counts the head (its weights and one layer's "
+        "KV a block); the worker drops one that does not fit beside its pool."))
     compile_decode: bool = Field(default=False, description=(
         "Compile decode-only steps per shape bucket (mx.compile; plain full-attention "
         "models only, at most 24 buckets): less host time per step; off by default until a "
@@ -196,6 +196,11 @@ class Setting:
     def flag(self) -> str:
         return self.spelling.flag or "--" + self.name.replace("_", "-")
 
+    @property
+    def no_flag(self) -> str:
+        """A boolean setting's spelling that turns it off (``--no-`` and its name)."""
+        return "--no-" + self.flag[2:]
+
 
 def _settings() -> tuple[Setting, ...]:
     out = []
@@ -214,10 +219,11 @@ def worker_flags(cfg: WorkerConfig) -> list[str]:
     out: list[str] = []
     for s in SETTINGS:
         value = getattr(cfg, s.name)
-        if value is None or value is False:
+        if value is None:
             continue
-        if value is True:
-            out.append(s.flag)
-        else:
-            out += [s.flag, repr(value) if isinstance(value, float) else str(value)]
+        if isinstance(value, bool):  # one on by default is turned off by its --no- flag
+            if value or s.info.default:
+                out.append(s.flag if value else s.no_flag)
+            continue
+        out += [s.flag, repr(value) if isinstance(value, float) else str(value)]
     return out

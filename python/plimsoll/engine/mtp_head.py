@@ -10,23 +10,20 @@ norm and lm head (the model's final norm and lm head where the checkpoint has no
 ``h_j`` is the target's hidden state at position ``j`` (its last decoder layer's output
 under its final norm), ``x_{j+1}`` the token sampled there; the output predicts ``x_{j+2}``.
 
-The target hands the hidden states over from its one forward: while :attr:`Engine.hidden`
-is a dict (set by :class:`~plimsoll.worker.mtp.MTPDrafter`), every step keeps each
-sequence's rows of the last decoder layer's output, lazily (:mod:`.sampled_rows` captures
-them before the rows that sample are cut). :meth:`Head.draft` then, per sequence:
+The head is a model of one layer that a second :class:`~plimsoll.engine.core.Engine` runs
+(:func:`attach`), as a draft model is run: its KV is a bounded paged pool of as many blocks
+as the target's, addressed by the target's block tables (position ``j`` of the head's KV
+sits at the target's slot ``j``), and every drafting sequence is a row of one batch. Besides
+its tokens, each call reads one hidden state per token, handed in before the step
+(:meth:`Head.feed`, in the step's row order: decodes first, then each chunk), and keeps its
+layer's output at the rows that sample (:meth:`Head.taken`), which the next draft step
+feeds back (the head reused past its depth, as vLLM and SGLang do).
 
-1. catch up: the head's KV over the positions whose hidden state and next token are both
-   known (contiguous from what it has seen; the latest capture of a position wins, so the
-   rows of rejected drafts are overwritten before they are used);
-2. draft ``k`` tokens greedily: the first from the last caught-up position; each further one
-   from the head's own output at the position before (the head reused, as vLLM and SGLang do
-   beyond its depth); then its KV is cut back to the caught-up positions.
-
-KV: one :class:`Cache` per sequence (mlx-lm's ``KVCache`` at an absolute start, so a
-sequence whose prompt began at a prefix hit stores only its own positions), grown a block
-of tokens at a time: a sequence holds at most its own blocks' positions plus one block
-(:attr:`Head.block_bytes` per block, counted at load). Drafts are proposals only: the target
-verifies them, so nothing here changes the output.
+The target hands its hidden states over from its one forward: while :attr:`Engine.mtp` is
+a :class:`Hidden` (set by :func:`attach`), every step keeps each sequence's rows of the last
+decoder layer's output, lazily (:mod:`.sampled_rows` captures them before the rows that
+sample are cut). Drafts are proposals only: the target verifies them, so nothing here
+changes the output.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.base import create_attention_mask
 
 from plimsoll.core.safetensors_header import tensor_bytes
 
@@ -67,55 +64,71 @@ def find(model_dir: Path) -> tuple[dict[str, Path], str]:
     return found, ""
 
 
-class Cache(KVCache):
-    """mlx-lm's KVCache whose first stored position is ``base``: ``offset`` (what RoPE
-    reads) is absolute, the storage holds positions ``base ..``; grows ``step`` at a time."""
+class Hidden:
+    """The target's hidden states handed over, per sequence: ``[(start, rows)]``, oldest
+    first (lazy arrays; the latest capture of a position wins, so the rows of rejected
+    drafts are overwritten before they are read)."""
 
-    def __init__(self, base: int, step: int):
-        super().__init__()
-        self.base, self.offset, self.step = base, base, step
+    def __init__(self, norm):
+        self._norm = norm  # the target's final norm (its hidden states are read under it)
+        self.captured: dict[int, list[tuple[int, mx.array]]] = {}
 
-    def update_and_fetch(self, keys, values):
-        self.offset -= self.base
-        try:
-            return super().update_and_fetch(keys, values)
-        finally:
-            self.offset += self.base
+    def take(self, seq_id: int, start: int, rows: mx.array) -> None:
+        """The target's last-layer output at ``start ..`` for ``seq_id`` (lazy)."""
+        self.captured.setdefault(seq_id, []).append((start, rows))
 
-    def keys_and_values(self):
-        stored = self.offset - self.base
-        return self.keys[..., :stored, :], self.values[..., :stored, :]
+    def first(self, seq_id: int) -> int | None:
+        """The first position captured for ``seq_id`` (None: none)."""
+        return min((s for s, _ in self.captured.get(seq_id, ())), default=None)
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+    def span(self, seq_id: int, lo: int, hi: int) -> tuple[int, mx.array | None]:
+        """The latest captured rows for positions ``lo ..``, as far as they are contiguous
+        and below ``hi``, under the final norm: (the end reached, the rows)."""
+        caps = self.captured.get(seq_id, [])
+        out, at = [], lo
+        while at < hi:
+            cap = next(((s, r) for s, r in reversed(caps) if s <= at < s + r.shape[0]), None)
+            if cap is None:
+                break
+            s, r = cap
+            end = min(hi, s + r.shape[0])
+            out.append(r[at - s:end - s])
+            at = end
+        if not out:
+            return lo, None
+        return at, self._norm(out[0] if len(out) == 1 else mx.concatenate(out))
+
+    def keep_from(self, seq_id: int, position: int) -> None:
+        """Drop the captures that hold nothing at or past ``position``."""
+        if seq_id in self.captured:
+            self.captured[seq_id] = [(s, r) for s, r in self.captured[seq_id]
+                                     if s + r.shape[0] > position]
+
+    def forget(self, seq_id: int) -> None:
+        self.captured.pop(seq_id, None)
 
 
 class Head(nn.Module):
-    """The MTP layer (see the module docstring); ``model``'s embedding, final norm and lm
-    head are used, never copied (held outside the module's parameters)."""
+    """The MTP layer as a model of one layer (see the module docstring); ``model``'s
+    embedding, final norm and lm head are used, never copied (held outside the module's
+    parameters)."""
 
-    def __init__(self, model, layer: nn.Module, own_norm: bool, own_head: bool,
-                 block_tokens: int):
+    def __init__(self, model, layer: nn.Module, own_norm: bool, own_head: bool):
         super().__init__()
         args = model.args
         self.enorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hnorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
-        self.layer = layer
+        self.layers = [layer]
         if own_norm:
             self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         if own_head:
             self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self._target = [model]  # a list: not a child module (its weights are not ours)
-        self._block_tokens = block_tokens
-        self._caches: dict[int, Cache] = {}
-        #: seq id -> [(start, rows)]: the target's hidden states handed over, oldest first
-        self.captured: dict[int, list[tuple[int, mx.array]]] = {}
-        self.block_bytes = 0  # one block of tokens of this layer's KV (set by load)
-        self._stream = mx.default_stream(mx.default_device())  # the engine's (attach)
-
-    # --------------------------------------------------------------- the layer
+        self._hidden_size = args.hidden_size
+        self._feed: mx.array | None = None
+        self._at = 0
+        self._outs: list[mx.array] = []
 
     def _lm(self):
         model = self._target[0]
@@ -129,100 +142,40 @@ class Head(nn.Module):
         head = getattr(model, "lm_head", None)
         return head(h) if head is not None else lm.embed_tokens.as_linear(h)
 
-    def _step(self, tokens: mx.array, hidden: mx.array, cache: Cache) -> mx.array:
-        """The layer over (1, n) tokens and their (1, n, D) previous hidden states."""
-        x = mx.concatenate([self.enorm(self._lm().embed_tokens(tokens)),
-                            self.hnorm(hidden)], axis=-1)
-        n = tokens.shape[1]
-        return self.layer(self.eh_proj(x), "causal" if n > 1 else None, cache)
+    def feed(self, parts: list[mx.array] | None) -> None:
+        """The hidden states of the next step's tokens, one row each, in the step's row
+        order (None: zeros, as for the engine's own probes)."""
+        hidden = None if not parts else parts[0] if len(parts) == 1 else mx.concatenate(parts)
+        self._feed, self._at, self._outs = hidden, 0, []
+
+    def chain(self, rows: list[int]) -> None:
+        """Feed the next step the layer's output at ``rows`` of the rows that sampled in
+        the step before (in order): each draft step reads the head's own output."""
+        outs = self._outs[0] if len(self._outs) == 1 else mx.concatenate(self._outs)
+        if rows != list(range(outs.shape[0])):
+            outs = outs[mx.array(rows, dtype=mx.int32)]
+        self.feed([outs])
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        n, dim = inputs.size, self._hidden_size
+        embedded = self.enorm(self._lm().embed_tokens(inputs))
+        if self._feed is None:
+            hidden = mx.zeros((*inputs.shape, dim), embedded.dtype)
+        else:  # a model called once per group reads its rows in turn
+            hidden = self._feed[self._at:self._at + n].reshape(*inputs.shape, dim)
+            self._at += n
+        x = self.eh_proj(mx.concatenate([embedded, self.hnorm(hidden)], axis=-1))
+        cache = cache[0] if cache else None
+        out = self.layers[0](x, create_attention_mask(x, cache), cache)
+        self._outs.append(out.reshape(-1, dim))  # the sampled rows (sampled_rows cut them)
+        return self._logits(out)
 
     @property
     def weights_bytes(self) -> int:
         return sum(v.nbytes for _, v in tree_flatten(self.parameters()))
 
-    def kv_bytes(self) -> int:
-        return sum(c.nbytes for c in self._caches.values())
 
-    # --------------------------------------------------------------- drafting
-
-    def take(self, seq_id: int, start: int, rows: mx.array) -> None:
-        """The target's last-layer output at ``start ..`` for ``seq_id`` (lazy)."""
-        self.captured.setdefault(seq_id, []).append((start, rows))
-
-    def _hidden(self, seq_id: int, lo: int, hi: int) -> tuple[int, list[mx.array]]:
-        """The latest captured rows for positions ``lo ..`` as far as they are contiguous
-        and below ``hi``: (the end reached, the row slices in order)."""
-        caps = self.captured.get(seq_id, [])
-        out, at = [], lo
-        while at < hi:
-            cap = next(((s, r) for s, r in reversed(caps) if s <= at < s + r.shape[0]), None)
-            if cap is None:
-                break
-            s, r = cap
-            end = min(hi, s + r.shape[0])
-            out.append(r[at - s:end - s])
-            at = end
-        return at, out
-
-    def _catch_up(self, seq_id: int, tokens: list[int]) -> tuple[Cache | None, mx.array | None]:
-        """Write the head's KV for every position whose hidden state and next token are
-        known; its cache and its output at the last such position (None: none new)."""
-        caps = self.captured.get(seq_id)
-        cache = self._caches.get(seq_id)
-        first = min((s for s, _ in caps), default=None) if caps else None
-        if first is not None and (cache is None or first > cache.offset):
-            # the first capture, or a gap before every capture (the sequence was written
-            # again from a later start): the head's KV starts there
-            cache = self._caches[seq_id] = Cache(first, self._block_tokens)
-        if cache is None:
-            return None, None
-        lo = cache.offset
-        hi, rows = self._hidden(seq_id, lo, len(tokens) - 1)
-        out = None
-        if hi > lo:
-            norm = self._lm().norm
-            hidden = norm(mx.concatenate(rows).reshape(1, hi - lo, -1))
-            out = self._step(mx.array([tokens[lo + 1:hi + 1]], dtype=mx.uint32), hidden,
-                             cache)[:, -1:]
-        # keep only what a later catch-up may still read: positions at or past the cache's
-        self.captured[seq_id] = [(s, r) for s, r in (caps or ()) if s + r.shape[0] > hi]
-        return cache, out
-
-    def draft(self, wants: dict[int, tuple[list[int], int]]) -> dict[int, tuple[int, ...]]:
-        """Catch every sequence of ``wants`` (seq id -> (its known tokens, drafts wanted))
-        up, then draft for those that want ``k`` > 0 and are caught up to their last token
-        (the module docstring); their drafts, greedy."""
-        with mx.stream(self._stream):
-            return self._draft(wants)
-
-    def _draft(self, wants: dict[int, tuple[list[int], int]]) -> dict[int, tuple[int, ...]]:
-        lazy: dict[int, list[mx.array]] = {}
-        written: list[mx.array] = []  # every cache the catch-up wrote: evaluated now, so no
-        for seq_id, (tokens, k) in wants.items():  # graph grows over steps without a draft
-            cache, out = self._catch_up(seq_id, tokens)
-            if out is not None:
-                written += [cache.keys, cache.values]
-            if k <= 0 or out is None or cache.offset != len(tokens) - 1:
-                continue
-            drafts = [mx.argmax(self._logits(out)[0, -1]).astype(mx.uint32)]
-            for _ in range(k - 1):
-                out = self._step(drafts[-1].reshape(1, 1), out, cache)
-                drafts.append(mx.argmax(self._logits(out)[0, -1]).astype(mx.uint32))
-            lazy[seq_id] = drafts
-            cache.trim(k - 1)  # the drafted positions: rewritten with the target's states
-        if not lazy:
-            if written:
-                mx.async_eval(written)
-            return {}
-        mx.eval([t for ts in lazy.values() for t in ts] + written)
-        return {sid: tuple(int(t.item()) for t in ts) for sid, ts in lazy.items()}
-
-    def forget(self, seq_id: int) -> None:
-        self._caches.pop(seq_id, None)
-        self.captured.pop(seq_id, None)
-
-
-def load(model_dir: Path, model, tensors: dict[str, Path], block_tokens: int) -> Head:
+def load(model_dir: Path, model, tensors: dict[str, Path]) -> Head:
     """The first MTP layer of ``model_dir`` (``tensors``: from :func:`find`) as a
     :class:`Head` over ``model``, in the model's compute dtype."""
     args = model.args
@@ -245,11 +198,11 @@ def load(model_dir: Path, model, tensors: dict[str, Path], block_tokens: int) ->
     own_norm = "shared_head.norm.weight" in weights
     own_head = "shared_head.head.weight" in weights
     layer = type(model.layers[-1])(args, n)
-    head = Head(model, layer, own_norm, own_head, block_tokens)
+    head = Head(model, layer, own_norm, own_head)
     dtype = next(v.dtype for _, v in tree_flatten(model.parameters())
                  if mx.issubdtype(v.dtype, mx.floating))
     pairs = [(k, v) for k, v in weights.items() if k in ours]
-    pairs += [("layer." + k, v) for k, v in layer_weights.items()]
+    pairs += [("layers.0." + k, v) for k, v in layer_weights.items()]
     if own_norm:
         pairs.append(("norm.weight", weights["shared_head.norm.weight"]))
     if own_head:
@@ -258,25 +211,46 @@ def load(model_dir: Path, model, tensors: dict[str, Path], block_tokens: int) ->
                        for k, v in pairs], strict=True)
     head.eval()
     mx.eval(head.parameters())
-    probe = Cache(0, block_tokens)  # one token through the layer: its KV bytes per token
-    head._step(mx.array([[0]], dtype=mx.uint32), mx.zeros((1, 1, args.hidden_size), dtype),
-               probe)
-    mx.eval(probe.keys, probe.values)
-    head.block_bytes = probe.nbytes  # the probe grew by one block of block_tokens
     return head
 
 
-def attach(eng, model_dir: Path) -> tuple[Head | None, str]:
-    """Load ``model_dir``'s MTP head over ``eng``'s model and hand it ``eng``'s hidden
-    states (``eng.mtp``); (None, why) where the checkpoint has none or it cannot be built."""
+def head_facts(facts, weights_bytes: int):
+    """The target's facts for a model of one layer like its last: what the head's engine
+    sizes and checks its pool by."""
+    last = facts.num_layers - 1
+    caches = tuple(c.model_copy(update={"layers": (0,)}) for c in facts.caches
+                   if last in c.layers)
+    per_token = sum(c.bytes_per_token for c in caches) if caches \
+        else facts.kv_bytes_per_token // max(1, facts.kv_layers)
+    return facts.model_copy(update={
+        "num_layers": 1, "kv_layers": 1, "sliding_layers": 0, "caches": caches,
+        "kv_bytes_per_token": per_token, "per_sequence_fixed_bytes": 0,
+        "weights_bytes": weights_bytes, "mtp_weights_bytes": 0, "notes": []})
+
+
+def attach(eng, model_dir: Path):
+    """Load ``model_dir``'s MTP head over ``eng``'s model and run it on an engine of its
+    own, whose pools take ``eng``'s block ids; ``eng`` hands it its hidden states
+    (``eng.mtp``, a :class:`Hidden`). (head engine, None) or (None, why) where the
+    checkpoint has none or the head cannot be built."""
+    from plimsoll.engine.core import Engine  # the head runs on the engine it is part of
+
     tensors, why = find(Path(model_dir))
     if why:
         return None, why
     with mx.stream(eng._stream):
         try:
-            head = load(Path(model_dir), eng.model, tensors, eng.block_tokens)
+            head = load(Path(model_dir), eng.model, tensors)
         except (TypeError, ValueError, KeyError, AttributeError) as err:
             return None, f"its MTP layer could not be built from the model's classes: {err}"
-    head._stream = eng._stream
-    eng.mtp = head
-    return head, ""
+    try:
+        runner = Engine(head, eng.tokenizer, head_facts(eng.facts, head.weights_bytes),
+                        block_tokens=eng.block_tokens, max_blocks=eng.max_blocks,
+                        context=eng.context)
+    except NotImplementedError as err:
+        return None, f"its MTP layer cannot run on the paged engine: {err}"
+    if not runner.select_rows:
+        return None, ("its MTP layer's output cannot be cut to the rows that sample, which "
+                      "its drafts chain on")
+    eng.mtp = Hidden(head._lm().norm)
+    return runner, ""

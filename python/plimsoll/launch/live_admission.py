@@ -97,7 +97,8 @@ class Wanted:
     block_tokens: int | None = None
     kv_dtype: str | None = None
     draft_model: str | None = None  # DIR|ORG/NAME; None: the entry's draftModel, else none
-    mtp: bool = False  # count the checkpoint's MTP head (worker --mtp) where it has one
+    mtp: bool | None = None  # count the checkpoint's MTP head where it has one; None: the
+    #                          entry's mtp, else on (the worker's default)
 
 
 def resolve_model(model: str, policy: Policy | None) -> tuple[Path, ModelEntry | None]:
@@ -116,6 +117,14 @@ def resolve_model(model: str, policy: Policy | None) -> tuple[Path, ModelEntry |
 def draft_spec(wanted: Wanted, entry: ModelEntry | None) -> str | None:
     """The draft model asked for: the flag, else the policy entry's ``draftModel``."""
     return wanted.draft_model or (entry.draft_model if entry else None)
+
+
+def mtp_spec(mtp: bool | None, entry: ModelEntry | None) -> bool:
+    """Whether the checkpoint's MTP head is wanted: the flag ``mtp``, else the entry's, else
+    on (a checkpoint without one counts nothing either way)."""
+    if mtp is not None:
+        return mtp
+    return entry.mtp if entry else True
 
 
 def plan(
@@ -157,7 +166,7 @@ def plan(
         measured = lookup(model_dir, facts.kv_format, concurrency, context, calibration_root)
         reserve = reserve_fraction(reserve, measured, figures.budget_bytes)
 
-    mtp_on = wanted.mtp and draft is None  # a draft model wins over the head
+    mtp_on = mtp_spec(wanted.mtp, entry) and draft is None  # a draft model wins over the head
     mtp_weights = facts.mtp_weights_bytes if mtp_on else 0
     mtp_kv = facts.mtp_kv_bytes_per_token if mtp_on else 0
     req = AdmissionRequest(

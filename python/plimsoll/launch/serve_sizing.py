@@ -21,25 +21,28 @@ from .defaults import DEFAULT_CONCURRENCY, FALLBACK_CONTEXT, budgets
 
 def model_entry(model_dir: Path, *, context: int | None = None, concurrency: int | None = None,
                 max_tokens: int | None = None, snapshot: MemorySnapshot | None = None,
-                draft_model: str | None = None) -> dict:
+                draft_model: str | None = None, mtp: bool = True) -> dict:
     """A policy model entry for ``model_dir``: what is given, the rest sized (see module),
-    a draft model counted in the sizing and named in the entry."""
+    a draft model (or the checkpoint's MTP head, unless ``mtp`` is off) counted in the
+    sizing and named in the entry."""
     from plimsoll.core.model_facts import inspect_model
 
     concurrency = concurrency or DEFAULT_CONCURRENCY
     if context is None:
         native = inspect_model(model_dir).native_max_context or FALLBACK_CONTEXT
         context = native if snapshot is None else largest_context(
-            model_dir, native, concurrency, snapshot, draft_model)
+            model_dir, native, concurrency, snapshot, draft_model, mtp)
     limit = max_tokens or output_limit(context, CLIENT_OUTPUT_CAP)
     limit = min(limit, context - 1)
     return {"path": str(model_dir), "context": context, "concurrency": concurrency,
             "maxTokens": limit, "defaultMaxTokens": limit,
-            **({"draftModel": draft_model} if draft_model else {})}
+            **({"draftModel": draft_model} if draft_model else {}),
+            **({} if mtp else {"mtp": False})}
 
 
 def largest_context(model_dir: Path, native: int, concurrency: int,
-                    snapshot: MemorySnapshot, draft_model: str | None = None) -> int:
+                    snapshot: MemorySnapshot, draft_model: str | None = None,
+                    mtp: bool = True) -> int:
     """The largest context ≤ ``native`` that admission grants ``concurrency`` sequences of
     on this machine's budget (found by bisection; the policy minimum if none is)."""
     from .live_admission import MemoryFigures, Wanted, plan
@@ -50,7 +53,7 @@ def largest_context(model_dir: Path, native: int, concurrency: int,
                             budget_bytes=pol.budget_bytes("standalone"), source="live probe")
 
     def fits(ctx: int) -> bool:
-        wanted = Wanted(concurrency, ctx, output_limit(ctx), draft_model=draft_model)
+        wanted = Wanted(concurrency, ctx, output_limit(ctx), draft_model=draft_model, mtp=mtp)
         _f, _r, dec = plan(model_dir, None, pol, figures, wanted)
         return dec.admitted and dec.concurrency >= concurrency and dec.context >= ctx
 

@@ -26,6 +26,7 @@ from plimsoll.core.policy import ModelEntry, Policy
 from plimsoll.core.units import MIB
 from plimsoll.core.worker_config import WorkerConfig, worker_flags
 from plimsoll.guard.process import FOOTPRINT_ENV, WorkerGuard, guard_limit
+from plimsoll.launch.live_admission import mtp_spec
 from plimsoll.launch.model_source import resolve_model_dir
 from plimsoll.web.worker_secret import SECRET_ENV, headers
 
@@ -49,12 +50,13 @@ def worker_config(
     drain_s: float = WORKER_DRAIN_S, quiet: bool = False,
     disk_cache_dir: Path | None = None, disk_cache_gb: float | None = None,
     prompt_lookup: int | None = None, num_draft_tokens: int | None = None,
-    draft_model: str | None = None, compile_decode: bool | None = None,
+    draft_model: str | None = None, mtp: bool | None = None,
+    compile_decode: bool | None = None,
 ) -> WorkerConfig:
     """The worker's flags from an admitted decision (never from a refused one). The disk
     tier: the flags, else the model's or host's ``diskCache`` in the policy, else off;
     speculation: the flags, else the model's ``promptLookup`` / ``numDraftTokens`` /
-    ``draftModel`` (resolved to its local directory as admission resolved it)."""
+    ``draftModel`` (resolved to its local directory as admission resolved it) / ``mtp``."""
     if not decision.admitted:
         raise ValueError("a refused decision has no worker configuration")
     wire = policy.wire if policy else Policy.model_fields["wire"].default
@@ -89,6 +91,7 @@ def worker_config(
         num_draft_tokens=(num_draft_tokens if num_draft_tokens is not None
                           else entry.num_draft_tokens if entry else 3),
         draft_model=resolve_model_dir(draft, "--draft-model") if draft else None,
+        mtp=mtp_spec(mtp, entry),
         **({} if compile_decode is None else {"compile_decode": compile_decode}),
     )
 

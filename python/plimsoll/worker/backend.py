@@ -123,9 +123,10 @@ def draft_drafter(cfg: WorkerConfig, eng: Any, draft: Any) -> draft_model.DraftM
 
 
 def mtp_drafter(cfg: WorkerConfig, eng: Any) -> mtp.MTPDrafter | None:
-    """The checkpoint's MTP head as the proposer (None: no --mtp, the checkpoint has none,
-    the model cannot speculate, or the head does not fit beside the pool the flags size:
-    admission does not count it yet, so a pool sized to the limit runs without it)."""
+    """The checkpoint's MTP head as the proposer (None: --no-mtp, the checkpoint has none,
+    the model cannot speculate, or the head does not fit beside the pool the flags size).
+    Its catch-up takes a prompt chunk a step (one layer like the model's: the model's
+    per-layer transient bounds it) and every decode row's verified tokens."""
     if not cfg.mtp or eng.speculation_refused:
         return None
     from plimsoll.engine import mtp_head  # the engine edge
@@ -135,8 +136,8 @@ def mtp_drafter(cfg: WorkerConfig, eng: Any) -> mtp.MTPDrafter | None:
         log.info("no MTP head: %s", why)
         return None
     if problem := mtp.fit_problem(
-            weights=eng.facts.weights_bytes, mtp_weights=head.weights_bytes,
-            blocks=cfg.max_cache_blocks, seqs=cfg.max_num_seqs, block_bytes=eng.block_bytes,
+            weights=eng.facts.weights_bytes, mtp_weights=head.model.weights_bytes,
+            blocks=cfg.max_cache_blocks, block_bytes=eng.block_bytes,
             mtp_block_bytes=head.block_bytes,
             transient=(cfg.transient_bytes or 0) + cfg.mlx_cache_bytes,
             limit=cfg.allocation_limit_bytes):
@@ -145,7 +146,14 @@ def mtp_drafter(cfg: WorkerConfig, eng: Any) -> mtp.MTPDrafter | None:
         return None
     if cfg.prompt_lookup:
         log.info("--prompt-lookup %d unused: the MTP head proposes instead", cfg.prompt_lookup)
-    return mtp.MTPDrafter(0, cfg.num_draft_tokens, head=head)
+    fused = bool(getattr(eng, "fused_prefill", False))
+    most = cfg.prefill_chunk or default_prefill_chunk(fused)
+    chunk = most if cfg.transient_bytes is None else prefill_chunk(
+        eng.facts, cfg.context, cfg.transient_bytes, block_tokens=cfg.block_tokens,
+        most=most, fused=fused)
+    rows = cfg.batch_bound * (cfg.num_draft_tokens + 1)
+    return mtp.MTPDrafter(0, cfg.num_draft_tokens, engine=head, hidden=eng.mtp,
+                          chunk=max(1, chunk) + rows)
 
 
 #: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
@@ -203,7 +211,9 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
                                               eng.speculation_refused)
         if sched.drafter is not None and sched.drafter.refused:
             log.warning("speculation off: %s", sched.drafter.refused)
-        for warmed in (eng, draft):  # GPU backends only: see engine/warmup
+        # GPU backends only (see engine/warmup): the model, and the proposer's engine (a
+        # draft model's, or the MTP head's)
+        for warmed in (eng, getattr(sched.drafter, "engine", None)):
             if warmed is not None and (took := engine.warm_up(warmed)):
                 log.info("warm-up: the GPU backend's first-use compilation took %.2f s", took)
         sched.warmer = engine.plan_warmer(eng, limits.prefill_tokens)  # built while idle

@@ -226,6 +226,15 @@ def test_the_policy_disk_cache_reaches_the_worker_flags(tmp_path):
     assert off.disk_cache_dir is None and "--disk-cache-dir" not in worker_argv(off)
     assert "--compile-decode" not in worker_argv(off)  # launch's flag passes through, else off
     assert "--compile-decode" in worker_argv(cfg("a", compile_decode=True))
+    # the MTP head: on unless the flag or the policy entry says otherwise
+    assert off.mtp and "--mtp" in worker_argv(off) and "--no-mtp" not in worker_argv(off)
+    assert "--no-mtp" in worker_argv(cfg("a", mtp=False))
+    no_head = parse_policy({**base, "models": {"a": {"path": "/a", "context": 8192,
+                                                     "mtp": False}}})
+    assert not worker_config(Path("/m"), "a", facts, d, no_head.models["a"], no_head,
+                             port=1).mtp
+    assert worker_config(Path("/m"), "a", facts, d, no_head.models["a"], no_head, port=1,
+                         mtp=True).mtp
     with pytest.raises(PolicyError, match="maxGb"):
         parse_policy({**base, "diskCache": {"path": "/x", "maxGb": 0}})
 
