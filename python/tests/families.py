@@ -233,6 +233,17 @@ FAMILIES["glm4_moe_mtp"] = Family({**FAMILIES["glm4_moe"].config, "num_nextn_pre
                                           ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
                                           ("shared_head.norm.weight", (64,)))}, mtp_layer=True)
 
+#: Families built on request only (not in the zoo every family test runs): DeepSeek-V3 with
+#: an MTP layer needs its real 61 layers, since mlx-lm's deepseek_v3 sanitize drops exactly
+#: ``model.layers.61.*`` (an MTP layer at another index would fail its strict load).
+ON_REQUEST = {"deepseek_v3_mtp": Family(
+    {**FAMILIES["deepseek_v3"].config, "num_hidden_layers": 61, "num_nextn_predict_layers": 1},
+    "deepseek_v3", extra_tensors={
+        f"model.layers.{{n}}.{name}": shape for name, shape in (
+            ("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
+            ("shared_head.norm.weight", (64,)))}, mtp_layer=True)}
+
+
 def has_module(fam: Family) -> bool:
     return importlib.util.find_spec(f"mlx_lm.models.{fam.module}") is not None
 
@@ -274,7 +285,7 @@ def build_family(name: str, out: Path, tokenizer, seed: int = 0) -> Path:
 
     from plimsoll.demo import tokenizer as tokenizer_build
 
-    fam = FAMILIES[name]
+    fam = FAMILIES[name] if name in FAMILIES else ON_REQUEST[name]
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(fam, seed)
     save_model(out, model)

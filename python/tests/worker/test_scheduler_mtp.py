@@ -15,6 +15,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
+from mlx_lm.models.base import create_attention_mask  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 from test_worker_paged import BLOCK, Req, drain, load, scheduler  # noqa: E402
 
@@ -29,12 +30,14 @@ def from_scratch(eng, head, tokens: list[int]) -> int:
     hidden = eng.model.model(mx.array([tokens[:-1]]))  # under the final norm, as handed over
     x = mx.concatenate([head.enorm(eng.model.model.embed_tokens(mx.array([tokens[1:]]))),
                         head.hnorm(hidden)], axis=-1)
-    out = head.layers[0](head.eh_proj(x), "causal" if len(tokens) > 2 else None, KVCache())
+    h = head.eh_proj(x)
+    out = head.layers[0](h, create_attention_mask(h, None, return_array=True), KVCache())
     return int(mx.argmax(head._logits(out[:, -1:])[0, -1]).item())
 
 
-def test_mtp_drafts_from_the_targets_hidden_states_and_changes_nothing(family_dir):
-    d = family_dir("glm4_moe_mtp")
+@pytest.mark.parametrize("family", ["glm4_moe_mtp", "deepseek_v3_mtp"])  # GQA, and MLA latents
+def test_mtp_drafts_from_the_targets_hidden_states_and_changes_nothing(family_dir, family):
+    d = family_dir(family)
     eng = load(d, 256)
     runner, why = mtp_head.attach(eng, d)
     assert runner is not None, why
