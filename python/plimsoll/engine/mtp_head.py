@@ -16,8 +16,8 @@ as the target's, addressed by the target's block tables (position ``j`` of the h
 sits at the target's slot ``j``), and every drafting sequence is a row of one batch. Besides
 its tokens, each call reads one hidden state per token, handed in before the step
 (:meth:`Head.feed`, in the step's row order: decodes first, then each chunk), and keeps its
-layer's output at the rows that sample (:meth:`Head.taken`), which the next draft step
-feeds back (the head reused past its depth, as vLLM and SGLang do).
+layer's output at the rows that sample, which the next draft step is fed
+(:meth:`Head.chain`: the head reused past its depth, as vLLM and SGLang do).
 
 The target hands its hidden states over from its one forward: while :attr:`Engine.mtp` is
 a :class:`Hidden` (set by :func:`attach`), every step keeps each sequence's rows of the last
