@@ -122,11 +122,12 @@ def draft_drafter(cfg: WorkerConfig, eng: Any, draft: Any) -> draft_model.DraftM
                                   name=str(cfg.draft_model))
 
 
-def mtp_drafter(cfg: WorkerConfig, eng: Any) -> mtp.MTPDrafter | None:
+def mtp_drafter(cfg: WorkerConfig, eng: Any, prefill_tokens: int) -> mtp.MTPDrafter | None:
     """The checkpoint's MTP head as the proposer (None: --no-mtp, the checkpoint has none,
     the model cannot speculate, or the head does not fit beside the pool the flags size).
-    Its catch-up takes a prompt chunk a step (one layer like the model's: the model's
-    per-layer transient bounds it) and every decode row's verified tokens."""
+    Its catch-up takes what the model computes in a step: ``prefill_tokens`` of prompt (one
+    layer like the model's, so the model's per-layer transient bounds it) and every decode
+    row's verified tokens."""
     if not cfg.mtp or eng.speculation_refused:
         return None
     from plimsoll.engine import mtp_head  # the engine edge
@@ -146,14 +147,9 @@ def mtp_drafter(cfg: WorkerConfig, eng: Any) -> mtp.MTPDrafter | None:
         return None
     if cfg.prompt_lookup:
         log.info("--prompt-lookup %d unused: the MTP head proposes instead", cfg.prompt_lookup)
-    fused = bool(getattr(eng, "fused_prefill", False))
-    most = cfg.prefill_chunk or default_prefill_chunk(fused)
-    chunk = most if cfg.transient_bytes is None else prefill_chunk(
-        eng.facts, cfg.context, cfg.transient_bytes, block_tokens=cfg.block_tokens,
-        most=most, fused=fused)
     rows = cfg.batch_bound * (cfg.num_draft_tokens + 1)
     return mtp.MTPDrafter(0, cfg.num_draft_tokens, engine=head, hidden=eng.mtp,
-                          chunk=max(1, chunk) + rows)
+                          chunk=prefill_tokens + rows)
 
 
 #: What a backend yields for ``app.state``: scheduler, tokenizer, native_max_context,
@@ -204,7 +200,7 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
             if cfg.prompt_lookup:
                 log.info("--prompt-lookup %d unused: --draft-model proposes instead",
                          cfg.prompt_lookup)
-        elif (drafter := mtp_drafter(cfg, eng)) is not None:
+        elif (drafter := mtp_drafter(cfg, eng, limits.prefill_tokens)) is not None:
             sched.drafter = drafter
         elif cfg.prompt_lookup:
             sched.drafter = speculate.Drafter(cfg.prompt_lookup, cfg.num_draft_tokens,
