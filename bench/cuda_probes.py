@@ -23,6 +23,13 @@ raw figures (the results files quote them):
   ``paged_cuda`` module (FILE, e.g. ``git show REV:python/plimsoll/engine/paged_cuda.py``),
   alternating, plus each one's start-time check (kernel vs reference ms).
 
+- ``agentic-memory MODEL``: an agentic session at the engine (12 turns, each ~2.6k new prompt
+  tokens in 2048-token chunks at the cached prefix, then 16 pipelined decode steps), once per
+  ``--windows`` value (the layers a long chunk keeps in flight, ``Engine.prefill_window``; 0:
+  unpaced), each on a fresh engine at ``--cache-mib`` of MLX buffer cache: per turn MLX's
+  peak and active ÷ needed (weights + one KV copy of the session), the peak above the turn's
+  start, the cache, NVML above the reading before load, the prefill and decode times.
+
 MODEL is bench/gpu_model.py's (``python3 bench/gpu_model.py /tmp/m``).
 """
 
@@ -331,6 +338,86 @@ def decode_kernels(a) -> None:
                       flush=True)
 
 
+def agentic_memory(a) -> None:
+    import gc
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from plimsoll.engine import Engine, warm_up
+    from plimsoll.engine.work import Step, Work
+
+    gpu = Gpu()
+    gib = 2 ** 30
+    bt, budget, first, per_turn, turns, decodes = 16, 2048, 2719, 2590, a.turns, 16
+    total = first + per_turn * (turns - 1) + decodes * turns + 64
+    vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+    prompt = ids(total, 3, vocab)
+    table = tuple(range(-(-total // bt)))
+    before = gpu.total_used() or 0
+    rows = []
+    for window in [int(w) for w in a.windows.split(",")]:
+        eng = Engine.load(a.model, block_tokens=bt, max_blocks=len(table) + 8)
+        eng.warm = warm_up(eng)
+        eng.prefill_window = window
+        mx.set_cache_limit(a.cache_mib << 20)
+        mx.clear_cache()
+        mx.synchronize()
+        weights = sum(v.nbytes for _, v in tree_flatten(eng.model.parameters()))
+        print(f"window {window}: loaded, active {weights / gib:.2f} GiB, nvml above before "
+              f"{((gpu.total_used() or 0) - before) / gib:.2f} GiB", flush=True)
+        pos = 0
+        for turn in range(turns):
+            end = first + turn * (per_turn + decodes)
+            mx.synchronize()
+            start_active = mx.get_active_memory()
+            mx.reset_peak_memory()
+            t0 = time.perf_counter()
+            pending = None
+            while pos < end:
+                n = min(budget, end - pos)
+                pending = eng.run_async(Step((), (Work(0, prompt[pos:pos + n], pos, table,
+                                                       pos + n == end),)))
+                pos += n
+            pending.result()
+            mx.synchronize()
+            prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            pending = None
+            for _ in range(decodes):
+                nxt = eng.run_async(Step((Work(0, None, pos, table, True),)))
+                pos += 1
+                if pending is not None:
+                    pending.result()
+                pending = nxt
+            pending.result()
+            mx.synchronize()
+            decode_ms = (time.perf_counter() - t0) * 1000 / decodes
+            needed = weights + pos * eng.facts.kv_bytes_per_token
+            row = {"window": window, "turn": turn + 1, "tokens": pos,
+                   "peak_over_needed": round(mx.get_peak_memory() / needed, 3),
+                   "active_over_needed": round(mx.get_active_memory() / needed, 3),
+                   "transient_gib": round((mx.get_peak_memory() - start_active) / gib, 3),
+                   "pool_gib": round(eng.kv_bytes_allocated() / gib, 3),
+                   "cache_gib": round(mx.get_cache_memory() / gib, 3),
+                   "nvml_over_needed": round(((gpu.total_used() or 0) - before) / needed, 3),
+                   "prefill_s": round(prefill_s, 3), "decode_ms": round(decode_ms, 2)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        eng.free_state(0)
+        del eng, pending
+        gc.collect()
+        mx.clear_cache()
+    print("summary", flush=True)
+    for window in sorted({r["window"] for r in rows}):
+        mine = [r for r in rows if r["window"] == window]
+        print(f"window {window}: peak/needed max {max(r['peak_over_needed'] for r in mine)}, "
+              f"transient max {max(r['transient_gib'] for r in mine)} GiB, nvml/needed max "
+              f"{max(r['nvml_over_needed'] for r in mine)}, prefill s sum "
+              f"{sum(r['prefill_s'] for r in mine):.2f}, decode ms "
+              f"{sum(r['decode_ms'] for r in mine) / len(mine):.2f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -341,13 +428,18 @@ def main(argv: list[str] | None = None) -> int:
                        ("batched-prefill", "batched first chunks off vs on"),
                        ("subagents", "the sub-agent workload at the engine, step by step")):
         sub.add_parser(name, help=what).add_argument("model", help="bench/gpu_model.py's dir")
+    am = sub.add_parser("agentic-memory", help="an agentic session's memory, paced and not")
+    am.add_argument("model", help="bench/gpu_model.py's dir")
+    am.add_argument("--windows", default="0,1,2,4", help="Engine.prefill_window values")
+    am.add_argument("--cache-mib", type=int, default=256, help="MLX buffer cache cap, MiB")
+    am.add_argument("--turns", type=int, default=12)
     dk = sub.add_parser("decode-kernels", help="decode tok/s: the kernel, gather, an old kernel")
     dk.add_argument("model", help="bench/gpu_model.py's dir")
     dk.add_argument("--old", help="an older paged_cuda.py to compare")
     a = p.parse_args(argv)
     {"sdpa": sdpa, "prefill-chunks": prefill_chunks, "first-use": first_use,
      "batched-prefill": batched_prefill, "subagents": subagents,
-     "decode-kernels": decode_kernels}[a.probe](a)
+     "decode-kernels": decode_kernels, "agentic-memory": agentic_memory}[a.probe](a)
     return 0
 
 

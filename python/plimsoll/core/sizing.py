@@ -104,9 +104,17 @@ def cache_cap_blocks(cache_memory_bytes: int, block_bytes_: int, pool_blocks: in
     return min(cache_memory_bytes // block_bytes_, pool_blocks)
 
 
+#: The most MLX's buffer cache may keep, MiB. Freed buffers it keeps are held memory (on
+#: an H200 the device's used memory follows it), and a paced step reuses a few layers'
+#: buffers: measured there at a 256 MiB cap, an agentic session's prefill was no slower than
+#: at 2.4 GiB (bench/results/agentic-memory-h200-2026-12-03.md).
+MLX_CACHE_MOST_MB = 256
+
+
 def mlx_cache_mb(transient_reserve_bytes: int) -> int:
-    """MLX's buffer-cache cap: half the transient reserve, at least 1 MiB."""
-    return max(1, transient_reserve_bytes // 2 // MIB)
+    """MLX's buffer-cache cap: half the transient reserve, at most
+    :data:`MLX_CACHE_MOST_MB`, at least 1 MiB."""
+    return max(1, min(MLX_CACHE_MOST_MB, transient_reserve_bytes // 2 // MIB))
 
 
 def compute_transient_bytes(transient_reserve_bytes: int) -> int:

@@ -28,6 +28,26 @@ _ACT_BYTES = 4
 PREFILL_CHUNK = 512
 PREFILL_CHUNK_FUSED = 2048
 
+#: Layers of a heavy step's forward the engine lets the device hold at once
+#: (:class:`plimsoll.engine.attention.Pacer`): at each layer it submits that layer and waits
+#: for the one this many layers back. Unpaced, MLX's CUDA backend encodes most of a forward
+#: ahead and keeps every op's inputs until its graph completes, so a chunk held many layers'
+#: gathers and activations (measured on an H200, bench/results/agentic-memory-h200-2026-12-03.md:
+#: up to 7.4 GiB above the pool for a 2048-token chunk at 16k, 1.0-1.25 GiB paced at 2).
+PREFILL_LAYER_WINDOW = 2
+#: what one paced step holds: the window queued on the device and the layer being built
+LAYERS_IN_FLIGHT = PREFILL_LAYER_WINDOW + 1
+#: A step is paced when one of its layers touches this many tokens (chunk tokens plus the
+#: context slots its attention gathers): below it a whole forward in flight is small, and a
+#: decode step is not slowed by waits.
+PACE_FROM_TOKENS = 1024
+
+
+def paced(chunk_tokens: int, gathered_tokens: int) -> bool:
+    """Is a step whose layers each compute ``chunk_tokens`` prompt tokens and gather
+    ``gathered_tokens`` context slots paced (:data:`PREFILL_LAYER_WINDOW`)?"""
+    return chunk_tokens + gathered_tokens >= PACE_FROM_TOKENS
+
 
 
 
@@ -97,8 +117,9 @@ def decode_transient_bytes(facts: ModelFacts, rows: int, longest: int,
         return (decode_kernel_partials_bytes(facts, rows, longest)
                 + rows * _per_chunk_token_bytes(facts, longest, fused=True))
     slots = rows * _whole(longest, block_tokens)
-    return (gather_transient_bytes(facts, slots) + dequant_transient_bytes(facts, slots)
-            + rows * _per_chunk_token_bytes(facts, longest))
+    return LAYERS_IN_FLIGHT * (
+        gather_transient_bytes(facts, slots) + dequant_transient_bytes(facts, slots)
+        + rows * _per_chunk_token_bytes(facts, longest))
 
 
 def decode_kernel_partials_bytes(facts: ModelFacts, rows: int, longest: int) -> int:
@@ -120,12 +141,12 @@ def prefill_transient_bytes(facts: ModelFacts, chunk: int, context: int,
                             block_tokens: int = 16, fused: bool = False) -> int:
     """Transient bytes of one prefill chunk of ``chunk`` tokens ending at ``context``
     (``fused``: the backend's prefill attention is a fused kernel, see
-    :func:`_per_chunk_token_bytes`)."""
+    :func:`_per_chunk_token_bytes`): :data:`LAYERS_IN_FLIGHT` layers of it."""
     if chunk <= 0:
         return 0
     context = max(context, chunk)
-    return (_context_transient_bytes(facts, _whole(context, block_tokens))
-            + chunk * _per_chunk_token_bytes(facts, context, fused))
+    return LAYERS_IN_FLIGHT * (_context_transient_bytes(facts, _whole(context, block_tokens))
+                               + chunk * _per_chunk_token_bytes(facts, context, fused))
 
 
 def _context_transient_bytes(facts: ModelFacts, tokens: int) -> int:
@@ -148,7 +169,8 @@ def prefill_chunk_tokens(facts: ModelFacts, context: int, transient_bytes: int, 
     """
     if context <= 0:
         raise ValueError("context must be positive")
-    room = transient_bytes - _context_transient_bytes(facts, _whole(context, block_tokens))
+    room = (transient_bytes // LAYERS_IN_FLIGHT
+            - _context_transient_bytes(facts, _whole(context, block_tokens)))
     if room <= 0:
         return 0
     chunk = min(most, context, room // _per_chunk_token_bytes(facts, context, fused))

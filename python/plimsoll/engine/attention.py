@@ -44,7 +44,8 @@ _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
 class Batch:
     """What every layer of one forward shares: where to write, what to read, mask, offset."""
 
-    __slots__ = ("attended", "kernel", "lengths", "mask", "offset", "read", "tail", "write")
+    __slots__ = ("attended", "kernel", "lengths", "mask", "offset", "pace", "read", "tail",
+                 "write")
 
     def __init__(self, write: mx.array, read: Read | None, mask, offset,
                  lengths: mx.array | None = None, tail: Read | None = None, kernel=None):
@@ -56,6 +57,33 @@ class Batch:
         # pool as mlx-lm's own last-token step does (quantized KV): positions 0 .. its end
         self.tail = tail
         self.attended = 0
+        #: a :class:`Pacer` for a long chunk's layers (set by the engine), or None
+        self.pace: Pacer | None = None
+
+
+class Pacer:
+    """Keeps at most ``window`` layers of one forward in flight on the device.
+
+    A GPU backend keeps every op's inputs alive until the command batch that runs it has
+    completed, and encodes far ahead of the device (MLX's CUDA backend: up to 10 graphs of
+    ~100 ops, most of a 36-layer forward), so a long prefill chunk holds many layers'
+    gathered contexts and activations at once. Called with each layer's attention output,
+    it submits it and waits for the one ``window`` layers back: the device always has
+    ``window`` layers queued while the host builds the next, and what is live is that many
+    layers' transients (:data:`plimsoll.core.transients.PREFILL_LAYER_WINDOW`, counted by
+    admission)."""
+
+    __slots__ = ("_queued", "window")
+
+    def __init__(self, window: int):
+        self.window, self._queued = window, []
+
+    def __call__(self, out: mx.array) -> mx.array:
+        mx.async_eval(out)
+        self._queued.append(out)
+        if len(self._queued) > self.window:
+            mx.eval(self._queued.pop(0))  # already submitted: waits for it to complete
+        return out
 
 
 class PoolCache:
@@ -99,7 +127,7 @@ class PagedView(PoolCache):
         # buffers alive once they are evaluated
         read, pool, fresh, self._fresh = self.batch.read, self.pool, self._fresh, None
         if hasattr(pool, "attend_read"):  # a kind that reads its own pool (quantized KV)
-            return pool.attend_read(queries, scale, sinks, self.batch, fresh)
+            return self._paced(pool.attend_read(queries, scale, sinks, self.batch, fresh))
         kernel = self.batch.kernel
         if (kernel is not None and read is not None and read.index is not None
                 and self.batch.lengths is not None and sinks is None
@@ -112,8 +140,11 @@ class PagedView(PoolCache):
             keys, values = self.pool.gather(self.batch.read)
             if keys.dtype != queries.dtype:
                 keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
-        return causal_on_grid(queries, keys, values, scale, self.batch.mask, sinks,
-                              backend.causal_grid())
+        return self._paced(causal_on_grid(queries, keys, values, scale, self.batch.mask,
+                                          sinks, backend.causal_grid()))
+
+    def _paced(self, out: mx.array) -> mx.array:
+        return out if self.batch.pace is None else self.batch.pace(out)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
         return None  # the mask is the batch's own, applied in attend()

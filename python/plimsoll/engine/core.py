@@ -42,6 +42,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from plimsoll.core.capability import ENGINE_SUPPORT
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
+from plimsoll.core.transients import PREFILL_LAYER_WINDOW
 from plimsoll.engine import compiled, composite, forward, kernels, mixers, sampled_rows, verify
 from plimsoll.engine import state as seq_state
 from plimsoll.engine.attention import fused_prefill, route_attention
@@ -173,6 +174,8 @@ class Engine:
         #: (engine/mtp_head.py; set by the worker where it drafts): every step hands it the
         #: last decoder layer's rows, so no step runs compiled meanwhile
         self.mtp = None
+        #: layers a long chunk's forward keeps in flight (attention.Pacer; 0: unpaced)
+        self.prefill_window = PREFILL_LAYER_WINDOW
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,

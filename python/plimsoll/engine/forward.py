@@ -32,8 +32,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from plimsoll.core.transients import paced
 from plimsoll.engine import mixers, sampled_rows, state, verify
-from plimsoll.engine.attention import Batch
+from plimsoll.engine.attention import Batch, Pacer
 from plimsoll.engine.groups import Flat, Group, group_view
 from plimsoll.engine.paged import RecurrentState, read_of, slots_of, write_of
 from plimsoll.engine.sampling import sample
@@ -54,7 +55,22 @@ def groups_of(eng, step: Step) -> list[Group]:
         top = max(top, max(w.block_table[:(w.start + w.length - 1) // eng.block_tokens + 1]))
     for p in eng._pools:
         p.ensure(top)
+    _pace(eng, groups)
     return groups
+
+
+def _pace(eng, groups: list[Group]) -> None:
+    """A heavy step (core/transients.paced) keeps at most ``eng.prefill_window`` layers in
+    flight (attention.Pacer; 0: unpaced). One group's attention is enough to pace it: in
+    one forward every group's layer ``l`` needs layer ``l - 1`` of all of them."""
+    if eng.prefill_window <= 0:
+        return
+    chunks = [g.works[0] for g in groups if not g.decode]
+    gathered = sum(w.start + w.length for w in chunks if w.start)  # copied (or padded) a layer
+    if eng.decode_gathers:
+        gathered += sum(w.start + 1 for g in groups if g.decode for w in g.works)
+    if paced(sum(w.length for w in chunks), gathered):
+        groups[-1].batch.pace = Pacer(eng.prefill_window)
 
 
 def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:

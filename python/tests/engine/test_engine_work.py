@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from plimsoll.core.model_facts import facts_from_config
 from plimsoll.core.transients import (
+    LAYERS_IN_FLIGHT,
     gather_transient_bytes,
     prefill_chunk_tokens,
     prefill_transient_bytes,
@@ -64,7 +65,7 @@ def test_prefill_chunk_stays_under_the_bound(context, bound):
 
 
 def test_prefill_chunk_shrinks_as_context_grows():
-    bound = 1 << 30
+    bound = 3 << 30
     chunks = [prefill_chunk_tokens(FACTS, c, bound) for c in (2048, 8192, 32768)]
     assert chunks[0] == 2048 > chunks[1] > chunks[2] > 0
     assert prefill_chunk_tokens(FACTS, 65536, bound) == 0  # the gather alone fills the bound
@@ -89,7 +90,15 @@ def test_a_fused_prefill_holds_no_scores():
     # the difference between the two transients is exactly the score matrix and its softmax
     unfused = prefill_transient_bytes(FACTS, 512, 8192)
     fused = prefill_transient_bytes(FACTS, 512, 8192, fused=True)
-    assert unfused - fused == 512 * 2 * FACTS.num_attention_heads * 8192 * 4
+    one_layer = 512 * 2 * FACTS.num_attention_heads * 8192 * 4
+    assert unfused - fused == LAYERS_IN_FLIGHT * one_layer  # each layer a paced step holds
+
+
+def test_a_step_is_paced_from_the_tokens_a_layer_touches():
+    from plimsoll.core.transients import PACE_FROM_TOKENS, paced
+
+    assert not paced(1, 0) and not paced(0, PACE_FROM_TOKENS - 1)  # a decode at a short context
+    assert paced(PACE_FROM_TOKENS, 0) and paced(16, PACE_FROM_TOKENS)  # a long chunk; a gather
 
 
 def test_the_default_chunk_follows_the_backend():
