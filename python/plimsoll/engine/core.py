@@ -268,10 +268,13 @@ class Engine:
         return (sum(seq_state.nbytes(s) for s in self._states.values())
                 + sum(seq_state.nbytes(s) for s in self._snapshots.values()) + self._rings.nbytes())
 
-    def memory(self) -> dict[str, int]:
-        """MLX's own allocator figures, in bytes."""
-        return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(),
-                "cache": mx.get_cache_memory()}
+    def memory(self, reset_peak: bool = False) -> dict[str, int]:
+        """MLX's own allocator figures, in bytes (``reset_peak``: the peak starts again)."""
+        out = {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(),
+               "cache": mx.get_cache_memory()}
+        if reset_peak:
+            mx.reset_peak_memory()
+        return out
 
     def clear_cache(self) -> None:
         mx.clear_cache()

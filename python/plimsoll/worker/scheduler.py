@@ -57,6 +57,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plimsoll.engine.threads import wait_gone
+from plimsoll.worker.trace import StepTrace
 from plimsoll.engine.work import Step, Work
 from plimsoll.worker.pool import BlockPool, Grant
 
@@ -109,6 +110,7 @@ class Scheduler:
         self.disk: Any = None  # the tier under the pool (worker/disk_restore.DiskTier) or None
         self.drafter: speculate.Drafter | None = None  # speculation (worker/speculate) or None: off
         self.warmer: Any = None  # attention plans built while idle (engine.warmup.PlanWarmer)
+        self.trace = StepTrace.from_env()  # PLIMSOLL_STEP_TRACE: memory per step (diagnosis)
 
     @property
     def tripped(self) -> str:
@@ -180,6 +182,8 @@ class Scheduler:
                         and not self._stop.is_set())
             if idle and self.warmer is not None:
                 self._flush()  # the last pass's events (a request's end) go out before it
+                if self.trace is not None:
+                    self.trace.line(self.engine, "warm")
                 if self.warmer.step():
                     continue  # one attention plan built ahead; the inbox is looked at first
             if idle:  # fresh figures for whoever reads them while nothing runs
@@ -210,6 +214,8 @@ class Scheduler:
             self._read(*previous)
         speculate.prepare(self.drafter, self.pool, self._running)  # a draft model's batch
         step = self._plan()
+        if self.trace is not None and (step.decodes or step.prefills):
+            self.trace.line(self.engine, "step", step, self._steps + 1)
         submitted = None
         self.line.spiked = bool(step.prefills)  # a prefill's transient: probe next iteration
         if step.decodes or step.prefills:
