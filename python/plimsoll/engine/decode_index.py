@@ -34,10 +34,14 @@ class DecodeReads:
             self._ids = None
 
     def read(self, ids: tuple[int, ...], tables: list[tuple[int, ...]],
-             lengths: list[int], width: int | None = None) -> tuple[Read, int]:
+             lengths: list[int], width: int | None = None,
+             slice_ok: bool = True) -> tuple[Read, int]:
         """The Read of ``lengths`` positions of each table, and the highest block id in it;
         ``width`` (blocks, at least the longest table's): the index padded to it, never a
-        slice (a compiled bucket's shape, :mod:`plimsoll.engine.compiled`)."""
+        slice (a compiled bucket's shape, :mod:`plimsoll.engine.compiled`). ``slice_ok``
+        False: never a slice either (a decode kernel reads the pools in place through the
+        index; a slice would send one row to the reference path, whose attention copies the
+        strided view: measured on an H200, 2-4.5 GiB of such copies in flight at 31k)."""
         bt = self.block_tokens
         ns = [-(-n // bt) for n in lengths]
         longest = max(lengths)
@@ -59,7 +63,7 @@ class DecodeReads:
                 if row == 0 and self._run and new:
                     self._run = all(b == table[0] + had + i for i, b in enumerate(new))
                 self._tables[row], self._ns[row] = table, n
-        if len(ids) == 1 and self._run and width is None:  # one run of blocks: a slice
+        if len(ids) == 1 and self._run and width is None and slice_ok:  # one run: a slice
             lo = self._index[0, 0].item() * bt
             return Read(span=(lo, lo + longest)), self._top
         if self._mx is None or self._mx_nb != nb:

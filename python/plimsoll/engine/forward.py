@@ -80,7 +80,8 @@ def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
     ids = tuple(w.seq_id for w in works)
     # The tables' index is kept across steps (only new blocks are written into it); its
     # highest id covers every block the decodes read or write.
-    read, top = eng._reads.read(ids, [w.block_table for w in works], lengths)
+    read, top = eng._reads.read(ids, [w.block_table for w in works], lengths,
+                                slice_ok=eng.kernels.decode is None)
     write = np.array([w.block_table[s // bt] * bt + s % bt
                       for w, s in zip(works, starts, strict=True)], dtype=np.int32)
     lengths_mx = mx.array(lengths, dtype=mx.int32)

@@ -1,8 +1,9 @@
 """The swapping proxy, for real: ``plimsoll serve`` over demo-model workers on 127.0.0.1.
 
 Models "a" and "b" are two tiny demo models (different seeds) whose admitted footprints
-(context 32768, concurrency 4, the prefill transient at 32k counted: ~400 MiB each) cannot
-share the 512 MiB standalone envelope but can share the 1 GiB clustered one; "c" is small
+(context 32768, concurrency 4, the prefill transient at 32k counted for the layers a paced
+step holds: ~660 MiB each) cannot share the 1 GiB standalone envelope but can share the
+2 GiB clustered one; "c" is small
 (context 4096) and may stay co-resident; "huge" claims a 4 MiB/token KV cache in its
 config and cannot hold one sequence, so admission refuses it before anything is loaded.
 """
@@ -113,7 +114,7 @@ def proxy(models, tmp_path_factory) -> Iterator[Proxy]:
     big = {"context": 32768, "maxTokens": 1024, "concurrency": 4}
     (tmp / "policy.json").write_text(json.dumps({
         "schemaVersion": 1, "host": "box", "totalRamGb": 64, "osFloorGb": 4,
-        "modes": {"standalone": {"maxLocalLlmGb": 0.5}, "clustered": {"maxLocalLlmGb": 1}},
+        "modes": {"standalone": {"maxLocalLlmGb": 1}, "clustered": {"maxLocalLlmGb": 2}},
         "models": {"a": {"path": str(models["a"]), **big},
                    "b": {"path": str(models["b"]), **big},
                    "c": {"path": str(models["a"]), "context": 4096, "maxTokens": 256},
@@ -147,7 +148,7 @@ def test_an_over_budget_model_gets_503_with_the_reasons(proxy):
     err = exc.value.body
     assert err["code"] == "admission_refused"
     assert "does not fit" in err["message"] and "envelope" in err["message"]
-    assert err["admission"]["budget_bytes"] == 512 * 1024 * 1024
+    assert err["admission"]["budget_bytes"] == 1024 * 1024 * 1024
     assert proxy.worker("huge")["state"] == "stopped"  # nothing was spawned
 
 
@@ -160,7 +161,7 @@ def test_a_then_b_swaps_with_verified_release_before_the_spawn(proxy):
     assert chat(client, "b").model == "b"
     b = proxy.worker("b")
     assert b["state"] == "ready" and proxy.worker("a")["state"] == "stopped"
-    assert b["admitted"]["footprint_bytes"] * 2 > 512 * 1024 * 1024  # cannot share
+    assert b["admitted"]["footprint_bytes"] * 2 > 1024 * 1024 * 1024  # cannot share
     ev = proxy.events(mark)
     kinds = [(e["kind"], e["model"]) for e in ev]
     seq = {k: i for i, k in enumerate(kinds)}
@@ -292,14 +293,14 @@ def test_admin_mode_needs_the_token_and_a_downshift_evicts_before_answering(prox
     assert httpx.get(url, headers=auth).json() == {"mode": "clustered"}
     client = proxy.client()
     chat(client, "a")
-    chat(client, "b")  # both fit the 1 GiB clustered envelope
+    chat(client, "b")  # both fit the 2 GiB clustered envelope
     assert {proxy.worker(m)["state"] for m in ("a", "b")} == {"ready"}
     mark = proxy.last_seq()
     down = httpx.post(url, json={"mode": "standalone"}, headers=auth, timeout=120)
     body = down.json()
     assert down.status_code == 200, body
     assert body["mode"] == "standalone" and body["fits"] is True
-    assert body["envelope_bytes"] == 512 * 1024 * 1024
+    assert body["envelope_bytes"] == 1024 * 1024 * 1024
     assert body["in_use_bytes"] <= body["envelope_bytes"]
     assert body["workers"] == ["b"]  # a was least recently used
     kinds = [(e["kind"], e["model"]) for e in proxy.events(mark)]
