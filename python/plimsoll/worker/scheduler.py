@@ -57,9 +57,9 @@ from collections.abc import Callable
 from typing import Any
 
 from plimsoll.engine.threads import wait_gone
-from plimsoll.worker.trace import StepTrace
 from plimsoll.engine.work import Step, Work
 from plimsoll.worker.pool import BlockPool, Grant
+from plimsoll.worker.trace import StepTrace
 
 from . import prefix, speculate
 from .events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
