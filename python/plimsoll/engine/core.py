@@ -174,7 +174,7 @@ class Engine:
         #: (engine/mtp_head.py; set by the worker where it drafts): every step hands it the
         #: last decoder layer's rows, so no step runs compiled meanwhile
         self.mtp = None
-        #: layers a long chunk's forward keeps in flight (attention.Pacer; 0: unpaced)
+        #: layers a heavy step keeps in flight (attention.Pacer, forward._pace; 0: unpaced)
         self.prefill_window = PREFILL_LAYER_WINDOW
 
     @classmethod
