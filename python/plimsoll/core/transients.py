@@ -49,8 +49,6 @@ def paced(chunk_tokens: int, gathered_tokens: int) -> bool:
     return chunk_tokens + gathered_tokens >= PACE_FROM_TOKENS
 
 
-
-
 def gather_transient_bytes(facts: ModelFacts, batch_tokens: int) -> int:
     """Bytes of the gather one attention call reads through: K and V of ``batch_tokens``
     slots of one layer, twice (the gather plus its cast to the queries' dtype when the pool
