@@ -15,8 +15,10 @@ raw figures (the results files quote them):
 - ``subagents MODEL``: the sub-agent workload at the engine (no scheduler, no HTTP): one
   17,109-token prompt in 2048-token chunks, then 7 prompts that share its first 15,936 tokens'
   blocks and add 1,173 of their own, 2048 prompt tokens a step; each step synchronised and
-  timed (host build, total) with its groups (tokens @ start). Rounds: ``cold`` (new shapes),
-  ``warm`` (the same shapes, new tokens), ``no-attn`` (attention replaced by the identity:
+  timed (host build, total) with its groups (tokens @ start) and MLX's peak above the
+  memory active before it. Rounds: ``cold`` (new shapes),
+  ``warm`` (the same shapes, new tokens), ``warm-one-by-one`` (each group writing a layer's
+  pool in turn, as before ``mixers.write_once``), ``no-attn`` (attention replaced by the identity:
   what the rest of the step costs). Run again with ``MLX_CUDA_USE_CUDNN_SDPA=0``;
 - ``decode-kernels MODEL [--old FILE]``: decode tok/s at the engine at 1, 8 and 32 rows with
   the decode kernel in use, with the gather path (no kernel), and with an older
@@ -29,6 +31,10 @@ raw figures (the results files quote them):
   unpaced), each on a fresh engine at ``--cache-mib`` of MLX buffer cache: per turn MLX's
   peak and active ÷ needed (weights + one KV copy of the session), the peak above the turn's
   start, the cache, NVML above the reading before load, the prefill and decode times.
+
+- ``pool-writes MODEL [--tokens N --steps K]``: one sequence of N tokens decoding K pipelined
+  steps with its pools written in place (engine/pool_write_cuda.py) and by MLX's scatter,
+  alternating: the tokens (must be equal), ms a step, MLX's peak above active per step.
 
 MODEL is bench/gpu_model.py's (``python3 bench/gpu_model.py /tmp/m``).
 """
@@ -244,18 +250,25 @@ def subagents(a) -> None:
     base = tuple(range(blocks))
 
     def step(prefills: list[Work]) -> tuple[float, float]:
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
         t0 = time.perf_counter()
         pending = eng.run_async(Step((), tuple(prefills)))
         host = time.perf_counter() - t0
         pending.result()
         mx.synchronize()
+        peaks.append((mx.get_peak_memory() - before) / 2 ** 30)
         return round(host * 1000, 1), round((time.perf_counter() - t0) * 1000, 1)
+
+    peaks: list[float] = []
 
     out = []
     for start in range(0, total, budget):  # the first request, alone
         n = min(budget, total - start)
         out.append((n, step([Work(0, first[start:start + n], start, base, start + n == total)])))
     print("alone", sum(t for _, (_, t) in out), out, flush=True)
+    peaks.clear()
 
     def round_(tag: str, salt: int, shared: int = shared) -> None:
         seqs = []
@@ -280,7 +293,9 @@ def subagents(a) -> None:
             log.append(([f"{len(w.tokens)}@{w.start}" for w in works], host, ms))
         for s in seqs:
             eng.free_state(s[0])
-        print(tag, round(t_all, 1), log, flush=True)
+        print(tag, round(t_all, 1), log, f"peak above active, GiB, max {max(peaks):.2f}",
+              [round(p, 2) for p in peaks], flush=True)
+        peaks.clear()
 
     def identity(self, queries, scale, sinks):
         self.batch.attended += 1
@@ -288,6 +303,13 @@ def subagents(a) -> None:
 
     round_("cold", 0)
     round_("warm", 1)
+    from plimsoll.engine import mixers
+    once = mixers.write_once
+    mixers.write_once = lambda *_: False  # the layer's groups write one by one (fenced)
+    try:
+        round_("warm-one-by-one", 5)
+    finally:
+        mixers.write_once = once
     real = attention.PagedView.attend
     attention.PagedView.attend = identity
     try:
@@ -418,6 +440,48 @@ def agentic_memory(a) -> None:
               f"{sum(r['decode_ms'] for r in mine) / len(mine):.2f}", flush=True)
 
 
+def pool_writes(a) -> None:
+    """One sequence at ``--tokens`` decoding, pipelined, with the pools written in place
+    (engine/pool_write_cuda.py) and by MLX's scatter: tokens, ms a step, MLX's peak above the
+    memory active before the decodes, per step and at most."""
+    import json
+
+    import mlx.core as mx
+    from plimsoll.engine import Engine
+    from plimsoll.engine.work import Step, Work
+
+    bt, n, budget = 16, a.tokens, 2048
+    vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+    eng = Engine.load(a.model, block_tokens=bt, max_blocks=n // bt + 64)
+    print("kernels", eng.kernels.report(), flush=True)
+    writer = eng._pools[0].inplace
+    prompt, table = ids(n, 5, vocab), tuple(range(n // bt + 64))
+    results = {}
+    for mode in ("in-place", "scatter", "in-place"):
+        for p in eng._pools:
+            p.inplace = writer if mode == "in-place" else None
+        for start in range(0, n, budget):
+            chunk = prompt[start:start + budget]
+            eng.run(Step((), (Work(0, chunk, start, table, start + len(chunk) == n),)))
+        mx.synchronize()
+        before = mx.get_active_memory()
+        peaks, toks, pending, t0 = [], [], None, time.perf_counter()
+        for k in range(a.steps):
+            mx.reset_peak_memory()
+            nxt = eng.run_async(Step((Work(0, None, n + k, table, True),)))
+            if pending is not None:
+                toks.append(pending.result()[0])
+                peaks.append((mx.get_peak_memory() - before) / 2 ** 30)
+            pending = nxt
+        toks.append(pending.result()[0])
+        ms = (time.perf_counter() - t0) * 1000 / a.steps
+        eng.free_state(0)
+        results.setdefault(mode, toks)
+        print(mode, f"ms/step {ms:.2f}", f"peak above active max {max(peaks):.2f} GiB",
+              [round(p, 2) for p in peaks[:48]], flush=True)
+    print("same tokens:", results["in-place"] == results["scatter"], flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -436,10 +500,15 @@ def main(argv: list[str] | None = None) -> int:
     dk = sub.add_parser("decode-kernels", help="decode tok/s: the kernel, gather, an old kernel")
     dk.add_argument("model", help="bench/gpu_model.py's dir")
     dk.add_argument("--old", help="an older paged_cuda.py to compare")
+    pw = sub.add_parser("pool-writes", help="one long sequence's decode: in-place vs scatter")
+    pw.add_argument("model", help="bench/gpu_model.py's dir")
+    pw.add_argument("--tokens", type=int, default=28000)
+    pw.add_argument("--steps", type=int, default=96)
     a = p.parse_args(argv)
     {"sdpa": sdpa, "prefill-chunks": prefill_chunks, "first-use": first_use,
      "batched-prefill": batched_prefill, "subagents": subagents,
-     "decode-kernels": decode_kernels, "agentic-memory": agentic_memory}[a.probe](a)
+     "decode-kernels": decode_kernels, "agentic-memory": agentic_memory,
+     "pool-writes": pool_writes}[a.probe](a)
     return 0
 
 

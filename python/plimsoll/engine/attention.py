@@ -106,16 +106,36 @@ class PoolCache:
         return False
 
 
+class Captured(Exception):
+    """Raised by a capturing :class:`PagedView` once its module has handed it K/V."""
+
+
 class PagedView(PoolCache):
-    """One full-attention layer's cache for one forward (mlx-lm's cache protocol)."""
+    """One full-attention layer's cache for one forward (mlx-lm's cache protocol).
+
+    A step of several groups writes each layer's pool once, before any group reads it
+    (:func:`plimsoll.engine.mixers.write_once`): each group's module is first called with
+    its view ``capturing`` (``update_and_fetch`` keeps the K/V and raises :class:`Captured`),
+    the pool takes all of them in one scatter, then each module runs again and its view
+    hands back the K/V it kept (``written``) instead of writing."""
 
     def __init__(self, pool: FullAttention, batch: Batch):
         self.pool, self.batch = pool, batch
         self.offset = batch.offset
         self._fresh: tuple[mx.array, mx.array] | None = None
+        self.capturing = False
+        #: the K/V the capture took, written since with the step's other groups
+        self.written: tuple[mx.array, mx.array] | None = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.pool.write(self.batch.write, keys, values)
+        if self.capturing:
+            self.written = (keys, values)
+            raise Captured
+        if self.written is not None:  # the step's one write of this layer took them
+            keys, values = self.written
+            self.written = None
+        else:
+            self.pool.write(self.batch.write, keys, values)
         if self.batch.read is None:  # attends to itself: the write must not wait till the end
             keys, values = self.pool.tied(keys, values)
         self._fresh = (keys, values)

@@ -43,7 +43,17 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from plimsoll.core.capability import ENGINE_SUPPORT
 from plimsoll.core.model_facts import ModelFacts, inspect_model, parse_kv_dtype
 from plimsoll.core.transients import PREFILL_LAYER_WINDOW
-from plimsoll.engine import compiled, composite, forward, kernels, mixers, sampled_rows, verify
+from plimsoll.engine import (
+    backend,
+    compiled,
+    composite,
+    forward,
+    kernels,
+    mixers,
+    pool_write_cuda,
+    sampled_rows,
+    verify,
+)
 from plimsoll.engine import state as seq_state
 from plimsoll.engine.attention import fused_prefill, route_attention
 from plimsoll.engine.decode_index import DecodeReads
@@ -126,6 +136,10 @@ class Engine:
                                        if isinstance(k, RecurrentState)) \
             + self._rings.bytes_per_seq
         self._pools = [k for k in flat if isinstance(k, FullAttention)]
+        #: where a prompt chunk that is not its prompt's last should end: a multiple of the
+        #: backend's causal grid (engine/attention.causal_on_grid; 0: anywhere), so a whole
+        #: chunk's attention is not padded and its shape is one the plan warmer builds
+        self.chunk_align = backend.causal_grid()
         #: the backend runs a prefill chunk's attention fused (the worker's chunk follows it);
         #: MLA's prefill attends through the model's own math (engine/latent.py): not counted
         #: as fused, so its transient keeps the scores
@@ -157,6 +171,14 @@ class Engine:
                 self._compute_dtype, facts.num_attention_heads,
                 sorted({(p.kv_heads, p.k_dim, p.v_dim) for p in self._pools
                         if type(p) is FullAttention}))
+            #: pool writes stored in place where the CUDA write kernel passed its check
+            #: (engine/pool_write_cuda.py: a scatter after a read still in flight copies the
+            #: layer's arrays); its verdict goes to the status with the decode kernels'
+            plain = [p for p in self._pools if type(p) is FullAttention]
+            write = kernels.check_write(plain, compile_decode)
+            self.kernels.verdicts.append(write)
+            for p in plain if write.used else ():
+                p.inplace = pool_write_cuda.write
         #: does a decode step gather K/V into a transient? Not where the checked kernel
         #: reads every attention layer in place: plain full-attention pools only (no window
         #: rings, latents or quantized pools) and no attention sinks (the kernel has none)

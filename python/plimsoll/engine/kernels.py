@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-from plimsoll.engine import backend, paged_cuda
+from plimsoll.engine import backend, paged_cuda, pool_write_cuda
 from plimsoll.engine.paged import FullAttention, Read
 
 #: the largest |kernel − reference| allowed, by dtype (unit-normal inputs; f32 accumulation)
@@ -190,3 +190,25 @@ def select(dtype: mx.Dtype, q_heads: int | None, shapes: list[tuple[int, int, in
             if verdict.used:
                 chosen = kernel
     return Selection(verdicts, chosen)
+
+
+WRITE_KERNEL = "pool_write_cuda"
+
+
+def check_write(pools: list[FullAttention], compiled: bool) -> Verdict:
+    """Whether ``pools`` (the plain full-attention ones) take their writes in place through
+    :mod:`plimsoll.engine.pool_write_cuda` on this device: its check on each pool shape and
+    dtype; never for compiled decode steps (their writes are the traced function's scatters)."""
+    here, device = backend.name(), "cuda"
+    if here != device:
+        return Verdict(WRITE_KERNEL, device, False, f"not this device: the engine runs on {here}")
+    if not pools:
+        return Verdict(WRITE_KERNEL, device, False, "the model has no float full-attention pool")
+    if compiled:
+        return Verdict(WRITE_KERNEL, device, False, "decode steps are compiled "
+                       "(--compile-decode): their pool writes are the traced scatters")
+    shapes = {(p.kv_heads, d, p.dtype) for p in pools for d in (p.k_dim, p.v_dim)}
+    for kv_heads, dim, dtype in shapes:
+        if why := pool_write_cuda.check(dtype, kv_heads, dim):
+            return Verdict(WRITE_KERNEL, device, False, why)
+    return Verdict(WRITE_KERNEL, device, True, "stores in place what the scatter stores")

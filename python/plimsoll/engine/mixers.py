@@ -45,7 +45,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
-from plimsoll.engine import composite
+from plimsoll.engine import attention, composite
+from plimsoll.engine.paged import FullAttention
 
 _WRAPPED: dict[type, dict] = {}  # class -> {param name: spec}, "__out__": output spec
 _ORIGINAL: dict[type, Callable] = {}
@@ -310,23 +311,55 @@ def _wrap(cls: type, spec: dict) -> None:
 def _per_group(original, signature, spec, view: StepView, module, args, kwargs):
     bound = signature.bind(module, *args, **kwargs)
     given = dict(bound.arguments)
+    groups = view.step.groups
+    gviews = [view.view(g) for g in groups]
+    if write_once(view, gviews):
+        parts = []
+        for group, gview in zip(groups, gviews, strict=True):
+            gview.capturing = True
+            try:
+                original(**_arguments(given, spec, view, group, gview))
+            except attention.Captured:
+                pass
+            finally:
+                gview.capturing = False
+            if gview.written is None:
+                raise RuntimeError(f"{type(module).__name__} returned without writing its "
+                                   "keys and values; the engine cannot serve it in one forward")
+            parts.append((gview.batch.write, *gview.written))
+        view.kind.write_all(parts)
+        outs = [original(**_arguments(given, spec, view, g, gv))
+                for g, gv in zip(groups, gviews, strict=True)]
+        return _join(outs, groups, spec["__out__"])
     outs = []
-    for i, group in enumerate(view.step.groups):
+    for i, (group, gview) in enumerate(zip(groups, gviews, strict=True)):
         if i:  # the next group's pool writes wait for this group's reads (in place)
             view.fence(_first_array(outs[-1]))
-        gview = view.view(group)
-        call = {}
-        for name, value in given.items():
-            kind = spec.get(name)
-            if isinstance(value, StepView):
-                call[name] = gview if value is view else value.view(group)
-            elif kind is not None and kind[0] == "mask":
-                call[name] = gview.make_mask(group.length) if hasattr(gview, "make_mask") \
-                    else None
-            else:
-                call[name] = _take(group, value, kind)
-        outs.append(original(**call))
-    return _join(outs, view.step.groups, spec["__out__"])
+        outs.append(original(**_arguments(given, spec, view, group, gview)))
+    return _join(outs, groups, spec["__out__"])
+
+
+def write_once(view: StepView, gviews: list) -> bool:
+    """Whether a layer's groups write its pool in one scatter before any of them reads
+    (:class:`~plimsoll.engine.attention.PagedView`): a plain full-attention pool written by
+    several groups. Their module is then built twice per group on the host (the first
+    call only up to its K/V; what it computed past them is never evaluated)."""
+    return (len(gviews) > 1 and type(view.kind) is FullAttention
+            and all(type(g) is attention.PagedView for g in gviews))
+
+
+def _arguments(given: dict, spec: dict, view: StepView, group, gview) -> dict:
+    call = {}
+    for name, value in given.items():
+        kind = spec.get(name)
+        if isinstance(value, StepView):
+            call[name] = gview if value is view else value.view(group)
+        elif kind is not None and kind[0] == "mask":
+            call[name] = gview.make_mask(group.length) if hasattr(gview, "make_mask") \
+                else None
+        else:
+            call[name] = _take(group, value, kind)
+    return call
 
 
 def _take(group, value, spec):

@@ -79,9 +79,12 @@ def test_a_correct_kernel_is_accepted(monkeypatch):
 def test_the_cpu_keeps_the_reference_path(tmp_path):
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
     assert eng.kernels.decode is None
-    (verdict,) = eng.kernels.report()
+    verdict, write = eng.kernels.report()
     assert verdict["name"] == "paged_decode_cuda" and not verdict["used"]
     assert verdict["reason"] == "not this device: the engine runs on cpu"
+    # nor does a pool take its writes through the CUDA write kernel: MLX's scatter does
+    assert write["name"] == "pool_write_cuda" and not write["used"]
+    assert all(p.inplace is None for p in eng._pools)
     assert eng.decode_gathers  # admission charges the decode's gather
 
 
@@ -90,7 +93,7 @@ def test_the_engine_uses_only_the_kernel_that_passes(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "REGISTRY", [WRONG, good])
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
     sharpen(eng.model)
-    wrong, right = eng.kernels.verdicts
+    wrong, right, _write = eng.kernels.verdicts
     assert not wrong.used and wrong.reason.startswith("disagrees")
     assert right.used and eng.kernels.decode is good
     assert not eng.decode_gathers  # every attention layer is read by the kernel
@@ -112,3 +115,34 @@ def test_the_doctor_shows_each_verdict():
     assert "kernel k1 (cuda): used" in lines[1].text and "0.2 ms" in lines[1].text
     assert "perturbed_cpu" in lines[2].text and "disagrees" in lines[2].text
     assert "the reference path serves" in lines[3].text
+
+
+def _eager_inplace(pool, rows, slots):
+    """The CUDA write kernel's contract on the CPU: the rows stored into the pool's own
+    buffer (a numpy view of it), the pool keeping its buffer; a token to depend on."""
+    import numpy as np
+
+    mx.eval(pool, rows, slots)
+    np.array(pool, copy=False)[:, np.array(slots)] = np.array(rows)
+    return mx.array([1], dtype=mx.int32)
+
+
+def test_pools_written_in_place_give_the_same_tokens(tmp_path):
+    """The engine's in-place write path (a pool's ``inplace``: what pool_write_cuda.write
+    does on a GPU; its readers depend on its token, its buffer stays) gives mlx-lm's greedy
+    tokens, with prompts in chunks beside running decodes, pipelined, on shuffled blocks."""
+    eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
+    sharpen(eng.model)
+    writes = []
+
+    def counted(pool, rows, slots):
+        writes.append(rows.shape[1])
+        return _eager_inplace(pool, rows, slots)
+
+    for p in eng._pools:
+        p.inplace = counted
+    prompts = [text(eng.tokenizer, n, salt=n) for n in (20, 45, 70)]
+    got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=True)), chunk=32)
+    assert got == [reference(eng.model, p, 6) for p in prompts]
+    # every token of every sequence went through it: K and V of each layer
+    assert sum(writes) == 2 * len(eng._pools) * sum(len(p) + 5 for p in prompts)

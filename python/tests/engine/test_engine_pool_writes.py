@@ -82,3 +82,29 @@ def test_the_measure_sees_a_copy(tiny_dir):
     """Control: with the old pool arrays still held by a pending read, the writes must copy,
     and the same measure shows it (at least one layer's array of the 512 MiB pool)."""
     assert step_peak(tiny_dir, 512, False, True, hold=True) >= 512 * MIB // (2 * 4)
+
+
+def test_a_step_of_several_groups_writes_each_layer_once(tiny_dir, monkeypatch):
+    """Decode rows, a chunk at a prefix and a first chunk in one forward: each layer's pool
+    takes one write (engine/mixers.write_once), before any group reads it: on MLX's CUDA
+    backend a write after a read still in flight copies the layer's whole array."""
+    from plimsoll.engine.paged import FullAttention
+
+    eng = Engine.load(tiny_dir, block_tokens=BLOCK, max_blocks=64)
+    assert eng.mixers.ok
+    t0, t1, t2 = tuple(range(0, 4)), tuple(range(4, 8)), tuple(range(8, 12))
+    prompt = tuple(range(3, 43))
+    for seq, table in ((0, t0), (1, t1)):
+        eng.run(Step(prefills=(Work(seq, prompt, 0, table, True),)))
+    writes: list = []
+    real = FullAttention.write
+
+    def counted(self, *args):
+        writes.append(self)
+        return real(self, *args)
+
+    monkeypatch.setattr(FullAttention, "write", counted)
+    eng.run(Step(decodes=(Work(0, None, len(prompt), t0, True),),
+                 prefills=(Work(1, tuple(range(7, 17)), len(prompt), t1, True),
+                           Work(2, prompt[:20], 0, t2, True))))
+    assert sorted(map(id, writes)) == sorted(map(id, eng._pools)), len(writes)
