@@ -77,7 +77,7 @@ def scheduler_limits(cfg: WorkerConfig, eng: Any) -> SchedulerLimits:
     return SchedulerLimits(cfg.max_num_seqs, cfg.max_queue, cfg.max_wait_s, cfg.trip_bytes,
                            max_batch=cfg.batch_bound, prefill_tokens=most,
                            transient_bytes=cfg.transient_bytes or 0, decode_bytes=decode,
-                           chunk_for=chunk_for)
+                           chunk_for=chunk_for, chunk_align=int(getattr(eng, "chunk_align", 0)))
 
 
 def load_draft(cfg: WorkerConfig, eng: Any, engine_cls: Any) -> Any:

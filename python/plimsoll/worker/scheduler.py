@@ -308,7 +308,8 @@ class Scheduler:
 
     def _chunk(self, run: Run, budget: int, prefills: list[Work], chunks: dict[int, int]) -> int:
         """The next chunk of ``run``'s prompt, planned (:func:`.prefix.chunk`); its size."""
-        prefills.append(work := prefix.chunk(self.pool, self.limits.chunk_for, run, budget))
+        prefills.append(work := prefix.chunk(self.pool, self.limits.chunk_for, run, budget,
+                                             self.limits.chunk_align))
         chunks[run.req.id] = work.length
         return work.length
 

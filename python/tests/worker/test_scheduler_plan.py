@@ -12,8 +12,11 @@ import contextlib
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from plimsoll.engine.work import Step
+from plimsoll.worker import prefix
 from plimsoll.worker.events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
 from plimsoll.worker.pool import BlockPool
 from plimsoll.worker.scheduler import Scheduler
@@ -96,11 +99,12 @@ class FakeEngine:
 
 
 def make(total=64, block=4, max_batch=8, prefill=8, cap=64, eos_after=None, queue=16,
-         wait=30.0):
+         wait=30.0, align=0):
     pool = BlockPool(total=total, block_tokens=block, cache_cap_blocks=cap)
     eng = FakeEngine(pool, eos_after)
     limits = SchedulerLimits(max_num_seqs=1, max_queue=queue, max_wait_s=wait,
-                             trip_bytes=1 << 60, max_batch=max_batch, prefill_tokens=prefill)
+                             trip_bytes=1 << 60, max_batch=max_batch, prefill_tokens=prefill,
+                             chunk_align=align)
     s = Scheduler(lambda stack: (eng, pool), limits, lambda: {})
     s.engine, s.pool, s.eos_ids = eng, pool, {EOS}
     return s, eng, pool
@@ -341,3 +345,32 @@ def test_over_the_trip_the_cache_goes_first_then_the_waiters_then_the_newest_run
     _, later = request(s, range(500, 510), 4)
     drain(s)
     assert again[0].cached_tokens == 0 and later[-1] == Finished("length", 4)
+
+
+def test_chunks_after_a_prefix_hit_end_on_the_alignment():
+    """With ``chunk_align`` (the engine's causal grid on CUDA) a prompt that hits a short
+    cached prefix is cut so every chunk but its last ends on a multiple: the whole chunks
+    then have the shapes of a prompt from position 0 (no grid padding, warmed plans)."""
+    s, eng, _pool = make(total=512, block=4, prefill=32, align=16)
+    header = list(range(200, 208))  # 2 blocks every prompt shares
+    request(s, [*header, 1], 2)
+    drain(s)
+    eng.steps.clear()
+    _, ev = request(s, [*header, *range(500, 600)], 2)
+    drain(s)
+    assert ev[0].cached_tokens == 8
+    chunks = [(w.start, w.length) for st in eng.steps for w in st.prefills]
+    assert chunks[0] == (8, 24)  # 8 + 24 = 32: on the alignment, not at 8 + 32
+    assert all((start + n) % 16 == 0 for start, n in chunks[:-1]), chunks
+    assert sum(n for _, n in chunks) == 100
+
+
+@given(start=st.integers(0, 5000), n=st.integers(1, 4096), rest=st.integers(0, 5000),
+       align=st.sampled_from([0, 16, 512]))
+def test_an_aligned_cut_loses_less_than_half_and_never_the_last_chunk(start, n, rest, align):
+    prompt_len = start + n + rest
+    got = prefix.aligned(start, n, prompt_len, align)
+    if align == 0 or rest == 0:
+        assert got == n
+    else:
+        assert 0 < got <= n and (got == n or ((start + got) % align == 0 and got * 2 > n))
