@@ -20,6 +20,8 @@ raw figures (the results files quote them):
   ``warm`` (the same shapes, new tokens), ``warm-one-by-one`` (each group writing a layer's
   pool in turn, as before ``mixers.write_once``), ``no-attn`` (attention replaced by the identity:
   what the rest of the step costs). Run again with ``MLX_CUDA_USE_CUDNN_SDPA=0``;
+  ``--gather-ab``: after ``cold``, rounds with the pools' CUDA gather (engine/pool_cuda.py)
+  and with MLX's, alternating, instead;
 - ``decode-kernels MODEL [--old FILE]``: decode tok/s at the engine at 1, 8 and 32 rows with
   the decode kernel in use, with the gather path (no kernel), and with an older
   ``paged_cuda`` module (FILE, e.g. ``git show REV:python/plimsoll/engine/paged_cuda.py``),
@@ -33,7 +35,7 @@ raw figures (the results files quote them):
   start, the cache, NVML above the reading before load, the prefill and decode times.
 
 - ``pool-writes MODEL [--tokens N --steps K]``: one sequence of N tokens decoding K pipelined
-  steps with its pools written in place (engine/pool_write_cuda.py) and by MLX's scatter,
+  steps with its pools written in place (engine/pool_cuda.py) and by MLX's scatter,
   alternating: the tokens (must be equal), ms a step, MLX's peak above active per step.
 
 MODEL is bench/gpu_model.py's (``python3 bench/gpu_model.py /tmp/m``).
@@ -243,6 +245,8 @@ def subagents(a) -> None:
     bt, total, shared, budget = 16, 17109, 15936, 2048
     eng = Engine.load(a.model, block_tokens=bt, max_blocks=4000)
     eng.warm = warm_up(eng)
+    print("kernels", [(v["name"], v["used"], v["reason"]) for v in eng.kernels.report()],
+          flush=True)
     import json
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
     first = ids(total, 1, vocab)
@@ -302,6 +306,13 @@ def subagents(a) -> None:
         return queries
 
     round_("cold", 0)
+    if a.gather_ab:  # the pools' CUDA gather (engine/pool_cuda.py) against MLX's, alternating
+        fast = [p.fast_gather for p in eng._pools]
+        for salt, mode in enumerate(("kernel", "mlx") * 2, start=6):
+            for p, g in zip(eng._pools, fast, strict=True):
+                p.fast_gather = g if mode == "kernel" else None
+            round_(f"warm-{mode}-gather", salt)
+        return
     round_("warm", 1)
     from plimsoll.engine import mixers
     once = mixers.write_once
@@ -442,7 +453,7 @@ def agentic_memory(a) -> None:
 
 def pool_writes(a) -> None:
     """One sequence at ``--tokens`` decoding, pipelined, with the pools written in place
-    (engine/pool_write_cuda.py) and by MLX's scatter: tokens, ms a step, MLX's peak above the
+    (engine/pool_cuda.py) and by MLX's scatter: tokens, ms a step, MLX's peak above the
     memory active before the decodes, per step and at most."""
     import json
 
@@ -491,7 +502,11 @@ def main(argv: list[str] | None = None) -> int:
                        ("first-use", "first-use compilation and memory"),
                        ("batched-prefill", "batched first chunks off vs on"),
                        ("subagents", "the sub-agent workload at the engine, step by step")):
-        sub.add_parser(name, help=what).add_argument("model", help="bench/gpu_model.py's dir")
+        one = sub.add_parser(name, help=what)
+        one.add_argument("model", help="bench/gpu_model.py's dir")
+        if name == "subagents":
+            one.add_argument("--gather-ab", action="store_true",
+                             help="only: the pools' CUDA gather against MLX's, alternating")
     am = sub.add_parser("agentic-memory", help="an agentic session's memory, paced and not")
     am.add_argument("model", help="bench/gpu_model.py's dir")
     am.add_argument("--windows", default="0,1,2,4", help="Engine.prefill_window values")

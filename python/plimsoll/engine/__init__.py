@@ -10,6 +10,7 @@ state), :mod:`.forward` (a step as one forward: its groups, the model call, samp
 :mod:`.groups` (a step's groups and their views), :mod:`.mixers` (the model's token-mixing
 modules regrouped inside that forward), :mod:`.sampled_rows` (logits only at the rows that
 sample), :mod:`.kernels` (custom attention kernels, each checked on its device before use),
+:mod:`.pool_cuda` (a pool's in-place writes and its gathers as CUDA kernels),
 :mod:`.backend` (the one backend probe), :mod:`.paged` (the physical pools, one kind per
 cache layer), :mod:`.attention` (the cache views mlx-lm's models see and the routed
 attention), :mod:`.latent` (MLA's latent + rope-key blocks and view), :mod:`.composite`
@@ -21,8 +22,8 @@ compilation paid at load), :mod:`.threads` (stopping a thread that ran MLX) and
 scheduler's block pool (:mod:`plimsoll.worker.pool`); the engine writes where a table says.
 
 May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, forward, compiled, groups, mixers,
-sampled_rows, kernels, backend, paged, attention, latent, composite, window, sampling, verify,
-mtp_head, state, limits, warmup, threads and drive only).
+sampled_rows, kernels, pool_cuda, backend, paged, attention, latent, composite, window,
+sampling, verify, mtp_head, state, limits, warmup, threads and drive only).
 
 The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``
 imports without mlx; ``from plimsoll.engine import Engine`` loads

@@ -50,7 +50,7 @@ from plimsoll.engine import (
     forward,
     kernels,
     mixers,
-    pool_write_cuda,
+    pool_cuda,
     sampled_rows,
     verify,
 )
@@ -171,14 +171,18 @@ class Engine:
                 self._compute_dtype, facts.num_attention_heads,
                 sorted({(p.kv_heads, p.k_dim, p.v_dim) for p in self._pools
                         if type(p) is FullAttention}))
-            #: pool writes stored in place where the CUDA write kernel passed its check
-            #: (engine/pool_write_cuda.py: a scatter after a read still in flight copies the
-            #: layer's arrays); its verdict goes to the status with the decode kernels'
+            #: pool writes stored in place and contexts gathered by the CUDA kernels that
+            #: passed their check (engine/pool_cuda.py: a scatter after a read still in
+            #: flight copies the layer's arrays, MLX's gather is slow); verdicts as above
             plain = [p for p in self._pools if type(p) is FullAttention]
             write = kernels.check_write(plain, compile_decode)
             self.kernels.verdicts.append(write)
             for p in plain if write.used else ():
-                p.inplace = pool_write_cuda.write
+                p.inplace = pool_cuda.write
+            gather = kernels.check_gather(plain)
+            self.kernels.verdicts.append(gather)
+            for p in plain if gather.used else ():
+                p.fast_gather = pool_cuda.gather
         #: does a decode step gather K/V into a transient? Not where the checked kernel
         #: reads every attention layer in place: plain full-attention pools only (no window
         #: rings, latents or quantized pools) and no attention sinks (the kernel has none)

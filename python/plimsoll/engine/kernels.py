@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-from plimsoll.engine import backend, paged_cuda, pool_write_cuda
+from plimsoll.engine import backend, paged_cuda, pool_cuda
 from plimsoll.engine.paged import FullAttention, Read
 
 #: the largest |kernel − reference| allowed, by dtype (unit-normal inputs; f32 accumulation)
@@ -197,7 +197,7 @@ WRITE_KERNEL = "pool_write_cuda"
 
 def check_write(pools: list[FullAttention], compiled: bool) -> Verdict:
     """Whether ``pools`` (the plain full-attention ones) take their writes in place through
-    :mod:`plimsoll.engine.pool_write_cuda` on this device: its check on each pool shape and
+    :mod:`plimsoll.engine.pool_cuda` on this device: its check on each pool shape and
     dtype; never for compiled decode steps (their writes are the traced function's scatters)."""
     here, device = backend.name(), "cuda"
     if here != device:
@@ -209,6 +209,34 @@ def check_write(pools: list[FullAttention], compiled: bool) -> Verdict:
                        "(--compile-decode): their pool writes are the traced scatters")
     shapes = {(p.kv_heads, d, p.dtype) for p in pools for d in (p.k_dim, p.v_dim)}
     for kv_heads, dim, dtype in shapes:
-        if why := pool_write_cuda.check(dtype, kv_heads, dim):
+        if why := pool_cuda.check_write(dtype, kv_heads, dim):
             return Verdict(WRITE_KERNEL, device, False, why)
     return Verdict(WRITE_KERNEL, device, True, "stores in place what the scatter stores")
+
+
+GATHER_KERNEL = "pool_gather_cuda"
+
+
+def check_gather(pools: list[FullAttention]) -> Verdict:
+    """Whether ``pools`` (the plain full-attention ones) gather a chunk's context through
+    :func:`plimsoll.engine.pool_cuda.gather` on this device: its check on each pool shape
+    and dtype against the pool's own MLX gather."""
+    here, device = backend.name(), "cuda"
+    if here != device:
+        return Verdict(GATHER_KERNEL, device, False, f"not this device: the engine runs on {here}")
+    if not pools:
+        return Verdict(GATHER_KERNEL, device, False, "the model has no float full-attention pool")
+    bt = pools[0].block_tokens
+
+    def mlx_gather(pool: mx.array, index: mx.array, length: int) -> mx.array:
+        heads, slots, dim = pool.shape
+        plain = FullAttention(heads, dim, dim, pool.dtype, bt, slots // bt, slots // bt)
+        plain.keys = plain.values = pool
+        plain.blocks = slots // bt
+        return plain.gather(Read(index=index, length=length))[0]
+
+    for kv_heads, dim, dtype in {(p.kv_heads, d, p.dtype) for p in pools
+                                 for d in (p.k_dim, p.v_dim)}:
+        if why := pool_cuda.check_gather(dtype, kv_heads, dim, bt, mlx_gather):
+            return Verdict(GATHER_KERNEL, device, False, why)
+    return Verdict(GATHER_KERNEL, device, True, "copies what the gather copies, not slower")

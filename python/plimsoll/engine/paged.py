@@ -61,9 +61,12 @@ class FullAttention:
         self.values: mx.array | None = None
         self.blocks = 0  # blocks allocated
         self._after: list[mx.array] | None = None  # see fence()
-        #: a write that stores through the pool's own buffer (engine/pool_write_cuda.write,
+        #: a write that stores through the pool's own buffer (engine/pool_cuda.write,
         #: set by the engine once it passed its check here), or None: MLX's scatter
         self.inplace: Callable[[mx.array, mx.array, mx.array], mx.array] | None = None
+        #: a gather that copies the blocks' rows itself (engine/pool_cuda.gather, set once it
+        #: passed its check here), or None: MLX's gather
+        self.fast_gather: Callable[[mx.array, mx.array, int, int], mx.array] | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -111,7 +114,7 @@ class FullAttention:
             k = keys.transpose(1, 0, 2, 3).reshape(h, b * n, self.k_dim)
             v = values.transpose(1, 0, 2, 3).reshape(h, b * n, self.v_dim)
         k, v = self._fenced(k.astype(self.dtype), v.astype(self.dtype))
-        if self.inplace is not None:  # the checked CUDA kernel (engine/pool_write_cuda.py)
+        if self.inplace is not None:  # the checked CUDA kernel (engine/pool_cuda.py)
             at = mx.arange(slots[0], slots[1], dtype=mx.int32) if isinstance(slots, tuple) \
                 else slots
             done = [self.inplace(self.keys, k, at), self.inplace(self.values, v, at)]
@@ -182,6 +185,9 @@ class FullAttention:
         if read.span is not None:
             lo, hi = read.span
             return self.keys[None, :, lo:hi], self.values[None, :, lo:hi]
+        if self.fast_gather is not None:  # the checked CUDA kernel (engine/pool_cuda.py)
+            return (self.fast_gather(self.keys, read.index, read.length, self.block_tokens),
+                    self.fast_gather(self.values, read.index, read.length, self.block_tokens))
         rows, nb = read.index.shape
         h, b = self.kv_heads, self.block_tokens
         out = []

@@ -79,12 +79,13 @@ def test_a_correct_kernel_is_accepted(monkeypatch):
 def test_the_cpu_keeps_the_reference_path(tmp_path):
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
     assert eng.kernels.decode is None
-    verdict, write = eng.kernels.report()
+    verdict, write, gather = eng.kernels.report()
     assert verdict["name"] == "paged_decode_cuda" and not verdict["used"]
     assert verdict["reason"] == "not this device: the engine runs on cpu"
     # nor does a pool take its writes through the CUDA write kernel: MLX's scatter does
     assert write["name"] == "pool_write_cuda" and not write["used"]
-    assert all(p.inplace is None for p in eng._pools)
+    assert gather["name"] == "pool_gather_cuda" and not gather["used"]
+    assert all(p.inplace is None and p.fast_gather is None for p in eng._pools)
     assert eng.decode_gathers  # admission charges the decode's gather
 
 
@@ -93,7 +94,7 @@ def test_the_engine_uses_only_the_kernel_that_passes(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "REGISTRY", [WRONG, good])
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
     sharpen(eng.model)
-    wrong, right, _write = eng.kernels.verdicts
+    wrong, right, *_pool_kernels = eng.kernels.verdicts
     assert not wrong.used and wrong.reason.startswith("disagrees")
     assert right.used and eng.kernels.decode is good
     assert not eng.decode_gathers  # every attention layer is read by the kernel
@@ -128,7 +129,7 @@ def _eager_inplace(pool, rows, slots):
 
 
 def test_pools_written_in_place_give_the_same_tokens(tmp_path):
-    """The engine's in-place write path (a pool's ``inplace``: what pool_write_cuda.write
+    """The engine's in-place write path (a pool's ``inplace``: what pool_cuda.write
     does on a GPU; its readers depend on its token, its buffer stays) gives mlx-lm's greedy
     tokens, with prompts in chunks beside running decodes, pipelined, on shuffled blocks."""
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
@@ -146,3 +147,33 @@ def test_pools_written_in_place_give_the_same_tokens(tmp_path):
     assert got == [reference(eng.model, p, 6) for p in prompts]
     # every token of every sequence went through it: K and V of each layer
     assert sum(writes) == 2 * len(eng._pools) * sum(len(p) + 5 for p in prompts)
+
+
+def _own_gather(shift: int = 0):
+    """The CUDA gather kernel's contract (engine/pool_cuda.gather), computed another way:
+    each position's slot from its block, the pool's rows taken at those slots."""
+    calls = []
+
+    def gather(pool, index, length, block_tokens):
+        calls.append(length)
+        t = mx.arange(length)
+        slots = index[:, t // block_tokens] * block_tokens + t % block_tokens + shift
+        return pool[:, slots.reshape(-1)].reshape(pool.shape[0], index.shape[0], length,
+                                                   pool.shape[2]).transpose(1, 0, 2, 3)
+    return gather, calls
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["right", "off-by-one"])
+def test_a_pool_gathering_through_its_own_kernel_gives_the_same_tokens(tmp_path, shift):
+    """The engine's gather path through a pool's ``fast_gather`` (what pool_cuda.gather
+    does on a GPU) gives mlx-lm's greedy tokens for chunks at a prefix on shuffled blocks;
+    one that reads a slot off does not (the test can fail)."""
+    eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
+    sharpen(eng.model)
+    gather, calls = _own_gather(shift)
+    for p in eng._pools:
+        p.fast_gather = gather
+    prompts = [text(eng.tokenizer, n, salt=n) for n in (45, 70)]
+    got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=True)), chunk=32)
+    assert calls  # the chunks after the first gathered through it
+    assert (got == [reference(eng.model, p, 6) for p in prompts]) is (shift == 0)

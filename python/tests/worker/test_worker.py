@@ -67,10 +67,11 @@ def test_status_reports_the_kernel_self_check(worker):
     """The engine's custom kernels were checked at start (on the CPU none is used), and it
     says how it runs a step."""
     st = worker.status()
-    verdict, write = st["kernels"]
+    verdict, write, gather = st["kernels"]
     assert verdict["name"] == "paged_decode_cuda" and verdict["used"] is False
     assert verdict["reason"] == "not this device: the engine runs on cpu"
     assert write["name"] == "pool_write_cuda" and write["used"] is False
+    assert gather["name"] == "pool_gather_cuda" and gather["used"] is False
     # and every step is one forward: the model's attention modules are regrouped
     assert st["one_forward"] == {"regrouped": ["mlx_lm.models.qwen3.Attention"], "reason": ""}
 
