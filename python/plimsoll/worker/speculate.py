@@ -23,7 +23,8 @@ them. Constrained sequences decode plainly (a row's mask needs each previous tok
   accepted everything (up to ``most``), one fewer after a step that accepted none or found no
   match,
   down to 0, where the sequence decodes plainly (and pipelined) and tries one draft again
-  every :data:`RETRY_STEPS` steps (twice as many after each retry that accepted nothing, up
+  every :data:`RETRY_STEPS` steps (four times as many where drafts have failed nearly
+  everywhere, :func:`start_wait`; twice as many after each retry that accepted nothing, up
   to :data:`MAX_RETRY_STEPS`). Retries keep one clock (:meth:`Drafter.tick`, once a step):
   a sequence retries at the steps that are multiples of its interval, and the intervals
   are powers of two, so sequences whose drafts keep failing retry in the same step: the
@@ -108,6 +109,16 @@ def start_length(most: int, figures: Figures) -> int:
     return min(1, most) if 4 * figures.accepted >= figures.proposed else 0
 
 
+def start_wait(figures: Figures) -> int:
+    """A sequence's retry interval before any retry of its own: :data:`RETRY_STEPS`; four
+    times that where at least 16 drafts were verified and fewer than one in 16 accepted (a
+    proposer that fails everywhere, an MTP head on random weights: a 160-token answer then
+    retries twice, not four times). A retry that accepts resets every sequence it helps."""
+    if figures.proposed >= 16 and 16 * figures.accepted < figures.proposed:
+        return 4 * RETRY_STEPS
+    return RETRY_STEPS
+
+
 @dataclass
 class Drafter:
     """Prompt lookup with a per-sequence adaptive draft length (see the module docstring).
@@ -161,7 +172,7 @@ class Drafter:
         return self._current(seq_id) == 0
 
     def _retry(self, seq_id: int) -> int:
-        return self._wait.get(seq_id, RETRY_STEPS)
+        return self._wait.get(seq_id, start_wait(self.figures))
 
     def _back_off(self, seq_id: int) -> None:
         """A retry accepted nothing: the next waits twice as long."""

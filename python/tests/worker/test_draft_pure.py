@@ -8,7 +8,14 @@ import pytest
 
 from plimsoll.core.admission import AdmissionRequest, admit
 from plimsoll.worker.draft_model import DraftModel, fit_problem, vocab_problem
-from plimsoll.worker.speculate import MAX_RETRY_STEPS, RETRY_STEPS, Drafter, Figures, start_length
+from plimsoll.worker.speculate import (
+    MAX_RETRY_STEPS,
+    RETRY_STEPS,
+    Drafter,
+    Figures,
+    start_length,
+    start_wait,
+)
 
 pytestmark = pytest.mark.pure
 
@@ -120,3 +127,16 @@ def test_both_models_and_both_pools_must_fit_the_allocation_limit():
     why = fit_problem(**figures, limit=279)
     assert "does not fit" in why and "10 blocks × (8 B + the draft's 2 B)" in why
     assert "plimsoll launch --draft-model" in why
+
+
+def test_where_drafts_fail_everywhere_a_new_sequence_retries_later():
+    """Fewer than one in 16 of at least 16 verified drafts accepted: a sequence's first
+    retry waits four intervals (a short answer pays fewer unpipelined retry steps)."""
+    assert start_wait(Figures()) == RETRY_STEPS
+    assert start_wait(Figures(proposed=15, accepted=0)) == RETRY_STEPS  # too few to say
+    assert start_wait(Figures(proposed=32, accepted=2)) == RETRY_STEPS  # one in 16: not yet
+    assert start_wait(Figures(proposed=32, accepted=1)) == 4 * RETRY_STEPS
+    d = Drafter(3, 3, figures=Figures(proposed=40, accepted=0))
+    while not d.wants(7):
+        d.tick()
+    assert d.clock == 4 * RETRY_STEPS and d.propose(7, [1, 2, 1], 5) == (2,)
