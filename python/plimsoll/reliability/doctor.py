@@ -145,8 +145,10 @@ def kernel_line(verdict: Mapping[str, Any]) -> Line:
     head = f"kernel {verdict.get('name')} ({verdict.get('device')})"
     reason = str(verdict.get("reason", ""))
     if verdict.get("used"):
-        return Line("ok", f"{head}: used, {reason} ({verdict.get('kernel_ms')} ms against the "
-                          f"reference's {verdict.get('reference_ms')} ms)")
+        timed = "" if verdict.get("kernel_ms") is None else (
+            f" ({verdict.get('kernel_ms')} ms against the reference's "
+            f"{verdict.get('reference_ms')} ms)")
+        return Line("ok", f"{head}: used, {reason}{timed}")
     broken = reason.startswith(("disagrees", "failed"))
     return Line("warn" if broken else "ok",
                 f"{head}: not used, {reason}; the reference path serves"

@@ -110,9 +110,12 @@ def test_the_doctor_shows_each_verdict():
                             1e-3, 0.2, 0.8).as_dict(),
             kernels.check(WRONG, mx.float32, 8, SHAPES).as_dict(),
             kernels.Verdict("k3", "cuda", False, "not this device: the engine runs on cpu")
-            .as_dict())
+            .as_dict(),
+            kernels.Verdict("pool_write_cuda", "cuda", True,
+                            "stores in place what the scatter stores").as_dict())
     lines = mlx_lines(MlxView("0.32.4", False, "cpu", kernels=rows), "linux")
-    assert [ln.level for ln in lines] == ["ok", "ok", "warn", "ok"]
+    assert [ln.level for ln in lines] == ["ok", "ok", "warn", "ok", "ok"]
+    assert lines[4].text.endswith("used, stores in place what the scatter stores")  # untimed
     assert "kernel k1 (cuda): used" in lines[1].text and "0.2 ms" in lines[1].text
     assert "perturbed_cpu" in lines[2].text and "disagrees" in lines[2].text
     assert "the reference path serves" in lines[3].text
