@@ -193,39 +193,45 @@ def select(dtype: mx.Dtype, q_heads: int | None, shapes: list[tuple[int, int, in
 
 
 WRITE_KERNEL = "pool_write_cuda"
+GATHER_KERNEL = "pool_gather_cuda"
+
+
+def _pool_refusal(name: str, pools: list[FullAttention]) -> Verdict | None:
+    """Why a pool kernel is not even checked here (None: check it)."""
+    here, device = backend.name(), "cuda"
+    if here != device:
+        return Verdict(name, device, False, f"not this device: the engine runs on {here}")
+    if not pools:
+        return Verdict(name, device, False, "the model has no float full-attention pool")
+    return None
+
+
+def _pool_shapes(pools: list[FullAttention]) -> set[tuple[int, int, mx.Dtype]]:
+    """(KV heads, row width, dtype) of every K and V array of ``pools``."""
+    return {(p.kv_heads, d, p.dtype) for p in pools for d in (p.k_dim, p.v_dim)}
 
 
 def check_write(pools: list[FullAttention], compiled: bool) -> Verdict:
     """Whether ``pools`` (the plain full-attention ones) take their writes in place through
     :mod:`plimsoll.engine.pool_cuda` on this device: its check on each pool shape and
     dtype; never for compiled decode steps (their writes are the traced function's scatters)."""
-    here, device = backend.name(), "cuda"
-    if here != device:
-        return Verdict(WRITE_KERNEL, device, False, f"not this device: the engine runs on {here}")
-    if not pools:
-        return Verdict(WRITE_KERNEL, device, False, "the model has no float full-attention pool")
+    if refused := _pool_refusal(WRITE_KERNEL, pools):
+        return refused
     if compiled:
-        return Verdict(WRITE_KERNEL, device, False, "decode steps are compiled "
+        return Verdict(WRITE_KERNEL, "cuda", False, "decode steps are compiled "
                        "(--compile-decode): their pool writes are the traced scatters")
-    shapes = {(p.kv_heads, d, p.dtype) for p in pools for d in (p.k_dim, p.v_dim)}
-    for kv_heads, dim, dtype in shapes:
+    for kv_heads, dim, dtype in _pool_shapes(pools):
         if why := pool_cuda.check_write(dtype, kv_heads, dim):
-            return Verdict(WRITE_KERNEL, device, False, why)
-    return Verdict(WRITE_KERNEL, device, True, "stores in place what the scatter stores")
-
-
-GATHER_KERNEL = "pool_gather_cuda"
+            return Verdict(WRITE_KERNEL, "cuda", False, why)
+    return Verdict(WRITE_KERNEL, "cuda", True, "stores in place what the scatter stores")
 
 
 def check_gather(pools: list[FullAttention]) -> Verdict:
     """Whether ``pools`` (the plain full-attention ones) gather a chunk's context through
     :func:`plimsoll.engine.pool_cuda.gather` on this device: its check on each pool shape
     and dtype against the pool's own MLX gather."""
-    here, device = backend.name(), "cuda"
-    if here != device:
-        return Verdict(GATHER_KERNEL, device, False, f"not this device: the engine runs on {here}")
-    if not pools:
-        return Verdict(GATHER_KERNEL, device, False, "the model has no float full-attention pool")
+    if refused := _pool_refusal(GATHER_KERNEL, pools):
+        return refused
     bt = pools[0].block_tokens
 
     def mlx_gather(pool: mx.array, index: mx.array, length: int) -> mx.array:
@@ -235,8 +241,7 @@ def check_gather(pools: list[FullAttention]) -> Verdict:
         plain.blocks = slots // bt
         return plain.gather(Read(index=index, length=length))[0]
 
-    for kv_heads, dim, dtype in {(p.kv_heads, d, p.dtype) for p in pools
-                                 for d in (p.k_dim, p.v_dim)}:
+    for kv_heads, dim, dtype in _pool_shapes(pools):
         if why := pool_cuda.check_gather(dtype, kv_heads, dim, bt, mlx_gather):
-            return Verdict(GATHER_KERNEL, device, False, why)
-    return Verdict(GATHER_KERNEL, device, True, "copies what the gather copies, not slower")
+            return Verdict(GATHER_KERNEL, "cuda", False, why)
+    return Verdict(GATHER_KERNEL, "cuda", True, "copies what the gather copies, not slower")

@@ -107,16 +107,9 @@ class FullAttention:
         """Scatter ``keys``/``values`` (batch, heads, tokens, dim) into ``slots``: an index
         array, or ``(lo, hi)`` for consecutive slots (measured on MLX's CUDA backend: a
         slice update of one decode token is ~2x cheaper a step than the scatter)."""
-        b, h, n, _ = keys.shape
-        if b == 1:
-            k, v = keys[0], values[0]
-        else:
-            k = keys.transpose(1, 0, 2, 3).reshape(h, b * n, self.k_dim)
-            v = values.transpose(1, 0, 2, 3).reshape(h, b * n, self.v_dim)
-        k, v = self._fenced(k.astype(self.dtype), v.astype(self.dtype))
+        k, v = self._fenced(rows_of(keys).astype(self.dtype), rows_of(values).astype(self.dtype))
         if self.inplace is not None:  # the checked CUDA kernel (engine/pool_cuda.py)
-            at = mx.arange(slots[0], slots[1], dtype=mx.int32) if isinstance(slots, tuple) \
-                else slots
+            at = _slots(slots)
             done = [self.inplace(self.keys, k, at), self.inplace(self.values, v, at)]
             self.keys, self.values = mx.depends([self.keys, self.values], done)
             return
@@ -135,15 +128,9 @@ class FullAttention:
         MLX's CUDA backend a write encoded while an earlier read of the same pool is still
         in flight cannot update the buffer in place and copies the layer's whole array
         (measured on an H200: 4.5-6.3 GiB above the pool for 4-5 chunks at a 16.6k prefix)."""
-        slots, ks, vs = [], [], []
-        for s, keys, values in parts:
-            b, h, n, _ = keys.shape
-            ks.append(keys.transpose(1, 0, 2, 3).reshape(h, b * n, self.k_dim))
-            vs.append(values.transpose(1, 0, 2, 3).reshape(h, b * n, self.v_dim))
-            slots.append(mx.arange(s[0], s[1], dtype=mx.int32) if isinstance(s, tuple)
-                         else s.astype(mx.int32))
-        self.write(mx.concatenate(slots), mx.concatenate(ks, axis=1)[None],
-                   mx.concatenate(vs, axis=1)[None])
+        slots = mx.concatenate([_slots(s).astype(mx.int32) for s, _, _ in parts])
+        self.write(slots, mx.concatenate([rows_of(k) for _, k, _ in parts], axis=1)[None],
+                   mx.concatenate([rows_of(v) for _, _, v in parts], axis=1)[None])
 
     def arrays(self) -> list[mx.array]:
         """Every pool array (K then V), as they are now."""
@@ -232,6 +219,17 @@ def slots_of(table: tuple[int, ...], start: int, stop: int, block_tokens: int) -
     pos = np.arange(start, stop, dtype=np.int64)
     blocks = np.asarray(table, dtype=np.int64)[pos // block_tokens]
     return (blocks * block_tokens + pos % block_tokens).astype(np.int32)
+
+
+def rows_of(a: mx.array) -> mx.array:
+    """(batch, heads, tokens, dim) as the (heads, batch × tokens, dim) rows a write stores."""
+    b, h, n, d = a.shape
+    return a[0] if b == 1 else a.transpose(1, 0, 2, 3).reshape(h, b * n, d)
+
+
+def _slots(slots: mx.array | tuple[int, int]) -> mx.array:
+    """A write's slots as an index array (``(lo, hi)``: the consecutive run)."""
+    return mx.arange(slots[0], slots[1], dtype=mx.int32) if isinstance(slots, tuple) else slots
 
 
 def write_of(slots: np.ndarray) -> mx.array | tuple[int, int]:

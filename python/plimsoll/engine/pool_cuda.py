@@ -32,8 +32,6 @@ import functools
 
 import mlx.core as mx
 
-from plimsoll.engine import backend
-
 _THREADS = 256
 
 # one thread per (head, row, element); ``rows`` is (heads, n, D), ``slots`` the n pool slots
@@ -73,12 +71,8 @@ _GATHER = r"""
 """
 
 
-def available() -> bool:
-    return backend.name() == "cuda"
-
-
 @functools.cache
-def _kernel(which: str = "write"):
+def _kernel(which: str):
     if which == "gather":
         return mx.fast.cuda_kernel(name="plimsoll_pool_gather",
                                    input_names=["pool", "index", "length"],
@@ -90,12 +84,6 @@ def _kernel(which: str = "write"):
 @functools.lru_cache(maxsize=256)
 def _length(n: int) -> mx.array:
     return mx.array([n], dtype=mx.int32)
-
-
-def gathers(dtype: mx.Dtype, dim: int) -> bool:
-    """Whether :func:`gather` copies rows of ``dim`` elements of ``dtype`` (whole 16-byte
-    vectors)."""
-    return (dim * dtype.size) % 16 == 0
 
 
 def gather(pool: mx.array, index: mx.array, length: int, block_tokens: int) -> mx.array:
@@ -117,7 +105,7 @@ def write(pool: mx.array, rows: mx.array, slots: mx.array) -> mx.array:
     place; returns the token a read of the written pool must depend on."""
     heads, n, dim = rows.shape
     threads = -(-heads * n * dim // _THREADS) * _THREADS
-    return _kernel()(inputs=[pool, rows.astype(pool.dtype), slots.astype(mx.int32)],
+    return _kernel("write")(inputs=[pool, rows.astype(pool.dtype), slots.astype(mx.int32)],
                      template=[("T", pool.dtype), ("D", dim)], grid=(max(threads, _THREADS), 1, 1),
                      threadgroup=(_THREADS, 1, 1), output_shapes=[(1,)],
                      output_dtypes=[mx.int32])[0]
@@ -153,7 +141,7 @@ def check_gather(dtype: mx.Dtype, kv_heads: int, dim: int, block_tokens: int,
     bit on shuffled tables (a long row and padded short ones) and not be slower (best of 5)."""
     import time
 
-    if not gathers(dtype, dim):
+    if (dim * dtype.size) % 16:
         return f"rows of {dim} x {dtype} are not whole 16-byte vectors"
     try:
         blocks, rows, nb = 1200, 2, 512

@@ -41,7 +41,7 @@ import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from plimsoll.engine import backend
-from plimsoll.engine.paged import FullAttention, Read
+from plimsoll.engine.paged import FullAttention, Read, rows_of
 
 GROUP_SIZE = 64
 """mlx-lm's ``QuantizedKVCache`` / ``generate_step(kv_group_size=...)`` default."""
@@ -126,13 +126,7 @@ class QuantizedAttention(FullAttention):
               values: mx.array) -> None:
         """Quantize ``keys``/``values`` (batch, heads, tokens, dim) and put them in ``slots``
         (an index array, or ``(lo, hi)`` for consecutive slots)."""
-        b, h, n, _ = keys.shape
-        if b == 1:
-            k, v = keys[0], values[0]
-        else:
-            k = keys.transpose(1, 0, 2, 3).reshape(h, b * n, self.k_dim)
-            v = values.transpose(1, 0, 2, 3).reshape(h, b * n, self.v_dim)
-        k, v = self._fenced(k, v)
+        k, v = self._fenced(rows_of(keys), rows_of(values))
         for pool, x in ((self.keys, k), (self.values, v)):
             parts = mx.quantize(x.astype(self.dtype), group_size=self.group_size,
                                 bits=self.bits)
