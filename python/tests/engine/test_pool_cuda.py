@@ -1,0 +1,42 @@
+"""The CUDA pool write and gather kernels (engine/pool_cuda.py) where MLX has CUDA; on the
+CPU, CI checks that the engine reports them unused (test_engine_kernels.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from plimsoll.demo.model import build_demo_model  # noqa: E402
+from plimsoll.engine import Engine, backend, pool_cuda  # noqa: E402
+from plimsoll.engine.drive import Blocks, drive, reference, seqs_for, sharpen, text  # noqa: E402
+
+cuda = pytest.mark.skipif(backend.name() != "cuda", reason="needs MLX's CUDA backend")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_the_write_kernel_stores_what_the_scatter_stores(dtype):
+    assert pool_cuda.check_write(dtype, 8, 128) == ""
+
+
+@cuda
+def test_the_gather_kernel_copies_what_mlx_gathers():
+    from plimsoll.engine.kernels import check_gather
+    from plimsoll.engine.paged import FullAttention
+
+    verdict = check_gather([FullAttention(8, 128, 128, mx.bfloat16, 16, 64, 64)])
+    assert verdict.used, verdict.reason
+
+
+@cuda
+def test_an_engine_on_cuda_writes_and_gathers_through_them_with_mlx_lm_tokens(tmp_path):
+    """Prompts in chunks beside pipelined decodes on shuffled blocks: the pools written in
+    place and gathered by the kernels give mlx-lm's greedy tokens."""
+    eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
+    sharpen(eng.model)
+    assert all(p.inplace is pool_cuda.write and p.fast_gather is pool_cuda.gather
+               for p in eng._pools)
+    prompts = [text(eng.tokenizer, n, salt=n) for n in (20, 45, 70)]
+    got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=True)), chunk=32)
+    assert got == [reference(eng.model, p, 6) for p in prompts]
