@@ -153,7 +153,8 @@ class PagedView(PoolCache):
                 and self.batch.lengths is not None and sinks is None
                 and kernel.serves(queries, pool.k_dim, pool.v_dim, pool.kv_heads)):
             return kernel.decode(queries, pool.keys, pool.values, read.index,
-                                 self.batch.lengths, read.length, scale, pool.block_tokens)
+                                 self.batch.lengths, read.length, scale, pool.block_tokens,
+                                 after=pool.token)
         if self.batch.read is None:
             keys, values = fresh
         else:

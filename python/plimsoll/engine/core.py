@@ -175,12 +175,11 @@ class Engine:
             #: passed their check (engine/pool_cuda.py: a scatter after a read still in
             #: flight copies the layer's arrays, MLX's gather is slow); verdicts as above
             plain = [p for p in self._pools if type(p) is FullAttention]
-            write = kernels.check_write(plain, compile_decode)
-            self.kernels.verdicts.append(write)
+            gather = kernels.check_gather(plain)
+            write = kernels.check_write(plain, compile_decode, gather)
+            self.kernels.verdicts += [write, gather]
             for p in plain if write.used else ():
                 p.inplace = pool_cuda.write
-            gather = kernels.check_gather(plain)
-            self.kernels.verdicts.append(gather)
             for p in plain if gather.used else ():
                 p.fast_gather = pool_cuda.gather
         #: does a decode step gather K/V into a transient? Not where the checked kernel

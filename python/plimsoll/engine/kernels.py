@@ -46,8 +46,9 @@ BLOCK = 16
 @dataclass(frozen=True)
 class Kernel:
     """A paged decode kernel: ``decode(queries, k_pool, v_pool, tables, lengths, longest,
-    scale, block_tokens)`` → (rows, q_heads, 1, dim); ``serves(queries, k_dim, v_dim,
-    kv_heads)`` says whether it computes that attention at all."""
+    scale, block_tokens, after=None)`` → (rows, q_heads, 1, dim), reading the pools after the
+    in-place write whose token is ``after`` (engine/pool_cuda.py); ``serves(queries, k_dim,
+    v_dim, kv_heads)`` says whether it computes that attention at all."""
 
     name: str
     device: str  # the backend it runs on: "cuda", "metal" or "cpu"
@@ -211,12 +212,19 @@ def _pool_shapes(pools: list[FullAttention]) -> set[tuple[int, int, mx.Dtype]]:
     return {(p.kv_heads, d, p.dtype) for p in pools for d in (p.k_dim, p.v_dim)}
 
 
-def check_write(pools: list[FullAttention], compiled: bool) -> Verdict:
+def check_write(pools: list[FullAttention], compiled: bool, gather: Verdict) -> Verdict:
     """Whether ``pools`` (the plain full-attention ones) take their writes in place through
     :mod:`plimsoll.engine.pool_cuda` on this device: its check on each pool shape and
-    dtype; never for compiled decode steps (their writes are the traced function's scatters)."""
+    dtype; only where the pools gather through its kernel (``gather``, that kernel's
+    verdict: every read of a pool written in place must take the write's token, and MLX's
+    own gather and slices cannot); never for compiled decode steps (their writes are the
+    traced function's scatters)."""
     if refused := _pool_refusal(WRITE_KERNEL, pools):
         return refused
+    if not gather.used:
+        return Verdict(WRITE_KERNEL, "cuda", False, "the pools do not gather through "
+                       f"{GATHER_KERNEL} ({gather.reason}): MLX's gather could not wait for "
+                       "a write in place")
     if compiled:
         return Verdict(WRITE_KERNEL, "cuda", False, "decode steps are compiled "
                        "(--compile-decode): their pool writes are the traced scatters")

@@ -30,6 +30,7 @@ one array of one layer. Nothing ever grows past ``max_blocks``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -63,10 +64,14 @@ class FullAttention:
         self._after: list[mx.array] | None = None  # see fence()
         #: a write that stores through the pool's own buffer (engine/pool_cuda.write,
         #: set by the engine once it passed its check here), or None: MLX's scatter
-        self.inplace: Callable[[mx.array, mx.array, mx.array], mx.array] | None = None
+        #: (only with ``fast_gather``: every read of a pool written in place takes ``token``)
+        self.inplace: Callable[..., mx.array] | None = None
         #: a gather that copies the blocks' rows itself (engine/pool_cuda.gather, set once it
         #: passed its check here), or None: MLX's gather
-        self.fast_gather: Callable[[mx.array, mx.array, int, int], mx.array] | None = None
+        self.fast_gather: Callable[..., mx.array] | None = None
+        #: the last in-place write's token (None: none yet), an input of every read of the
+        #: pool so that MLX's CUDA graph runs the read after the write (engine/pool_cuda.py)
+        self.token: mx.array | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -110,8 +115,9 @@ class FullAttention:
         k, v = self._fenced(rows_of(keys).astype(self.dtype), rows_of(values).astype(self.dtype))
         if self.inplace is not None:  # the checked CUDA kernel (engine/pool_cuda.py)
             at = _slots(slots)
-            done = [self.inplace(self.keys, k, at), self.inplace(self.values, v, at)]
-            self.keys, self.values = mx.depends([self.keys, self.values], done)
+            self.token = self.inplace(self.values, v, at, self.inplace(self.keys, k, at,
+                                                                        self.token))
+            self.keys, self.values = mx.depends([self.keys, self.values], [self.token])
             return
         if isinstance(slots, tuple):  # a run of consecutive slots: a slice update, in place
             lo, hi = slots
@@ -171,10 +177,15 @@ class FullAttention:
         """
         if read.span is not None:
             lo, hi = read.span
-            return self.keys[None, :, lo:hi], self.values[None, :, lo:hi]
+            if self.inplace is None:
+                return self.keys[None, :, lo:hi], self.values[None, :, lo:hi]
+            # a slice could not wait for an in-place write: the run's blocks, gathered
+            read = Read(index=_run(lo // self.block_tokens, -(-(hi - lo) // self.block_tokens)),
+                        length=hi - lo)
         if self.fast_gather is not None:  # the checked CUDA kernel (engine/pool_cuda.py)
-            return (self.fast_gather(self.keys, read.index, read.length, self.block_tokens),
-                    self.fast_gather(self.values, read.index, read.length, self.block_tokens))
+            bt, after = self.block_tokens, self.token
+            return (self.fast_gather(self.keys, read.index, read.length, bt, after),
+                    self.fast_gather(self.values, read.index, read.length, bt, after))
         rows, nb = read.index.shape
         h, b = self.kv_heads, self.block_tokens
         out = []
@@ -225,6 +236,12 @@ def rows_of(a: mx.array) -> mx.array:
     """(batch, heads, tokens, dim) as the (heads, batch × tokens, dim) rows a write stores."""
     b, h, n, d = a.shape
     return a[0] if b == 1 else a.transpose(1, 0, 2, 3).reshape(h, b * n, d)
+
+
+@functools.lru_cache(maxsize=256)
+def _run(first: int, blocks: int) -> mx.array:
+    """The index (1, blocks) of the consecutive blocks from ``first``."""
+    return mx.arange(first, first + blocks, dtype=mx.int32)[None]
 
 
 def _slots(slots: mx.array | tuple[int, int]) -> mx.array:

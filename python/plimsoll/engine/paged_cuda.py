@@ -30,7 +30,7 @@ import functools
 import mlx.core as mx
 
 from plimsoll.core.transients import DECODE_KERNEL_SPLIT
-from plimsoll.engine import backend
+from plimsoll.engine import backend, pool_cuda
 
 CHUNK = DECODE_KERNEL_SPLIT  # the fewest tokens a split takes (admission counts its partials)
 WARPS = 4
@@ -131,7 +131,8 @@ _COMBINE = r"""
     out[i] = static_cast<T>(val / tot);
 """
 
-_INPUTS = ["q", "kp", "vp", "tables", "lengths", "scale_arr"]
+#: ``after``: the pools' last in-place write token, never read (engine/pool_cuda.py)
+_INPUTS = ["q", "kp", "vp", "tables", "lengths", "scale_arr", "after"]
 
 
 def available() -> bool:
@@ -211,13 +212,15 @@ def _scale(scale: float) -> mx.array:
 
 def paged_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tables: mx.array,
                  lengths: mx.array, longest: int, scale: float,
-                 block_tokens: int) -> mx.array:
+                 block_tokens: int, after: mx.array | None = None) -> mx.array:
     """Attention of ``queries`` (rows, q_heads, 1, dim) over each row's first
-    ``lengths[row]`` positions of its table; returns (rows, q_heads, 1, dim)."""
+    ``lengths[row]`` positions of its table, read after the in-place write whose token is
+    ``after``; returns (rows, q_heads, 1, dim)."""
     rows, hq, _, d = queries.shape
     kvh = k_pool.shape[0]
     splits = splits_for(rows, kvh, longest, sm_count())
-    inputs = [queries.reshape(rows, hq, d), k_pool, v_pool, tables, lengths, _scale(scale)]
+    inputs = [queries.reshape(rows, hq, d), k_pool, v_pool, tables, lengths, _scale(scale),
+              pool_cuda.nothing() if after is None else after]
     template = [("T", queries.dtype), ("D", d), ("G", hq // kvh), ("BT", block_tokens),
                 ("WARPS", WARPS)]
     grid, group = (rows * 32 * WARPS, kvh, splits), (32 * WARPS, 1, 1)

@@ -10,12 +10,18 @@ one stream's decode steps at 28-31k tokens held 1-4.5 GiB of such copies, in bur
 above the transient admission counts. :func:`write` stores the new rows through the pool's
 own pointer and returns a one-element token. The pool arrays keep their buffers;
 :meth:`~plimsoll.engine.paged.FullAttention.write` hands the layer's readers the pools made
-to depend on the token (``mx.depends``, which shares the buffers), so every read of this
-step runs after the write, and the write itself, encoded after every read of the steps and
-groups before it, runs after them: the engine's one stream runs its ops in the order they
-are encoded. Used after :func:`check_write` found the pool read back equal to the
-scatter's bit for bit (random rows into scattered slots), never for compiled decode steps
-(their writes are scatters of the traced function's inputs).
+to depend on the token (``mx.depends``, which shares the buffers), and every reader of such a
+pool takes the token as an input of its own (``after``: :func:`gather`, the paged-decode
+kernel). That input is what orders a read after the write on the device: MLX's CUDA backend
+runs a command batch as a CUDA graph whose edges follow the buffers an op *outputs*, and the
+write's output is the token, not the pool (measured on an H200 before the token was an
+input: an engine's greedy tokens differed from mlx-lm's where a step wrote and read a pool
+in one batch). Each write takes the pool's previous token too, so the last token stands for
+every write before it. Separate evaluations are ordered by the engine's one stream. Used
+after :func:`check_write` found the pool read back equal to the scatter's bit for bit
+(random rows into scattered slots), only where :func:`gather` is used too (every read of
+the pool then takes the token: MLX's own gather or slice could not), never for compiled
+decode steps (their writes are scatters of the traced function's inputs).
 
 **Gathers.** A chunk at a prefix whose blocks are not one consecutive run gathers its
 context from the pool every layer; MLX's gather on CUDA moves a table at ~200 GB/s (its copy
@@ -48,6 +54,8 @@ _WRITE = r"""
     }
     if (i == 0) done[0] = 1;
 """
+# ``after`` (an input of every kernel here) is never read: it is the token of the write the
+# kernel must follow, an input only so that MLX's CUDA graph has the edge
 
 
 # one thread per 16-byte vector of the output (rows, heads, length, D)
@@ -75,10 +83,17 @@ _GATHER = r"""
 def _kernel(which: str):
     if which == "gather":
         return mx.fast.cuda_kernel(name="plimsoll_pool_gather",
-                                   input_names=["pool", "index", "length"],
+                                   input_names=["pool", "index", "length", "after"],
                                    output_names=["out"], source=_GATHER)
-    return mx.fast.cuda_kernel(name="plimsoll_pool_write", input_names=["pool", "rows", "slots"],
+    return mx.fast.cuda_kernel(name="plimsoll_pool_write",
+                               input_names=["pool", "rows", "slots", "after"],
                                output_names=["done"], source=_WRITE)
+
+
+@functools.cache
+def nothing() -> mx.array:
+    """The ``after`` of a kernel that follows no in-place write."""
+    return mx.zeros((1,), dtype=mx.int32)
 
 
 @functools.lru_cache(maxsize=256)
@@ -86,26 +101,32 @@ def _length(n: int) -> mx.array:
     return mx.array([n], dtype=mx.int32)
 
 
-def gather(pool: mx.array, index: mx.array, length: int, block_tokens: int) -> mx.array:
+def gather(pool: mx.array, index: mx.array, length: int, block_tokens: int,
+           after: mx.array | None = None) -> mx.array:
     """Positions ``0 .. length - 1`` of each row's blocks ``index`` (rows, blocks) in
-    ``pool`` (heads, slots, dim), as (rows, heads, length, dim)."""
+    ``pool`` (heads, slots, dim), as (rows, heads, length, dim), read after the write whose
+    token is ``after``."""
     heads, _, dim = pool.shape
     rows = index.shape[0]
     vectors = rows * heads * length * dim * pool.dtype.size // 16
     threads = -(-vectors // _THREADS) * _THREADS
-    return _kernel("gather")(inputs=[pool, index, _length(length)],
+    return _kernel("gather")(inputs=[pool, index, _length(length),
+                                     nothing() if after is None else after],
                              template=[("T", pool.dtype), ("D", dim), ("BT", block_tokens)],
                              grid=(max(threads, _THREADS), 1, 1), threadgroup=(_THREADS, 1, 1),
                              output_shapes=[(rows, heads, length, dim)],
                              output_dtypes=[pool.dtype])[0]
 
 
-def write(pool: mx.array, rows: mx.array, slots: mx.array) -> mx.array:
+def write(pool: mx.array, rows: mx.array, slots: mx.array,
+          after: mx.array | None = None) -> mx.array:
     """Store ``rows`` (heads, n, dim) at ``slots`` (n,) of ``pool`` (heads, slots, dim) in
-    place; returns the token a read of the written pool must depend on."""
+    place, after the write whose token is ``after``; returns the token every read of the
+    written pool must take as its ``after``."""
     heads, n, dim = rows.shape
     threads = -(-heads * n * dim // _THREADS) * _THREADS
-    return _kernel("write")(inputs=[pool, rows.astype(pool.dtype), slots.astype(mx.int32)],
+    return _kernel("write")(inputs=[pool, rows.astype(pool.dtype), slots.astype(mx.int32),
+                             nothing() if after is None else after],
                      template=[("T", pool.dtype), ("D", dim)], grid=(max(threads, _THREADS), 1, 1),
                      threadgroup=(_THREADS, 1, 1), output_shapes=[(1,)],
                      output_dtypes=[mx.int32])[0]

@@ -40,7 +40,7 @@ BROKEN = kernels.Kernel("broken_cpu", "cpu", _broken, _serves)
 def _counting():
     calls = []
 
-    def decode(*args):
+    def decode(*args, after=None):
         calls.append(args[0].shape[0])
         return kernels.reference_decode(*args)
 
@@ -121,7 +121,7 @@ def test_the_doctor_shows_each_verdict():
     assert "the reference path serves" in lines[3].text
 
 
-def _eager_inplace(pool, rows, slots):
+def _eager_inplace(pool, rows, slots, after=None):
     """The CUDA write kernel's contract on the CPU: the rows stored into the pool's own
     buffer (a numpy view of it), the pool keeping its buffer; a token to depend on."""
     import numpy as np
@@ -139,7 +139,7 @@ def test_pools_written_in_place_give_the_same_tokens(tmp_path):
     sharpen(eng.model)
     writes = []
 
-    def counted(pool, rows, slots):
+    def counted(pool, rows, slots, after=None):
         writes.append(rows.shape[1])
         return _eager_inplace(pool, rows, slots)
 
@@ -157,7 +157,7 @@ def _own_gather(shift: int = 0):
     each position's slot from its block, the pool's rows taken at those slots."""
     calls = []
 
-    def gather(pool, index, length, block_tokens):
+    def gather(pool, index, length, block_tokens, after=None):
         calls.append(length)
         t = mx.arange(length)
         slots = index[:, t // block_tokens] * block_tokens + t % block_tokens + shift
@@ -180,3 +180,53 @@ def test_a_pool_gathering_through_its_own_kernel_gives_the_same_tokens(tmp_path,
     got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=True)), chunk=32)
     assert calls  # the chunks after the first gathered through it
     assert (got == [reference(eng.model, p, 6) for p in prompts]) is (shift == 0)
+
+
+def test_every_read_of_a_pool_written_in_place_takes_its_last_write_token(tmp_path):
+    """Where pools are written in place, every read of them (the gather kernel's, the
+    decode kernel's, a consecutive run's too) takes the pool's last write token as its
+    ``after``: on MLX's CUDA backend that input is the only edge that orders the read after
+    the write inside one command batch (a CUDA graph's edges follow the buffers an op
+    outputs; measured on an H200 without it: tokens differed from mlx-lm's). Stand-ins for
+    the three kernels on the CPU, as the engine sets them where all three pass their
+    checks; the tokens are still mlx-lm's, in order and shuffled blocks, pipelined too."""
+    from plimsoll.engine import paged_cuda
+    from plimsoll.engine.kernels import Kernel, reference_decode
+
+    eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
+    sharpen(eng.model)
+    afters: list[mx.array | None] = []  # every write's ``after``
+    reads: list[bool] = []
+    gather, _ = _own_gather()
+
+    def write(pool, rows, slots, after=None):
+        afters.append(after)
+        return _eager_inplace(pool, rows, slots)
+
+    def owner(k_pool):
+        return next(p for p in eng._pools if p.keys is k_pool)
+
+    def checked_gather(pool, index, length, block_tokens, after=None):
+        p = next(p for p in eng._pools if pool is p.keys or pool is p.values)
+        reads.append(after is not None and after is p.token)
+        return gather(pool, index, length, block_tokens)
+
+    def decode(queries, k_pool, v_pool, tables, lengths, longest, scale, bt, after=None):
+        p = owner(k_pool)
+        reads.append(after is not None and after is p.token)
+        return reference_decode(queries, k_pool, v_pool, tables, lengths, longest, scale, bt)
+
+    eng.kernels.decode = Kernel("stand-in", "cpu", decode, paged_cuda.serves)
+    for p in eng._pools:
+        p.inplace, p.fast_gather = write, checked_gather
+    prompts = [text(eng.tokenizer, n, salt=n) for n in (20, 45, 70)]
+    want = [reference(eng.model, p, 6) for p in prompts]
+    for shuffle in (False, True):
+        for pipelined in (False, True):
+            reads.clear()
+            got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=shuffle)), chunk=32,
+                        pipelined=pipelined)
+            assert got == want
+            assert reads and all(reads), (shuffle, pipelined)
+    # the writes are chained: only each pool's very first (its keys') follows no token
+    assert sum(a is None for a in afters) == len(eng._pools) < len(afters) / 4
