@@ -14,9 +14,13 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from plimsoll.demo.model import build_demo_model  # noqa: E402
-from plimsoll.engine import Engine, kernels  # noqa: E402
+from plimsoll.engine import Engine, backend, kernels  # noqa: E402
 from plimsoll.engine.drive import Blocks, drive, reference, seqs_for, sharpen, text  # noqa: E402
 from plimsoll.reliability.doctor import MlxView, mlx_lines  # noqa: E402
+
+#: the CPU stand-in kernels are "not this device" where MLX runs on a GPU (test_pool_cuda.py
+#: covers the CUDA ones there)
+on_cpu = pytest.mark.skipif(backend.name() != "cpu", reason="the CPU's kernel choice")
 
 SHAPES = [(2, 32, 32)]  # the tiny demo model: 8 query heads over 2 KV heads of 32
 
@@ -76,6 +80,7 @@ def test_a_correct_kernel_is_accepted(monkeypatch):
     assert not kernels.check(good, mx.float32, 8, [(2, 32, 16)]).used  # a shape it won't serve
 
 
+@on_cpu
 def test_the_cpu_keeps_the_reference_path(tmp_path):
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
     assert eng.kernels.decode is None
@@ -89,6 +94,7 @@ def test_the_cpu_keeps_the_reference_path(tmp_path):
     assert eng.decode_gathers  # admission charges the decode's gather
 
 
+@on_cpu
 def test_the_engine_uses_only_the_kernel_that_passes(tmp_path, monkeypatch):
     good, calls = _counting()
     monkeypatch.setattr(kernels, "REGISTRY", [WRONG, good])
@@ -174,8 +180,8 @@ def test_a_pool_gathering_through_its_own_kernel_gives_the_same_tokens(tmp_path,
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
     sharpen(eng.model)
     gather, calls = _own_gather(shift)
-    for p in eng._pools:
-        p.fast_gather = gather
+    for p in eng._pools:  # (a stand-in takes no write token: no in-place writes beside it)
+        p.fast_gather, p.inplace = gather, None
     prompts = [text(eng.tokenizer, n, salt=n) for n in (45, 70)]
     got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=True)), chunk=32)
     assert calls  # the chunks after the first gathered through it
