@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     served.add_argument("--stage", choices=["engine", "loop"], default="engine")
     served.add_argument("--micro-batches", type=int, choices=[1, 2], default=2,
                         help="engine stage: steps in flight across the ranks")
+    served.add_argument("--parallel", choices=["pipeline", "tensor"], default="pipeline",
+                        help="split by layers, or every layer across the ranks (tensor)")
     served.add_argument("--rank-gib", type=float, default=24.0,
                         help="each rank's slice in the one/ring/nccl runs")
     served.add_argument("--too-big-gib", default="auto",
@@ -346,7 +348,7 @@ def served_main(args) -> int:
         raise SystemExit(f"unknown phases {sorted(unknown)}")
     model = args.model.resolve()
     base = {"context": args.context, "max_tokens": args.max_tokens, "stage": args.stage,
-            "micro_batches": args.micro_batches}
+            "micro_batches": args.micro_batches, "parallel": args.parallel}
     request = ClusterRequest(concurrency=args.concurrency or max(streams), **base)
     tb_request = ClusterRequest(concurrency=max(tb_streams), **base)
     facts = inspect_model(model)

@@ -28,7 +28,7 @@
 # Environment:
 #   PHASES (one,ring,too-big,nccl), STAGE (engine: every rank on the worker's engine, batched
 #   decodes; loop for the per-layer loop; engine falls back to loop by itself if its first run
-#   fails), MICRO_BATCHES (2: the engine stage pipelined; 1: one step at a time), RANK_GIB (24), TOO_BIG_GIB (auto), STREAMS (1,8,32), TOO_BIG_STREAMS (1,8),
+#   fails), MICRO_BATCHES (2: the engine stage pipelined; 1: one step at a time), PARALLEL (pipeline | tensor), RANK_GIB (24), TOO_BIG_GIB (auto), STREAMS (1,8,32), TOO_BIG_STREAMS (1,8),
 #   TOKENS (128), REPEATS (3), CONTEXT (2048), MAX_TOKENS (512), NAME (default
 #   cluster-<machine>-<date>), MODEL_DIR (/tmp/qwen3-4b-shaped), BUDGET (520), PRELOAD (''; the
 #   OpenBLAS library on the CPU box), MODEL_ARGS (gpu_model.py flags, e.g. --shape small for
@@ -61,7 +61,7 @@ say "model ready; bench/cluster.py gets ${left}s"
 timeout -k 30 "$left" "$PY" bench/cluster.py --model "$MODEL" ${NAME_ARGS[@]+"${NAME_ARGS[@]}"} \
   --out-dir "$OUT" --log-dir "$OUT/logs/cluster-ranks" --preload "${PRELOAD:-}" \
   --phases "${PHASES:-one,ring,too-big,nccl}" --stage "${STAGE:-engine}" \
-  --micro-batches "${MICRO_BATCHES:-2}" \
+  --micro-batches "${MICRO_BATCHES:-2}" --parallel "${PARALLEL:-pipeline}" \
   --rank-gib "${RANK_GIB:-24}" --too-big-gib "${TOO_BIG_GIB:-auto}" \
   --streams "${STREAMS:-1,8,32}" --too-big-streams "${TOO_BIG_STREAMS:-1,8}" \
   --tokens "${TOKENS:-128}" --repeats "${REPEATS:-3}" --context "${CONTEXT:-2048}" \

@@ -293,17 +293,27 @@ def main() -> None:
     ap.add_argument("--before-code", type=Path, default=None,
                     help="plimsoll sources (a python/ directory) of the code before a change: "
                          "each speculating mode also runs on them, as `MODE before`")
+    ap.add_argument("--model", type=Path, default=None, metavar="DIR",
+                    help="prompt lookup on DIR (e.g. bench/gpu_model.py's Qwen3-4B-shaped "
+                         "model) instead of the tiny demo: `repeat` on DIR as built, `random` "
+                         "on a sharpened copy under --dir, with mlx_lm.server on DIR beside them")
     ap.add_argument("--out-dir", type=Path, default=report.RESULTS)
     ap.add_argument("--name", default=report.default_name("speculative"))
     args = ap.parse_args()
     import plimsoll
     from plimsoll.demo.model import build_demo_model
 
-    base = build_demo_model(args.dir / "tiny", preset="tiny")
-    sharp = sharpened(base, args.dir / "tiny-sharp")
+    if args.model is not None:
+        base = args.model.resolve()
+        sharp = sharpened(base, args.dir / f"{base.name}-sharp")
+    else:
+        base = build_demo_model(args.dir / "tiny", preset="tiny")
+        sharp = sharpened(base, args.dir / "tiny-sharp")
     regimes = {"repeat": (base, repeated), "random": (sharp, varied)}
     k = ["--num-draft-tokens", str(args.num_draft_tokens)]
     modes = {"plain": ([], False), "lookup": (["--prompt-lookup", "3", *k], False)}
+    if args.model is not None and args.mlx_lm:
+        modes["mlx_lm plain"] = ([], True)
     if args.draft_model:
         other = sharpened(build_demo_model(args.dir / "tiny-seed1", preset="tiny", seed=1),
                           args.dir / "tiny-seed1-sharp")
@@ -342,6 +352,8 @@ def main() -> None:
               else "prompt_lookup"}
     if args.mtp is not None:
         result["model_about"] = f"{args.mtp} (`bench/gpu_model.py --mtp`)"
+    elif args.model is not None:
+        result["model_about"] = f"{args.model} (`random`: its matrices x 4)"
     if args.before_code is not None:
         result["before_code"] = str(args.before_code)
     print(report.write(result, args.out_dir, args.name, markdown))

@@ -55,6 +55,12 @@ def _request_options(f):
                              help="How each rank runs its layers: the worker's engine (paged "
                                   "KV, batched decodes, prefix sharing), or one slot per "
                                   "sequence (loop)."),
+                click.option("--parallel", type=click.Choice(["pipeline", "tensor"]),
+                             default="pipeline", show_default=True,
+                             help="How the model is split: by layers, rank to rank "
+                                  "(pipeline), or every layer across every rank, 1/n of each "
+                                  "projection and of the KV heads, two all-sums a layer "
+                                  "(tensor: llama, qwen2, qwen3; the engine stage)."),
                 click.option("--micro-batches", type=click.IntRange(1, 2), default=2,
                              show_default=True,
                              help="Engine stage: 2 pipelines alternate halves of the decodes "

@@ -24,6 +24,13 @@ the scheduler decodes alternate halves of its sequences, and rank 0 runs one hal
 while the next rank runs the other's). The peers run :func:`follow`, one op at a time in
 the order sent.
 
+**Tensor parallel** (``ClusterRequest(parallel="tensor")``): every rank loads the whole
+model split by mlx-lm's ``shard`` (:func:`load_sharded`: 1/n of each projection and of
+the KV heads, two all-sums a layer inside the model) and runs it on its engine as a local
+worker would (:func:`build_tensor_engine`); the steps carry their token ids (every rank
+embeds), the last rank's sampled tokens come back as ever, and the steps are never
+pipelined (each forward's all-sums pair the ranks).
+
 Why not mlx-lm's ``pipeline`` model method: its ranks each hold the embeddings and the
 head and all-gather the last hidden states, so neither the weight shares nor the messages
 the plan admits would hold; and the models without it (qwen3) would need this anyway.
@@ -97,7 +104,7 @@ class StageModel:
 def build_engine(mx, ring, stage_model: StageModel, facts, tokenizer, *, block_tokens: int,
                  max_blocks: int, context: int):
     """This rank's engine over ``stage_model`` (``facts``: the stage's own, from
-    :func:`plimsoll.cluster.plan.stage_facts`); links the stage once it is built."""
+    :func:`plimsoll.cluster.rank_facts.stage_facts`); links the stage once it is built."""
     from plimsoll.engine.core import Engine
 
     params = [p for layer in stage_model.layers for p in _leaves(layer.parameters())]
@@ -107,6 +114,35 @@ def build_engine(mx, ring, stage_model: StageModel, facts, tokenizer, *, block_t
                     max_blocks=max_blocks, context=context)
     stage_model.linked = True
     return engine
+
+
+def load_sharded(mx, ring, model_dir) -> tuple:
+    """The whole model split across the group by mlx-lm's ``shard`` before anything is
+    evaluated (a lazy load: each rank reads its 1/n of every projection, one tensor at a
+    time): ``(model, config, parameters)``. Raises ValueError where mlx-lm has no split."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(model_dir, lazy=True)
+    if not hasattr(model, "shard"):
+        raise ValueError(f"{config.get('model_type')}: mlx-lm has no tensor-parallel split for "
+                         "this model; use --parallel pipeline")
+    if ring.size > 1:
+        model.shard(ring.group)
+    params = [v for _, v in tree_flatten(model.parameters())]
+    mx.eval(params)
+    return model, config, params
+
+
+def build_tensor_engine(model, facts, tokenizer, *, block_tokens: int, max_blocks: int,
+                        context: int):
+    """This rank's engine over its split of every layer (``facts``:
+    :func:`plimsoll.cluster.rank_facts.tensor_facts`). Every rank builds it at the same
+    point: its probe forwards' all-sums pair across the ranks."""
+    from plimsoll.engine.core import Engine
+
+    return Engine(model, tokenizer, facts, block_tokens=block_tokens, max_blocks=max_blocks,
+                  context=context)
 
 
 def _leaves(tree) -> list:
@@ -149,14 +185,19 @@ class StageEngine:
     Not thread-safe: one owner calls it.
     """
 
-    def __init__(self, ring, engine, whole_facts, check: MemoryCheck, micro_batches: int = 1):
+    def __init__(self, ring, engine, whole_facts, check: MemoryCheck, micro_batches: int = 1,
+                 tensor: bool = False):
         self.ring, self.engine, self.check = ring, engine, check
+        #: tensor parallel: every rank runs every layer (its 1/n), so the steps carry their
+        #: token ids, and the all-sums inside each forward pair the ranks: never pipelined
+        self.tensor = tensor
         self.facts = whole_facts  # the scheduler's figures are per layer: the whole model's
         self.tokenizer = engine.tokenizer
         self.block_bytes = engine.block_bytes
         self.state_bytes_per_seq = engine.state_bytes_per_seq
         self.fused_prefill = engine.fused_prefill
-        self.pipelined = micro_batches > 1 and ring.size > 1 and not ring.collective
+        self.pipelined = micro_batches > 1 and ring.size > 1 and not ring.collective \
+            and not tensor
         self.broken = None
         self.last_op = time.monotonic()
         self.overlapped = 0  # steps sent while the one before was still on the next ranks
@@ -212,7 +253,7 @@ class StageEngine:
         if self._inflight and _needs(step, self._inflight):
             self._settle()
         step = _concrete(step, self._last)
-        payload = wire.encode_step(step, self._tables)
+        payload = wire.encode_step(step, self._tables, tokens=self.tensor)
         reply = _Reply(self, wire.sampled(step))
         ring = self.ring
         with lockstep(self):
@@ -302,8 +343,9 @@ def _with_tokens(w, tokens: tuple[int, ...]):
     return dataclasses.replace(w, tokens=tokens)
 
 
-def follow(ring, engine, check: MemoryCheck) -> int:
-    """Ranks 1..n-1: make rank 0's engine calls until SHUTDOWN (0) or the ring fails."""
+def follow(ring, engine, check: MemoryCheck, tensor: bool = False) -> int:
+    """Ranks 1..n-1: make rank 0's engine calls until SHUTDOWN (0) or the ring fails
+    (``tensor``: the steps carry their token ids)."""
     last = ring.rank == ring.size - 1
     tables = wire.Tables()
     while True:
@@ -316,7 +358,7 @@ def follow(ring, engine, check: MemoryCheck) -> int:
         op, seq_id, key = head[0], head[1], head[3]
         reply = [0]
         if op == wire.OP_RUN:
-            step = wire.decode_step(payload, tables)
+            step = wire.decode_step(payload, tables, tokens=tensor)
             check()
             result = engine.run_async(step).result()
             order = wire.sampled(step)

@@ -98,6 +98,12 @@ class ClusterRequest(BaseModel):
     backend: Backend = Field(default="ring", description="The MLX distributed backend every "
                              "rank runs on (chosen before the ranks start: "
                              ":func:`plimsoll.cluster.backend.choose`).")
+    parallel: Literal["pipeline", "tensor"] = Field(
+        default="pipeline", description="How the model is split: by layers (each rank runs a "
+        "contiguous range, activations passed rank to rank), or every layer across every "
+        "rank (mlx-lm's ``shard``: each rank holds 1/n of each projection and of the KV "
+        "heads, two all-sums a layer; dense models of :data:`TENSOR_PARALLEL_TYPES` only, "
+        "on the engine stage).")
 
 
 class RankPlan(BaseModel):
@@ -240,6 +246,8 @@ def plan_cluster(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
     """Every rank's share. ``probes`` must be ranks 0..n-1 in order."""
     if [p.rank for p in probes] != list(range(len(probes))):
         raise ClusterPlanError(f"probes must be ranks 0..{len(probes) - 1} in order")
+    if request.parallel == "tensor":
+        return tensor_plans(config, facts, tensor_bytes, probes, request)
     n_layers = facts.num_layers
     split = split_layers(n_layers, [p.capacity_bytes for p in probes])
     tied = bool(lookup(config, "tie_word_embeddings", False))
@@ -271,6 +279,65 @@ def plan_cluster(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
             transport_bytes=transport,
             kv_bytes_per_token=per_token, per_sequence_fixed_bytes=fixed))
     return plans
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+#: model types whose mlx-lm ``shard`` splits exactly the projections of
+#: :data:`_SHARDED_RE` (q/k/v/gate/up by output, o/down by input) and nothing else: what
+#: :func:`tensor_plans` charges 1/n of (read in mlx-lm's ``models/{llama,qwen2,qwen3}.py``)
+TENSOR_PARALLEL_TYPES = ("llama", "qwen2", "qwen3")
+_SHARDED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.")
+_BY_OUTPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def tensor_refusal(config: dict, facts: ModelFacts, ranks: int) -> str | None:
+    """Why ``ranks`` ranks cannot split this model's every layer (None: they can)."""
+    if ranks < 2:
+        return None
+    if facts.model_type not in TENSOR_PARALLEL_TYPES:
+        return (f"{facts.model_type}: tensor parallelism serves {', '.join(TENSOR_PARALLEL_TYPES)}"
+                " (the dense models whose mlx-lm split plimsoll counts); use --parallel pipeline")
+    if facts.kv_bits is not None:
+        return "tensor parallelism serves float KV only; drop the quantized KV dtype"
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = int(lookup(config, name, 0) or 0)
+        if value % ranks:
+            return (f"{facts.model_type}: {name} = {value} does not divide by {ranks} ranks; "
+                    f"use a rank count that divides it, or --parallel pipeline")
+    return None
+
+
+def tensor_share(tensor_bytes: dict[str, int], ranks: int) -> int:
+    """One rank's weight bytes under mlx-lm's split: 1/n of each projection (its bias too
+    where the split is by output), everything else whole (embeddings, head, norms)."""
+    total = 0
+    for name, nbytes in tensor_bytes.items():
+        m = _SHARDED_RE.search(name)
+        split = m is not None and (name.endswith(".weight") or m.group(1) in _BY_OUTPUT)
+        total += -(-nbytes // ranks) if split else nbytes
+    return total
+
+
+def tensor_plans(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
+                 probes: list[RankProbe], request: ClusterRequest) -> list[RankPlan]:
+    """Every rank runs every layer on 1/n of each projection and of the KV heads: the same
+    share on every rank; the all-sums' activations (in and out, at the prefill chunk)
+    counted as the messages."""
+    n = len(probes)
+    if why := tensor_refusal(config, facts, n):
+        raise ClusterPlanError(why)
+    if request.stage != "engine":
+        raise ClusterPlanError("tensor parallelism runs on the engine stage; drop --stage loop")
+    hidden = int(lookup(config, "hidden_size", 0) or 0)
+    message = hidden * request.prefill_chunk * DTYPE_BYTES.get(facts.kv_dtype, 4)
+    share = tensor_share(tensor_bytes, n)
+    transport = transport_bytes(request.backend, n).bytes
+    return [RankPlan(rank=r, layer_start=0, layer_end=facts.num_layers, holds_embeddings=True,
+                     holds_head=True, weights_bytes=share, comm_bytes=2 * message if n > 1 else 0,
+                     transport_bytes=transport, kv_bytes_per_token=facts.kv_bytes_per_token // n,
+                     per_sequence_fixed_bytes=facts.per_sequence_fixed_bytes)
+            for r in range(n)]
 
 
 # ---------------------------------------------------------------- the two phases
@@ -331,26 +398,6 @@ def decide(answers: list[Preflight], world_size: int) -> ClusterDecision:
                            concurrency=min(d.concurrency for d in decisions),
                            context=min(d.context for d in decisions),
                            pool_blocks=min(d.pool_blocks for d in decisions))
-
-
-def stage_facts(facts: ModelFacts, start: int, end: int, weights_bytes: int) -> ModelFacts:
-    """The facts of layers ``[start, end)`` alone, renumbered from 0 (what a rank's engine
-    serves: its caches, its KV per token and per-sequence fixed bytes, its weights share)."""
-    if not facts.caches:
-        raise ClusterPlanError(f"{facts.model_type}: no per-layer cache layout to split")
-    caches = tuple(c.model_copy(update={"layers": mine}) for c in facts.caches
-                   if (mine := tuple(i - start for i in c.layers if start <= i < end)))
-    growing = {i for c in caches if c.kind in GROWING_KINDS for i in c.layers}
-    capped = {i for c in caches if c.kind in CAPPED_KINDS for i in c.layers}
-    fixed = sum(len(c.layers) * (c.bytes_per_token * (c.max_tokens or 0)
-                                 if c.kind in CAPPED_KINDS else 0)
-                + len(c.layers) * c.state_bytes for c in caches)
-    return ModelFacts.model_validate(facts.model_dump() | {
-        "num_layers": end - start, "kv_layers": len(growing),
-        "sliding_layers": len(capped - growing), "weights_bytes": weights_bytes,
-        "kv_bytes_per_token": sum(len(c.layers) * c.bytes_per_token for c in caches
-                                  if c.kind in GROWING_KINDS),
-        "per_sequence_fixed_bytes": fixed, "caches": [c.model_dump() for c in caches]})
 
 
 def cache_limit_mib(transient_reserve_bytes: int) -> int:

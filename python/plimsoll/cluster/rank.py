@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 "active_memory_bytes": mx.get_active_memory(),
                 "memory_limit_applied_bytes": mx.get_memory_limit(),
                 "layers": [plan.layer_start, plan.layer_end],
-                "backend": ring.backend, "stage": request.stage,
+                "backend": ring.backend, "stage": request.stage, "parallel": request.parallel,
                 "messages": "all-sum" if ring.collective else "send/recv"}
         loaded = ring.all_gather_json(mine)  # also the barrier: every rank loaded
         emit("ready", **mine, concurrency=decision.concurrency, context=decision.context)
@@ -251,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         if request.stage == "engine":
             from plimsoll.cluster import engine_stage
 
+            tensor = request.parallel == "tensor"
             if ring.rank != 0:
-                return engine_stage.follow(ring, engine, check)
-            leader = engine_stage.StageEngine(ring, engine, facts, check,
+                return engine_stage.follow(ring, engine, check, tensor=tensor)
+            leader = engine_stage.StageEngine(ring, engine, facts, check, tensor=tensor,
                                               micro_batches=request.micro_batches)
             if args.serve_port is None:
                 from plimsoll.cluster.engine_serve import serve_stdin
@@ -276,9 +277,17 @@ def _engine_rank(mx, ring, model_dir: Path, plan, request, decision, facts, limi
     """This rank's layers on the worker's engine: ``(engine, memory check, loaded bytes)``.
     Every rank's pool holds the decision's common number of blocks (the same block ids)."""
     from plimsoll.cluster import engine_stage
-    from plimsoll.cluster.plan import stage_facts
+    from plimsoll.cluster.rank_facts import stage_facts, tensor_facts
     from plimsoll.cluster.stage import load_slice
 
+    if request.parallel == "tensor":
+        model, config, params = engine_stage.load_sharded(mx, ring, model_dir)
+        engine = engine_stage.build_tensor_engine(
+            model, tensor_facts(facts, ring.size, plan.weights_bytes),
+            _load_tokenizer(model_dir, config) if ring.rank == 0 else None,
+            block_tokens=request.block_tokens, max_blocks=decision.pool_blocks,
+            context=decision.context)
+        return engine, MemoryCheck(mx, ring.rank, limit), sum(v.nbytes for v in params)
     model, config, templates, params = load_slice(mx, model_dir, plan)
     stage = engine_stage.StageModel(mx, ring, model, plan, templates)
     engine = engine_stage.build_engine(

@@ -294,7 +294,7 @@ def ring_backend(sched: RingScheduler, cf: ClusterFacts, leader, guard):
         def status_extra() -> dict[str, Any]:
             return {"cluster": {
                 "world_size": len(cf.answers), "backend": cf.request.backend,
-                "stage": cf.request.stage,
+                "stage": cf.request.stage, "parallel": cf.request.parallel,
                 "pipelined": bool(getattr(sched.engine, "pipelined", False)),
                 "decision": cf.decision.model_dump(), "ranks": cf.ranks(),
                 "slots_open": sched.engine.open_slots,

@@ -10,9 +10,10 @@ payload:
 
 ``[n_decodes, n_prefills, then per Work (decodes first): seq_id, start, sample,
 n_tokens, temperature (2 ints: float64 bits), top_p (2), seed flag, seed (2 ints:
-64 bits), kept, n_new, *new blocks]``.
+64 bits), top_k, min_p (2), kept, n_new, *new blocks, *token ids]``.
 
-Token ids are not sent: only rank 0 embeds, the peers need their count. A Work's block
+Token ids are sent only with ``tokens`` (tensor parallel: every rank embeds); split by
+layers only rank 0 embeds, and the peers need their count. A Work's block
 table goes as a change against the last one sent for that sequence (``kept`` leading
 blocks stay, ``new`` follow), so a decode step sends no table at all until a sequence
 takes a new block; both ends keep the tables in a :class:`Tables`. Floats and seeds go as
@@ -79,8 +80,9 @@ class Tables:
         return table
 
 
-def encode_step(step: Step, tables: Tables) -> list[int]:
-    """The payload of ``step`` (constraints stay on rank 0: a constrained Work is refused)."""
+def encode_step(step: Step, tables: Tables, tokens: bool = False) -> list[int]:
+    """The payload of ``step`` (constraints stay on rank 0: a constrained Work is refused);
+    ``tokens``: with the token ids."""
     out = [len(step.decodes), len(step.prefills)]
     for w in (*step.decodes, *step.prefills):
         if w.constraint is not None:
@@ -92,12 +94,14 @@ def encode_step(step: Step, tables: Tables) -> list[int]:
         s = w.sampling
         out += [w.seq_id, w.start, int(w.sample), len(w.tokens), *_float(s.temperature),
                 *_float(s.top_p), int(s.seed is not None),
-                *_pair(0 if s.seed is None else s.seed & _MASK64), kept, len(new), *new]
+                *_pair(0 if s.seed is None else s.seed & _MASK64), s.top_k, *_float(s.min_p),
+                kept, len(new), *new, *(w.tokens if tokens else ())]
     return out
 
 
-def decode_step(payload: list[int], tables: Tables) -> Step:
-    """The Step a peer runs: ``payload``'s Works with placeholder tokens (zeros)."""
+def decode_step(payload: list[int], tables: Tables, tokens: bool = False) -> Step:
+    """The Step a peer runs: ``payload``'s Works, with their tokens where ``tokens`` (else
+    placeholder zeros)."""
     n_decodes, n_prefills = payload[0], payload[1]
     works, i = [], 2
     for _ in range(n_decodes + n_prefills):
@@ -105,12 +109,16 @@ def decode_step(payload: list[int], tables: Tables) -> Step:
         temperature = _unfloat(payload[i + 4], payload[i + 5])
         top_p = _unfloat(payload[i + 6], payload[i + 7])
         seed = _unpair(payload[i + 9], payload[i + 10]) if payload[i + 8] else None
-        kept, n_new = payload[i + 11], payload[i + 12]
-        i += 13
+        top_k, min_p = payload[i + 11], _unfloat(payload[i + 12], payload[i + 13])
+        kept, n_new = payload[i + 14], payload[i + 15]
+        i += 16
         table = tables.apply(seq_id, kept, tuple(payload[i:i + n_new]))
         i += n_new
-        works.append(Work(seq_id=seq_id, tokens=(0,) * n, start=start, block_table=table,
-                          sample=bool(sample), sampling=Sampling(temperature, top_p, seed)))
+        ids = tuple(payload[i:i + n]) if tokens else (0,) * n
+        i += n if tokens else 0
+        works.append(Work(seq_id=seq_id, tokens=ids, start=start, block_table=table,
+                          sample=bool(sample), sampling=Sampling(temperature, top_p, seed,
+                                                                 top_k, min_p)))
     if i != len(payload):
         raise ValueError(f"a step payload of {len(payload)} ints held {i}")
     return Step(decodes=tuple(works[:n_decodes]), prefills=tuple(works[n_decodes:]))

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from plimsoll.cluster import plan as cp
 from plimsoll.cluster import wire
+from plimsoll.cluster.rank_facts import stage_facts
 from plimsoll.cluster.runner import Cluster, RankSpec
 from plimsoll.engine.work import Sampling, Step, Work
 
@@ -120,24 +121,26 @@ works = st.builds(
                                                         max_size=6).map(tuple),
     sample=st.booleans(), sampling=st.builds(
         Sampling, temperature=st.floats(0, 5), top_p=st.floats(0, 1),
-        seed=st.one_of(st.none(), st.integers(0, (1 << 64) - 1))))
+        seed=st.one_of(st.none(), st.integers(0, (1 << 64) - 1)),
+        top_k=st.integers(0, 1000), min_p=st.floats(0, 1)))
 
 
-@given(st.lists(st.tuples(works, works), min_size=1, max_size=3))
-def test_steps_cross_the_wire_exactly(pairs):
+@given(st.lists(st.tuples(works, works), min_size=1, max_size=3), st.booleans())
+def test_steps_cross_the_wire_exactly(pairs, tokens):
+    """Every field but the token ids, which go only where every rank embeds (tensor)."""
     sent, received = wire.Tables(), wire.Tables()
     for decode, prefill in pairs:
         prefill = Work(seq_id=decode.seq_id + 1, tokens=prefill.tokens, start=prefill.start,
                        block_table=prefill.block_table, sample=prefill.sample,
                        sampling=prefill.sampling)
         step = Step(decodes=(decode,), prefills=(prefill,))
-        payload = wire.encode_step(step, sent)
+        payload = wire.encode_step(step, sent, tokens=tokens)
         assert all(-(1 << 31) <= v < (1 << 31) for v in payload)  # int32 on the wire
-        got = wire.decode_step(payload, received)
+        got = wire.decode_step(payload, received, tokens=tokens)
         for w, g in zip((decode, prefill), (*got.decodes, *got.prefills), strict=True):
             assert (g.seq_id, g.start, g.block_table, g.sample, g.sampling) == (
                 w.seq_id, w.start, w.block_table, w.sample, w.sampling)
-            assert g.tokens == (0,) * len(w.tokens)  # the peers need the count, not the ids
+            assert g.tokens == (w.tokens if tokens else (0,) * len(w.tokens))
         assert wire.sampled(got) == wire.sampled(step)
 
 
@@ -158,7 +161,7 @@ def test_stage_facts_add_up_to_the_model(preset, request):
 
     model_dir = request.getfixturevalue("tiny_model" if preset == "tiny" else "hybrid_model")
     facts = inspect_model(model_dir)
-    parts = [cp.stage_facts(facts, a, b, 1) for a, b in SPLITS[preset][1]]
+    parts = [stage_facts(facts, a, b, 1) for a, b in SPLITS[preset][1]]
     assert sum(p.num_layers for p in parts) == facts.num_layers
     assert sum(p.kv_bytes_per_token for p in parts) == facts.kv_bytes_per_token
     assert sum(p.per_sequence_fixed_bytes for p in parts) == facts.per_sequence_fixed_bytes
@@ -170,11 +173,12 @@ def test_stage_facts_add_up_to_the_model(preset, request):
 # ---- over HTTP: the worker's API, two requests at once -------------------------------------
 
 
-@pytest.mark.parametrize("stage", ["engine", "loop"])
+@pytest.mark.parametrize("stage", ["engine", "loop", "tensor"])
 def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model, stage):
     """``plimsoll cluster serve`` (the engine stage, the default; ``--stage loop`` still
-    selectable): two requests in flight at once get what a single-process worker gives each,
-    and the status says which stage every rank runs, pipelined on the engine."""
+    selectable; ``--parallel tensor`` on the engine): two requests in flight at once get
+    what a single-process worker gives each, and the status says which stage every rank
+    runs, pipelined on the engine split by layers."""
     import concurrent.futures
 
     from conftest import Worker
@@ -187,7 +191,8 @@ def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model, sta
     finally:
         single.stop()
     served = ClusterServe(tiny_model, "4", "4",
-                          extra=["--stage", "loop"] if stage == "loop" else None)
+                          extra={"loop": ["--stage", "loop"],
+                                 "tensor": ["--parallel", "tensor"]}.get(stage))
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             two = list(pool.map(lambda p: complete(served.url, p, 24), prompts))
@@ -195,7 +200,9 @@ def test_http_on_the_engine_answers_what_a_single_worker_answers(tiny_model, sta
     finally:
         assert served.stop() == 0
     assert [t["choices"][0]["text"] for t in two] == one
-    assert status["cluster"]["stage"] == stage and status["max_num_seqs"] == 2
+    assert status["cluster"]["stage"] == ("loop" if stage == "loop" else "engine")
+    assert status["cluster"]["parallel"] == ("tensor" if stage == "tensor" else "pipeline")
+    assert status["max_num_seqs"] == 2
     assert status["cluster"]["pipelined"] is (stage == "engine")
     assert [r["messages"] for r in status["cluster"]["ranks"]] == ["send/recv"] * 2
 
@@ -280,3 +287,55 @@ def test_split_decodes_take_disjoint_halves_and_starve_none(n, steps):
             sched._running[seq].pending = 0
         inflight = chosen
         assert all(step - s <= 2 for s in last.values())  # none waits two steps
+
+
+# ---- tensor parallel ------------------------------------------------------------------------
+
+
+def test_tensor_parallel_on_the_engine_equals_the_unsplit_model(sharp_tiny):
+    """Every layer split across the two ranks by mlx-lm's ``shard`` (1 of the 2 KV heads
+    each, two all-sums a layer): the same greedy tokens as the unsplit model, both
+    sequences in one decode step, each rank loaded with its half of every projection."""
+    tensor = REQUEST.model_copy(update={"parallel": "tensor"})
+    decision, done, again, ready = serve(sharp_tiny, "tiny", request=tensor)
+    assert decision.action == "commit" and decision.concurrency == 2
+    assert {ready[r]["parallel"] for r in (0, 1)} == {"tensor"}
+    assert [ready[r]["layers"] for r in (0, 1)] == [[0, 4], [0, 4]]
+    want = reference(sharp_tiny, prompts_for(sharp_tiny))
+    assert done["outputs"] == want and again["outputs"] == want[:1]
+    assert done["most_rows"] == 2 and done["overlapped"] == 0
+    from plimsoll.cluster.weights import tensor_bytes
+
+    whole = sum(tensor_bytes(sharp_tiny).values())
+    for r in (0, 1):  # what each rank evaluated is the share the plan admitted, under whole
+        assert ready[r]["loaded_bytes"] == ready[r]["planned_weights_bytes"] < whole
+
+
+def test_a_tensor_plan_halves_the_kv_and_the_projections_and_refuses_what_does_not_divide(
+        tiny_model, hybrid_model):
+    from plimsoll.cluster.rank_facts import tensor_facts
+    from plimsoll.cluster.weights import read_config, tensor_bytes
+    from plimsoll.core.model_facts import inspect_model
+
+    tensor = REQUEST.model_copy(update={"parallel": "tensor"})
+    probes = [cp.RankProbe(rank=r, ceiling_bytes=4 * GIB, total_ram_bytes=4 * GIB,
+                           budget_bytes=4 * GIB) for r in (0, 1)]
+    config, facts, sizes = read_config(tiny_model), inspect_model(tiny_model), \
+        tensor_bytes(tiny_model)
+    plans = cp.plan_cluster(config, facts, sizes, probes, tensor)
+    projections = sum(b for n, b in sizes.items() if "_proj." in n)
+    assert [p.weights_bytes for p in plans] == [sum(sizes.values()) - projections // 2] * 2
+    assert {p.kv_bytes_per_token for p in plans} == {facts.kv_bytes_per_token // 2}
+    assert {(p.layer_start, p.layer_end, p.holds_embeddings, p.holds_head)
+            for p in plans} == {(0, 4, True, True)}
+    mine = tensor_facts(facts, 2, plans[0].weights_bytes)
+    assert (mine.num_key_value_heads, mine.kv_bytes_per_token) == (
+        facts.num_key_value_heads // 2, facts.kv_bytes_per_token // 2)
+    three = [*probes, probes[0].model_copy(update={"rank": 2})]
+    with pytest.raises(cp.ClusterPlanError, match="num_attention_heads = 8 does not divide by 3"):
+        cp.plan_cluster(config, facts, sizes, three, tensor)
+    with pytest.raises(cp.ClusterPlanError, match="qwen3_next: tensor parallelism serves"):
+        cp.plan_cluster(read_config(hybrid_model), inspect_model(hybrid_model),
+                        tensor_bytes(hybrid_model), probes, tensor)
+    with pytest.raises(cp.ClusterPlanError, match="engine stage"):
+        cp.plan_cluster(config, facts, sizes, probes, tensor.model_copy(update={"stage": "loop"}))
