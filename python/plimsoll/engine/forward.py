@@ -36,19 +36,25 @@ from plimsoll.core.transients import paced
 from plimsoll.engine import mixers, sampled_rows, state, verify
 from plimsoll.engine.attention import Batch, Pacer
 from plimsoll.engine.groups import Flat, Group, group_view
-from plimsoll.engine.paged import RecurrentState, read_of, slots_of, write_of
+from plimsoll.engine.paged import FullAttention, RecurrentState, read_of, slots_of, write_of
 from plimsoll.engine.sampling import sample
 from plimsoll.engine.work import Step, Work
 
 
 def groups_of(eng, step: Step) -> list[Group]:
-    """The step's groups, pools grown to every block they read or write."""
+    """The step's groups, pools grown to every block they read or write. Where every layer
+    is a plain full-attention pool (:func:`verifies_as_rows`), the verifying works join the
+    decode rows (:func:`rows_of_works`); elsewhere each is a chunk of its own."""
     groups, top, lo = [], 0, 0
-    if step.decodes:
-        g, top = _decode_group(eng, step.decodes)
+    chunks, rowed = step.prefills, step.decodes
+    if any(w.draft for w in chunks) and verifies_as_rows(eng):
+        rowed = step.decodes + tuple(w for w in chunks if w.draft)
+        chunks = tuple(w for w in chunks if not w.draft)
+    if rowed:
+        g, top = _decode_group(eng, rowed)
         groups.append(g)
         lo = g.hi
-    for w in step.prefills:
+    for w in chunks:
         g = _chunk_group(eng, w, lo)
         groups.append(g)
         lo = g.hi
@@ -68,37 +74,66 @@ def _pace(eng, groups: list[Group]) -> None:
     chunks = [g.works[0] for g in groups if not g.decode]
     gathered = sum(w.start + w.length for w in chunks if w.start)  # copied (or padded) a layer
     if eng.decode_gathers:
-        gathered += sum(w.start + 1 for g in groups if g.decode for w in g.works)
+        gathered += sum(w.start + 1 for g in groups if g.decode for w in g.rows)
     if paced(sum(w.length for w in chunks), gathered):
         groups[-1].batch.pace = Pacer(eng.prefill_window)
 
 
+def verifies_as_rows(eng) -> bool:
+    """Whether a verifying Work's tokens run as decode rows here: every cache layer a plain
+    full-attention pool, which attends one row exactly as a chunk's causal row (a latent,
+    window or quantized layer attends a chunk otherwise; speculation refuses the latter
+    two)."""
+    return all(type(k) is FullAttention for k in eng.flat_kinds)
+
+
+def rows_of_works(works: tuple[Work, ...]) -> tuple[Work, ...]:
+    """The decode rows of ``works``: a plain decode is one row; a verifying Work (``draft``
+    = k) is k + 1 rows, token ``i`` at ``start + i``, each sampled. Row ``i`` reads its
+    table to ``start + i + 1`` with the step's own writes of rows ``0 .. i`` in it (every
+    row's K/V is written before any row attends), so it attends exactly as row ``i`` of
+    the chunk would, and the verifying sequences of a step share the decode rows' one
+    attention call (and the decode kernel) instead of one call each a layer."""
+    if not any(w.draft for w in works):
+        return works
+    rows: list[Work] = []
+    for w in works:
+        if not w.draft:
+            rows.append(w)
+            continue
+        rows += [Work(w.seq_id, (t,), w.start + i, w.block_table, True, w.sampling)
+                 for i, t in enumerate(w.tokens)]
+    return tuple(rows)
+
+
 def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
+    """The decode rows of ``works`` (verifying ones included: :func:`rows_of_works`)."""
     bt = eng.block_tokens
-    starts = [w.start for w in works]
+    rows = rows_of_works(works)
+    starts = [w.start for w in rows]
     lengths = [s + 1 for s in starts]
-    ids = tuple(w.seq_id for w in works)
+    ids = tuple(w.seq_id for w in rows)
     # The tables' index is kept across steps (only new blocks are written into it); its
     # highest id covers every block the decodes read or write.
-    read, top = eng._reads.read(ids, [w.block_table for w in works], lengths,
+    read, top = eng._reads.read(ids, [w.block_table for w in rows], lengths,
                                 slice_ok=eng.kernels.decode is None)
     write = np.array([w.block_table[s // bt] * bt + s % bt
-                      for w, s in zip(works, starts, strict=True)], dtype=np.int32)
+                      for w, s in zip(rows, starts, strict=True)], dtype=np.int32)
     lengths_mx = mx.array(lengths, dtype=mx.int32)
     mask = None
     if min(lengths) != max(lengths):  # built on the device, not row × context on the host
         mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]
                 < lengths_mx[:, None])[:, None, None, :]
-    offset = starts[0] if len(works) == 1 else mx.array(starts, dtype=mx.int32)
+    offset = starts[0] if len(rows) == 1 else mx.array(starts, dtype=mx.int32)
     batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx,
                   kernel=eng.kernels.decode)
     if eng._batched is not None and eng._batched[0] == ids:
         stacked = [state.cache_of(e) for e in eng._batched[1]]
     else:
-        rows = [eng._states.get(w.seq_id) or eng._fresh_state() for w in works]
-        stacked = [state.stack([r[j] for r in rows]) for j in range(len(rows[0]))]
+        held = [eng._states.get(w.seq_id) or eng._fresh_state() for w in works]
+        stacked = [state.stack([r[j] for r in held]) for j in range(len(held[0]))]
     rings = eng._rings.batch(list(ids), starts, 1) if eng._rings else None
-    return Group(works, 0, True, batch, rings, stacked), top
+    return Group(works, 0, True, batch, rings, stacked, rows), top
 
 
 def _chunk_group(eng, w: Work, lo: int) -> Group:
@@ -132,7 +167,7 @@ def decode_inputs(eng, works: tuple[Work, ...]) -> mx.array:
 
 def _inputs(eng, g: Group) -> mx.array:
     if g.decode:
-        return decode_inputs(eng, g.works)
+        return decode_inputs(eng, g.rows)
     return mx.array(g.works[0].tokens, dtype=mx.uint32)
 
 

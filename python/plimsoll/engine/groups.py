@@ -1,8 +1,10 @@
 """A step's groups and the views each cache layer gives them (imports mlx).
 
 A step is cut into *groups*, each one call of every token-mixing module
-(:mod:`plimsoll.engine.mixers`): the decode rows (one token each, batched as ``(rows, 1)``),
-then each prefill chunk (``(1, n)``, causal from its start). A :class:`Group` carries its
+(:mod:`plimsoll.engine.mixers`): the decode rows (one token each, batched as ``(rows, 1)``;
+a verifying sequence's ``k + 1`` tokens are ``k + 1`` of them, see
+:func:`plimsoll.engine.forward.rows_of_works`), then each prefill chunk (``(1, n)``, causal
+from its start). A :class:`Group` carries its
 :class:`~plimsoll.engine.attention.Batch` (slots written, blocks read, mask, rope offset),
 its window rings' batch and its recurrent-state caches, and its rows ``lo .. hi`` in the
 step's flattened ``(T, 1)`` layout. :class:`Flat` is that layout: the groups, every token's
@@ -21,11 +23,14 @@ from plimsoll.engine.window import WindowAttention, WindowView
 class Group:
     """The decode rows of a step, or one prefill chunk: one call of each mixing module."""
 
-    __slots__ = ("batch", "decode", "hi", "lo", "rings", "states", "works")
+    __slots__ = ("batch", "decode", "hi", "lo", "rings", "rows", "states", "works")
 
-    def __init__(self, works, lo: int, decode: bool, batch, rings, states: list):
+    def __init__(self, works, lo: int, decode: bool, batch, rings, states: list, rows=None):
         self.works, self.lo, self.decode = tuple(works), lo, decode
-        self.hi = lo + (len(self.works) if decode else self.works[0].length)
+        #: the decode rows, one token each (a verifying Work's ``k + 1`` rows in order);
+        #: the works themselves where none verifies
+        self.rows = self.works if rows is None else tuple(rows)
+        self.hi = lo + (len(self.rows) if decode else self.works[0].length)
         self.batch, self.rings, self.states = batch, rings, states
 
     @property
@@ -36,7 +41,7 @@ class Group:
     def sampled(self) -> list[int]:
         """Rows of the flattened layout whose logits are sampled."""
         if self.decode:
-            return [self.lo + i for i, w in enumerate(self.works) if w.sample]
+            return [self.lo + i for i, w in enumerate(self.rows) if w.sample]
         w = self.works[0]
         if w.draft:  # a speculating sequence: every row is verified
             return list(range(self.lo, self.hi))
@@ -89,7 +94,7 @@ class Flat:
         self.total = groups[-1].hi
         pos = []
         for g in groups:
-            pos += ([w.start for w in g.works] if g.decode
+            pos += ([w.start for w in g.rows] if g.decode
                     else range(g.works[0].start, g.works[0].start + g.length))
         self.positions = mx.array(pos, dtype=mx.int32)
 

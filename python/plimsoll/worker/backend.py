@@ -13,6 +13,7 @@ process; a clustered rank 0 passes a backend of its own (:mod:`plimsoll.cluster.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Collection
 from contextlib import AbstractAsyncContextManager
@@ -207,6 +208,8 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
                                               eng.speculation_refused)
         if sched.drafter is not None and sched.drafter.refused:
             log.warning("speculation off: %s", sched.drafter.refused)
+        elif sched.drafter is not None:  # its drafts are decode rows (engine/forward)
+            limits = dataclasses.replace(limits, decode_rows_per_seq=1 + cfg.num_draft_tokens)
         # GPU backends only (see engine/warmup): the model, and the proposer's engine (a
         # draft model's, or the MTP head's)
         for warmed in (eng, getattr(sched.drafter, "engine", None)):

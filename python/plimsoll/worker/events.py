@@ -81,6 +81,7 @@ class SchedulerLimits:
     prefill_tokens: int = PREFILL_CHUNK  # prompt tokens computed per step, over all prefills
     transient_bytes: int = 0   # the compute transient bound (decode_bytes must stay under)
     decode_bytes: Callable[[int, int], int] | None = None  # (rows, longest) → transient
+    decode_rows_per_seq: int = 1  # decode rows a sequence may take (1 + drafts: verified as rows)
     chunk_for: Callable[[int], int] | None = None  # a prompt's length → its largest chunk
     chunk_align: int = 0       # a chunk not its prompt's last ends on a multiple (0: anywhere)
     split_decodes: bool = False  # decodes in alternate halves (a pipeline across ranks)

@@ -57,13 +57,15 @@ def end_reason(run: Run, token: int, eos_ids: Collection[int]) -> str | None:
 
 def decode_fits(limits: SchedulerLimits, req: GenRequest, running: Collection[Run]) -> bool:
     """Whether the decode step's transient stays under its bound with ``req`` running too
-    (every row gathers the longest row's slots)."""
+    (every row gathers the longest row's slots; a speculating sequence's drafts are rows
+    of it, ``limits.decode_rows_per_seq``)."""
     bytes_for = limits.decode_bytes
     if bytes_for is None:
         return True
     longest = max([len(req.prompt) + req.max_tokens,
                    *(r.prompt_len + r.req.max_tokens for r in running)])
-    return bytes_for(len(running) + 1, longest) <= limits.transient_bytes
+    rows = (len(running) + 1) * limits.decode_rows_per_seq
+    return bytes_for(rows, longest) <= limits.transient_bytes
 
 
 def in_flight(req: GenRequest, hits: int, block_tokens: int, running: Iterable[Run]) -> bool:

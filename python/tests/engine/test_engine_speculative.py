@@ -62,6 +62,33 @@ def test_drafts_verify_beside_decodes_and_chunks(eng):
         eng.free_state(seq)
 
 
+def test_several_verifying_sequences_share_the_decode_rows(eng):
+    """Two speculating sequences (3 and 2 drafts, at different positions) beside a decode:
+    their tokens are rows of the one decode group (engine/forward.rows_of_works), and each
+    accepts exactly its agreeing prefix and the target's next token."""
+    from plimsoll.engine import forward
+
+    a, b, c = text(eng.tokenizer, 33, 5), text(eng.tokenizer, 21, 9), text(eng.tokenizer, 47, 2)
+    ref_a, ref_b, ref_c = (reference(eng.model, p, 6) for p in (a, b, c))
+    ta, tb, tc = tuple(range(24, 32)), tuple(range(32, 40)), tuple(range(40, 48))
+    first = eng.run(Step(prefills=(Work(11, tuple(a), 0, ta, True), Work(12, tuple(b), 0, tb, True),
+                                   Work(13, tuple(c), 0, tc, True))))
+    assert (first[11], first[12], first[13]) == (ref_a[0], ref_b[0], ref_c[0])
+    wrong = (ref_b[2] + 1) % eng.model.args.vocab_size
+    step = Step(decodes=(Work(13, (ref_c[0],), len(c), tc, True),),
+                prefills=(Work(11, (ref_a[0], *ref_a[1:4]), len(a), ta, True, draft=3),
+                          Work(12, (ref_b[0], ref_b[1], wrong), len(b), tb, True, draft=2)))
+    groups = forward.groups_of(eng, step)
+    assert forward.verifies_as_rows(eng)
+    assert len(groups) == 1 and groups[0].decode and len(groups[0].rows) == 1 + 4 + 3
+    out = eng.run(step)
+    assert out[11] == tuple(ref_a[1:5])  # all three right: k + 1 tokens
+    assert out[12] == (ref_b[1], ref_b[2])  # one right, then the target's own
+    assert out[13] == ref_c[1]
+    for seq in (11, 12, 13):
+        eng.free_state(seq)
+
+
 class _AnyToken:
     def allowed(self):
         return None

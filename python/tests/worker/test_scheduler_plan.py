@@ -374,3 +374,22 @@ def test_an_aligned_cut_loses_less_than_half_and_never_the_last_chunk(start, n, 
         assert got == n
     else:
         assert 0 < got <= n and (got == n or ((start + got) % align == 0 and got * 2 > n))
+
+
+def test_a_speculating_worker_counts_every_draft_as_a_decode_row():
+    """decode_fits charges a running sequence 1 + its drafts rows when speculation is on
+    (verified drafts are rows of the decode step, engine/forward.rows_of_works)."""
+    from plimsoll.worker.waiting import Run, decode_fits
+
+    def bytes_for(rows: int, longest: int) -> int:
+        return rows * longest
+
+    plain = SchedulerLimits(8, 8, 1.0, 1 << 40, transient_bytes=4 * 100,
+                            decode_bytes=bytes_for)
+    spec = SchedulerLimits(8, 8, 1.0, 1 << 40, transient_bytes=4 * 100,
+                           decode_bytes=bytes_for, decode_rows_per_seq=4)
+    req = GenRequest(list(range(50)), 50, lambda e: None)
+    running = [Run(GenRequest(list(range(50)), 50, lambda e: None), list(range(50)), 50, 50, 0)]
+    assert decode_fits(plain, req, running)  # 2 rows × 100
+    assert not decode_fits(spec, req, running)  # 8 rows × 100 > 4 × 100
+    assert decode_fits(spec, req, [])  # 4 rows × 100
