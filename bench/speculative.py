@@ -42,6 +42,7 @@ sources in DIR (``MODE before``), in the same interleaved rounds. Run with OpenB
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import statistics
@@ -73,8 +74,8 @@ def sharpened(base: Path, out: Path, scale: float = 4.0) -> Path:
     shutil.copytree(base, out, dirs_exist_ok=True)
     model, _ = mlx_lm.load(str(base))
     sharpen(model, scale)
-    for f in out.glob("*.safetensors"):
-        f.unlink()
+    for f in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
+        f.unlink()  # the shards and their index: one file of the scaled weights instead
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
     return out
@@ -100,7 +101,10 @@ class Server:
                     "--max-num-seqs", "8", "--context", "2048", "--max-tokens", "512",
                     "--ceiling-bytes", str(16 << 30), "--total-ram-bytes", str(24 << 30),
                     "--quiet", *extra]
-        env = server_env(OPENBLAS) | ({"PYTHONPATH": str(code)} if code else {})
+        env = server_env(OPENBLAS)
+        if code:  # first on the path, the rest kept (where the dependencies may be)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(code.resolve()), env.get("PYTHONPATH", "")) if p)
         self.server = ServerProcess("server", argv, env, port, log).start()
         self.server.wait_ready(300, paths=("/v1/models",) if mlx_lm
                                else ("/v1/plimsoll/status",))
@@ -244,7 +248,8 @@ def markdown(result: dict) -> str:
              "(a plimsoll row: against plimsoll's plain). `... before`: the same mode running "
              f"the code at {result.get('before_code') or '(none)'} (PYTHONPATH), the code "
              "before a change, in the same run.", "",
-             "The engine alone (in process, interleaved, the tiny model at 100-560 tokens): a "
+             "The engine alone (in process, interleaved, the `repeat` model at 100-560 "
+             "tokens): a "
              f"decode step {eng['decode_step_ms']:.1f} ms, a step verifying 3 drafts (4 "
              f"tokens) {eng['verify4_step_ms']:.1f} ms ({eng['ratio']:.2f} x).", ""]
     return "\n".join(lines)
@@ -267,11 +272,11 @@ MTP_ABOUT = (
     "0.95 x plain), not a speed-up. `mlx_lm plain`: mlx_lm.server on the same directory (it "
     "drops the MTP layer at load).")
 LOOKUP_ABOUT = (
-    "`repeat`: the demo model's looping greedy output and a repeated sentence (high "
-    "acceptance). `random`: matrices × 4 (varied output) and random words (one prompt per "
-    "stream): lookup rarely matches, and a sequence whose drafts find no match or are rejected "
-    "falls to draft length 0; what remains is an unpipelined retry step after 16, 32, 64 ... "
-    "steps. A shared 2-core machine: compare each mode's runs column, not just medians.")
+    "`repeat`: the model as built (random weights: its greedy output settles into a loop) and "
+    "a repeated sentence (high acceptance). `random`: matrices × 4 (varied output) and random "
+    "words (one prompt per stream): lookup rarely matches, and a sequence whose drafts find no "
+    "match or are rejected falls to draft length 0; what remains is an unpipelined retry step "
+    "after 16, 32, 64 ... steps. Compare each mode's runs column, not just medians.")
 
 
 def main() -> None:
