@@ -32,7 +32,11 @@ them out). ``--mtp DIR`` measures the MTP proposer on DIR, a checkpoint with an 
 (``mtp``: random words): ``plain`` (``--no-mtp``), ``mtp`` (the head, the worker's default)
 and ``mlx_lm.server``, which drops the MTP layer: what the head costs at the adaptive draft
 length. ``--before-code DIR`` runs each speculating plimsoll mode a second time on the
-sources in DIR (``MODE before``), in the same interleaved rounds. Run with OpenBLAS::
+sources in DIR (``MODE before``), in the same interleaved rounds. ``--noise F,…`` adds
+``lookup noise F`` modes, whose drafts are each made wrong with probability F
+(``lib/draft_noise``): in ``repeat`` (drafts right) that sets the acceptance, the curve of
+speed against acceptance; ``--lengths K,…`` adds ``lookup k=K`` modes (other draft lengths);
+``--regimes`` picks the regimes (default both). Run with OpenBLAS::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
       PYTHONPATH=python python bench/speculative.py [--draft-model] \\
@@ -81,6 +85,9 @@ def sharpened(base: Path, out: Path, scale: float = 4.0) -> Path:
     return out
 
 
+NOISE_HOOK = Path(__file__).resolve().parent / "lib" / "draft_noise"
+
+
 class Server:
     """One mode's server: a plimsoll worker (``extra``: its speculation flags) or, with
     ``mlx_lm`` set, an ``mlx_lm.server`` (``extra``: ``--draft-model DIR`` and
@@ -88,7 +95,7 @@ class Server:
     (PYTHONPATH; default this interpreter's)."""
 
     def __init__(self, model: Path, log: Path, extra: list[str], mlx_lm: bool = False,
-                 code: Path | None = None):
+                 code: Path | None = None, noise: float = 0.0):
         port = free_port()
         self.url, self.mlx_lm = f"http://127.0.0.1:{port}", mlx_lm
         if mlx_lm:
@@ -105,6 +112,10 @@ class Server:
         if code:  # first on the path, the rest kept (where the dependencies may be)
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(code.resolve()), env.get("PYTHONPATH", "")) if p)
+        if noise:  # lib/draft_noise: each draft wrong with probability ``noise``
+            env["PLIMSOLL_BENCH_DRAFT_NOISE"] = str(noise)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(NOISE_HOOK), env.get("PYTHONPATH", "")) if p)
         self.server = ServerProcess("server", argv, env, port, log).start()
         self.server.wait_ready(300, paths=("/v1/models",) if mlx_lm
                                else ("/v1/plimsoll/status",))
@@ -302,6 +313,13 @@ def main() -> None:
                     help="prompt lookup on DIR (e.g. bench/gpu_model.py's Qwen3-4B-shaped "
                          "model) instead of the tiny demo: `repeat` on DIR as built, `random` "
                          "on a sharpened copy under --dir, with mlx_lm.server on DIR beside them")
+    ap.add_argument("--noise", type=lambda x: [float(v) for v in x.split(",")], default=[],
+                    help="draft-noise fractions, comma-separated: a `lookup noise F` mode each "
+                         "(every draft wrong with probability F: controlled acceptance)")
+    ap.add_argument("--lengths", type=lambda x: [int(v) for v in x.split(",")], default=[],
+                    help="more draft lengths, comma-separated: a `lookup k=K` mode each")
+    ap.add_argument("--regimes", type=lambda x: x.split(","), default=["repeat", "random"],
+                    help="the regimes to run, comma-separated (default repeat,random)")
     ap.add_argument("--out-dir", type=Path, default=report.RESULTS)
     ap.add_argument("--name", default=report.default_name("speculative"))
     args = ap.parse_args()
@@ -310,13 +328,20 @@ def main() -> None:
 
     if args.model is not None:
         base = args.model.resolve()
-        sharp = sharpened(base, args.dir / f"{base.name}-sharp")
     else:
         base = build_demo_model(args.dir / "tiny", preset="tiny")
-        sharp = sharpened(base, args.dir / "tiny-sharp")
+    # the sharpened copy only where a regime runs it (a copy of the whole model)
+    sharp = sharpened(base, args.dir / f"{base.name}-sharp") \
+        if "random" in args.regimes or args.draft_model else base
     regimes = {"repeat": (base, repeated), "random": (sharp, varied)}
+    regimes = {r: regimes[r] for r in args.regimes}
     k = ["--num-draft-tokens", str(args.num_draft_tokens)]
     modes = {"plain": ([], False), "lookup": (["--prompt-lookup", "3", *k], False)}
+    for f in args.noise:
+        modes[f"lookup noise {f:g}"] = (["--prompt-lookup", "3", *k], False, None, f)
+    for n in args.lengths:
+        modes[f"lookup k={n}"] = (["--prompt-lookup", "3", "--num-draft-tokens", str(n)],
+                                  False)
     if args.model is not None and args.mlx_lm:
         modes["mlx_lm plain"] = ([], True)
     if args.draft_model:
@@ -335,9 +360,10 @@ def main() -> None:
         if args.mlx_lm:
             modes["mlx_lm plain"] = ([], True)
     if args.before_code is not None:
-        speculating = [m for m, (extra, mlx_lm) in modes.items()
+        speculating = [m for m, (extra, mlx_lm, *_) in modes.items()
                        if extra and not mlx_lm and m != "plain"]
-        modes |= {f"{m} before": (*modes[m], args.before_code) for m in speculating}
+        modes |= {f"{m} before": (*modes[m][:2], args.before_code, *modes[m][3:])
+                  for m in speculating}
     host = report.host_facts()
     out: dict = {}
     for regime, (model, prompts) in regimes.items():

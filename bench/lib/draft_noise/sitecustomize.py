@@ -1,0 +1,23 @@
+"""Controlled acceptance for bench/speculative.py ``--noise``: a worker started with this
+directory first on its PYTHONPATH (Python imports ``sitecustomize`` at start-up, in the API
+process and in the engine process it spawns) and ``PLIMSOLL_BENCH_DRAFT_NOISE=F`` has each
+prompt-lookup draft token replaced by a wrong one (the next token id) with probability ``F``
+(a fixed seed). With the ``repeat`` regime's drafts all right, a draft is then right with
+probability ``1 - F``: the acceptance the bench plots speed against. Nothing else changes;
+without the variable this does nothing."""
+
+import os
+
+if noise := float(os.environ.get("PLIMSOLL_BENCH_DRAFT_NOISE") or 0):
+    import random
+
+    from plimsoll.worker import speculate
+
+    _rng = random.Random(0)
+    _lookup = speculate.Drafter.lookup
+
+    def _noisy(self, seq_id, tokens, k):
+        return tuple(t + 1 if _rng.random() < noise else t
+                     for t in _lookup(self, seq_id, tokens, k))
+
+    speculate.Drafter.lookup = _noisy
