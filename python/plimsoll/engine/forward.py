@@ -17,7 +17,9 @@ Logits are taken only at each sequence's last scheduled token that samples (a de
 a chunk's last token): the last decoder layer's output is cut to those rows
 (:mod:`plimsoll.engine.sampled_rows`), so no forward runs for a sampled token alone
 and the lm head sees only the sampled rows. A speculating sequence's Work (``draft`` > 0)
-is a chunk whose every row is sampled: all such rows of a step are checked at once
+has every row sampled — its ``k + 1`` tokens decode rows of the step
+(:func:`rows_of_works`; a chunk of its own where a layer is not a plain full-attention
+pool): all such rows of a step are checked at once
 (:mod:`plimsoll.engine.verify`: greedy by the argmax, sampled by the rejection-sampling
 rule), and :class:`~plimsoll.engine.core.Pending` takes each one's accepted prefix. Where
 an MTP head drafts (:attr:`Engine.mtp`), the last decoder layer's output at every row is

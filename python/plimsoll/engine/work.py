@@ -63,8 +63,10 @@ class Work:
     step", still lazy on the device (pipelining).
 
     ``draft`` > 0 (a speculating sequence, unconstrained only): the last ``draft`` of
-    ``tokens`` are proposals to verify; the Work runs as a chunk at ``start`` with logits
-    at every row, and its result is the accepted drafts plus the target's next token
+    ``tokens`` are proposals to verify; the Work runs as ``draft + 1`` decode rows from
+    ``start`` (a chunk at ``start`` where a layer is not a plain full-attention pool:
+    engine/forward.rows_of_works) with logits at every row, and its result is the accepted
+    drafts plus the target's next token
     (1 .. ``draft`` + 1 tokens; :mod:`plimsoll.engine.verify`: the argmax's agreeing prefix
     when greedy, the rejection-sampling rule when sampled). Positions past the accepted ones
     are overwritten later. ``draft_probs``: the distributions the proposer drew its drafts
