@@ -65,9 +65,18 @@ def render_chat(tokenizer: Any, req: ChatCompletionRequest, **template_kwargs: A
 
 def apply_template(tokenizer: Any, messages: list[dict[str, Any]],
                    tools: list[dict[str, Any]] | None, **kwargs: Any) -> list[int]:
-    """The model's chat template over normalised messages, as token ids; a failure is a 400."""
+    """The model's chat template over normalised messages, as token ids; a failure is a 400.
+
+    A tokenizer with ``encode_prompt`` (the worker's, :mod:`plimsoll.worker.prompt_pieces`)
+    renders the text and tokenizes it itself, as mlx-lm does for its own templates
+    (``encode(text, add_special_tokens=False)``, what ``tokenize=True`` does too)."""
+    encode = getattr(tokenizer, "encode_prompt", None)
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, **kwargs)
+        if encode is None:
+            ids = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, **kwargs)
+        else:
+            ids = encode(tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                       **kwargs))
     except Exception as e:  # template code is the model's, not ours: any failure is a 400
         raise ProtocolError(400, f"The model's chat template could not render these messages "
                             f"({type(e).__name__}: {e}). Check the roles and their order.",

@@ -9,11 +9,12 @@ A line is ``key=value`` pairs on the ``plimsoll.access`` logger, e.g.::
 a stream), ``reservation`` the output reservation the request was admitted with (after a
 clamp: see ``x-plimsoll-max-tokens``), ``drafted`` / ``accepted`` the tokens speculation
 proposed for the request and those the model accepted (only when it drafted). Times are
-from the request's arrival: ``submit_s`` when it was handed to the scheduler (parsed, its
-prompt rendered and tokenized), ``admit_s`` when the scheduler admitted it (its prompt
-blocks reserved; its first chunk planned), ``ttft_s`` its first token. Figures a
-server does not know are left out (the proxy relays streams without parsing their prompt).
-``--quiet`` turns the lines off (:func:`set_quiet`).
+from the request's arrival: ``parse_s`` when its body was read and parsed, ``submit_s`` when
+it was handed to the scheduler (its prompt rendered and tokenized too; ``render_s`` is how
+long the rendering took, a wait for a thread included), ``admit_s`` when the scheduler
+admitted it (its prompt blocks reserved; its first chunk planned), ``ttft_s`` its first
+token. Figures a server does not know are left out (the proxy relays streams without
+parsing their prompt). ``--quiet`` turns the lines off (:func:`set_quiet`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class Access:
     drafted: int | None = None
     accepted: int | None = None
     started: float = field(default_factory=time.monotonic)
+    parsed_at: float | None = None
+    rendered_at: float | None = None
     submitted_at: float | None = None
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -56,10 +59,12 @@ class Access:
             value = getattr(self, key)
             if value is not None:
                 parts.append(f"{key}={value}")
-        for key, at in (("submit_s", self.submitted_at), ("admit_s", self.admitted_at),
-                        ("ttft_s", self.first_token_at)):
+        for key, at in (("parse_s", self.parsed_at), ("submit_s", self.submitted_at),
+                        ("admit_s", self.admitted_at), ("ttft_s", self.first_token_at)):
             if at is not None:
                 parts.append(f"{key}={at - self.started:.3f}")
+        if self.parsed_at is not None and self.rendered_at is not None:
+            parts.append(f"render_s={self.rendered_at - self.parsed_at:.3f}")
         parts.append(f"total_s={now - self.started:.3f}")
         return "access " + " ".join(parts)
 

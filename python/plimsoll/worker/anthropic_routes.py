@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -32,6 +31,7 @@ from plimsoll.worker.submit import (
     PENDING,
     constraint_spec,
     events,
+    rendered,
     reservation,
     reserved_headers,
     sse_stream,
@@ -66,7 +66,8 @@ async def _prompt(request: Request, parse: Any) -> tuple[Any, list[int]] | JSONR
     if err := protocol.check_model(req.model, state.cfg.model_name):
         return protocol_error(err)
     try:
-        prompt = await run_in_threadpool(anthropic.render_messages, state.tokenizer, req)
+        prompt = await rendered(request, anthropic.render_messages, state.tokenizer,
+                                req)
     except protocol.ProtocolError as err:
         return protocol_error(err)
     rec.prompt = len(prompt)

@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -56,6 +55,7 @@ from .submit import (
     error,
     events,
     protocol_error,
+    rendered,
     reservation,
     reserved_headers,
     sse_stream,
@@ -85,7 +85,7 @@ async def generate(request: Request, kind: protocol.Kind) -> Response:
         return protocol_error(err)
     render = protocol.render_chat if kind == "chat" else protocol.render_completion
     try:
-        prompt = await run_in_threadpool(render, state.tokenizer, req)
+        prompt = await rendered(request, render, state.tokenizer, req)
         spec = constraint_spec(state, structured.chat_spec(req) if kind == "chat" else None)
     except protocol.ProtocolError as err:
         return protocol_error(err)

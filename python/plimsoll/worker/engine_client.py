@@ -39,7 +39,7 @@ from typing import Any
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard.process import EXIT_FOOTPRINT
 
-from . import ipc, tokenizer
+from . import ipc, prompt_pieces, tokenizer
 from .events import GenRequest, Refused, Token
 
 log = logging.getLogger("plimsoll.worker")
@@ -184,7 +184,10 @@ class EngineClient:
                     await warm
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(
-                tokenizer.from_engine, pickled, self.cfg.model_dir, facts["eos_token_ids"])
+                lambda: prompt_pieces.PromptTokenizer(tokenizer.from_engine(
+                    pickled, self.cfg.model_dir, facts["eos_token_ids"])))
+            if refused := self.tokenizer.pieces_refused:
+                log.info("prompts are tokenized whole: %s", refused)
         self.facts = facts
         self.down = None
         log.info("engine process %d ready%s", proc.pid,
@@ -278,6 +281,7 @@ async def process_backend(cfg: WorkerConfig) -> AsyncIterator[dict[str, Any]]:
                "native_max_context": f["native_max_context"], "block_bytes": f["block_bytes"],
                "kv_bytes_per_token": f["kv_bytes_per_token"], "kv_dtype": f["kv_dtype"],
                "applied_limits": f["applied_limits"], "live": client.live,
-               "constrained_decoding": True}
+               "constrained_decoding": True,
+               "status_extra": lambda: {"prompt_pieces": client.tokenizer.figures()}}
     finally:  # the disk tier's shutdown spill runs in the engine process: give it time
         await client.close(15.0 if cfg.disk_cache_dir is None else 130.0)

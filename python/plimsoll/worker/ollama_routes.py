@@ -22,7 +22,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -85,7 +84,7 @@ async def _answer(request: Request, kind: ollama.Kind) -> Response:
     if ollama.loads_only(req):
         return JSONResponse(ollama.loaded(meta))
     try:
-        target, prompt, spec = await run_in_threadpool(_prepare, state, req)
+        target, prompt, spec = await submit.rendered(request, _prepare, state, req)
     except protocol.ProtocolError as err:
         return protocol_error(err)
     rec.prompt = len(prompt)

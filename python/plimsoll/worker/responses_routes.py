@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -34,6 +33,7 @@ from .submit import (
     error,
     events,
     protocol_error,
+    rendered,
     reservation,
     reserved_headers,
     sse_stream,
@@ -109,7 +109,7 @@ async def responses(request: Request) -> Response:
     if err := protocol.check_model(req.model, cfg.model_name):
         return protocol_error(err)
     try:
-        chat, prompt, spec, convo = await run_in_threadpool(_prepare, state, req)
+        chat, prompt, spec, convo = await rendered(request, _prepare, state, req)
     except ProtocolError as err:
         return protocol_error(err)
     rec.prompt = len(prompt)

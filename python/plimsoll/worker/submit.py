@@ -25,6 +25,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -91,6 +92,18 @@ def mailbox(loop: asyncio.AbstractEventLoop) -> Mailbox:
 
 
 PENDING = _Pending()
+
+
+async def rendered(request: Request, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` (a prompt's rendering and tokenizing) on a worker thread, off the event
+    loop; the access line's ``parse_s`` / ``render_s`` say when it began and how long it
+    took. Its ProtocolError propagates to the caller."""
+    rec = access(request)
+    rec.parsed_at = time.monotonic()
+    try:
+        return await run_in_threadpool(fn, *args)
+    finally:
+        rec.rendered_at = time.monotonic()
 
 
 def reservation(state: Any, prompt_tokens: int, asked: int | None,

@@ -69,10 +69,13 @@ def test_openai_sdk_every_tolerated_field_and_the_clamp(cw, wlog):
             and "reservation=64" in line and "status=200" in line and "prompt=" in line
             and "ttft_s=" in line]
     assert ours, lines
-    # where the time went: handed to the scheduler, admitted, first token, in that order
-    times = dict(kv.split("=") for kv in ours[-1].split() if kv.endswith(tuple("0123456789"))
-                 and kv.split("=")[0].endswith("_s"))
-    assert 0 <= float(times["submit_s"]) <= float(times["admit_s"]) <= float(times["ttft_s"])
+    # where the time went: parsed, rendered, handed to the scheduler, admitted, first token,
+    # in that order
+    times = {k: float(v) for k, v in (kv.split("=") for kv in ours[-1].split()
+                                      if kv.endswith(tuple("0123456789"))
+                                      and kv.split("=")[0].endswith("_s"))}
+    assert 0 <= times["parse_s"] <= times["submit_s"] <= times["admit_s"] <= times["ttft_s"]
+    assert 0 <= times["render_s"] <= times["submit_s"] - times["parse_s"]
     assert "'prediction' (logged once)" in wlog.read_text()
 
 
@@ -223,7 +226,8 @@ def test_sigterm_mid_stream_ends_the_stream_properly(tiny_model, tmp_path, drain
     tokens = sum(1 for d in data if content(d))
     if ends == "error":
         assert last["error"]["code"] == "worker_stopping", last
-        assert after_signal >= drain and tokens < max_tokens  # the drain, then cut short
+        # the drain, then cut short
+        assert after_signal >= drain and tokens < max_tokens, (after_signal, last)
     else:
         assert last["choices"][0]["finish_reason"] == "length", last
     assert rc == 0

@@ -1,0 +1,141 @@
+"""Prompts tokenized piece by piece between added tokens, long pieces cached
+(:mod:`plimsoll.worker.prompt_pieces`): the ids are the tokenizer's own on any text, from the
+cache too; the cache keeps to its bound; a tokenizer whose pieces are not independent is
+refused at the start-time check and tokenizes whole; and through a real worker, prompts that
+share a long system prompt reuse its ids (the status counts the hits) with the usage's
+prompt tokens unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from plimsoll.demo import tokenizer as tokenizer_build
+from plimsoll.worker import prompt_pieces
+from plimsoll.worker.prompt_pieces import PieceEncoder, PromptTokenizer, checked
+
+pytestmark = pytest.mark.pure
+
+
+def fast_tokenizer(tmp_path_factory, tok: Tokenizer, name: str):
+    """``tok`` as transformers loads it from a model directory (the chat template too)."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp(name)
+    tokenizer_build.write_tokenizer_files(out, tok, 4096)
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return fast_tokenizer(tmp_path_factory, tokenizer_build.train_tokenizer(512), "demo")
+
+
+ADDED = list(tokenizer_build.SPECIAL_TOKENS + tokenizer_build.TOOL_TOKENS)
+texts = st.lists(st.one_of(st.sampled_from(ADDED),
+                           st.text(st.characters(codec="utf-8"), max_size=40),
+                           st.sampled_from([" ", "\n", "\n\n", "  ", "\t", "word", "é", "日本"])),
+                 max_size=24).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(texts)
+def test_the_ids_are_the_tokenizers_own_on_any_text(demo, text):
+    enc, reason = checked(demo)
+    assert enc is not None, reason
+    want = demo.encode(text, add_special_tokens=False)
+    assert enc.encode(text) == want
+    assert enc.encode(text) == want  # a second time: the long pieces from the cache
+
+
+def test_a_shared_prefix_is_tokenized_once_and_its_ids_reused(demo):
+    enc, _ = checked(demo)
+    system = "You are a careful coding agent. Read the files first. " * 200
+    prompts = [demo.apply_chat_template([{"role": "system", "content": system},
+                                         {"role": "user", "content": f"task {i}: " * 60}],
+                                        tokenize=False, add_generation_prompt=True)
+               for i in range(4)]
+    for p in prompts:
+        assert enc.encode(p) == demo.encode(p, add_special_tokens=False)
+    figures = enc.figures()
+    assert figures["hits"] == 3  # the system prompt, after the first
+    assert figures["misses"] == 5  # it once, and each task
+    assert 0 < figures["bytes"] <= figures["cap_bytes"]
+
+
+def test_the_cache_keeps_to_its_bound(demo, monkeypatch):
+    monkeypatch.setattr(prompt_pieces, "CACHE_BYTES", 64 << 10)
+    enc = PieceEncoder(demo.backend_tokenizer)
+    for i in range(60):
+        piece = f"piece {i} " + "some text to tokenize " * 40
+        assert enc.encode(piece) == demo.encode(piece, add_special_tokens=False)
+        assert enc.figures()["bytes"] <= 64 << 10
+    assert 0 < enc.figures()["pieces"] < 60  # the oldest went
+
+
+def test_a_tokenizer_whose_pieces_are_not_independent_is_refused(tmp_path_factory):
+    """A Metaspace pre-tokenizer that prepends only at the input's start (SentencePiece
+    style) tokenizes a piece after an added token otherwise than the same piece alone: the
+    start-time check finds it, and prompts are tokenized whole."""
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "▁hi": 1, "hi": 2, "▁there": 3, "there": 4,
+                                      "▁": 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t in tokenizer_build.SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t in tokenizer_build.TOOL_TOKENS])
+    hf = fast_tokenizer(tmp_path_factory, tok, "metaspace")
+    text = "hi there<|im_start|>hi there"
+    if PieceEncoder(hf.backend_tokenizer).encode(text) == hf.encode(text,
+                                                                    add_special_tokens=False):
+        pytest.skip("this tokenizers release prepends per piece: nothing to refuse")
+    enc, reason = checked(hf)
+    assert enc is None and "differ" in reason
+    wrapped = PromptTokenizer(hf)
+    assert wrapped.figures() == {"enabled": False, "reason": reason}
+    assert wrapped.encode_prompt(text) == hf.encode(text, add_special_tokens=False)
+
+
+def test_the_wrapper_is_the_tokenizer_otherwise(demo):
+    wrapped = PromptTokenizer(demo)
+    assert wrapped.figures()["enabled"] is True
+    assert len(wrapped) == len(demo)
+    assert wrapped.eos_token == demo.eos_token
+    text = demo.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
+                                    add_generation_prompt=True)
+    assert wrapped.encode_prompt(text) == demo.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=True, add_generation_prompt=True,
+        return_dict=False)
+
+
+@pytest.mark.impure
+def test_a_worker_reuses_a_shared_system_prompts_ids(tiny_model, tmp_path):
+    from conftest import Worker
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_model))
+    system = "Shared instructions for every sub-agent. " * 60
+    w = Worker(tiny_model, log=tmp_path / "w.log")
+    try:
+        usage = []
+        for i in range(3):
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"task number {i}"}]
+            r = httpx.post(w.url + "/v1/chat/completions", timeout=120, json={
+                "model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            usage.append(r.json()["usage"]["prompt_tokens"])
+            want = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                          return_dict=False)
+            assert usage[-1] == len(want)
+        figures = w.status()["prompt_pieces"]
+    finally:
+        w.stop()
+    assert figures["enabled"] is True, json.dumps(figures)
+    assert figures["hits"] >= 2
