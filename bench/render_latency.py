@@ -40,7 +40,7 @@ WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "w
          "module", "test", "case"]
 LAUNCH = ("{python} -m plimsoll.cli launch {model} --host {host} --port {port} "
           "--concurrency 8 --context 40960 --max-tokens 8")
-FIELD = re.compile(r"(parse_s|render_s|submit_s)=([0-9.]+)")
+FIELD = re.compile(r"\b(prompt|parse_s|render_s|submit_s)=([0-9.]+)")
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -179,7 +179,9 @@ def main() -> int:
     name = args.name or report.default_name("render-latency")
     result = {"name": name, "command": report.command(), "host": host,
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "runs": runs, "summary": summary(runs)}
+              "runs": runs, "summary": summary(runs),
+              "prompt_tokens": max((f.get("prompt", 0) for r in runs.values()
+                                    for f in r["alone"]), default=None)}
     report.write(result, args.out_dir, name, markdown)
     return 0
 

@@ -48,6 +48,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from plimsoll.engine.work import Work
 
 from .waiting import Run
@@ -60,26 +62,55 @@ RETRY_STEPS = 16
 MAX_RETRY_STEPS = 256
 
 
-def prompt_lookup(tokens: Sequence[int], longest: int, k: int) -> tuple[int, ...]:
+def prompt_lookup(tokens: Sequence[int] | np.ndarray, longest: int, k: int
+                  ) -> tuple[int, ...]:
     """Up to ``k`` tokens that followed an earlier occurrence of ``tokens``' last ``n``
     tokens, for the largest ``n <= longest`` that occurs: the most recent occurrence with
     ``k`` tokens after it (one that overlaps the tail has fewer: a loop of one token would
-    draft one), else the most recent; () when none occurs."""
-    size = len(tokens)
+    draft one), else the most recent; () when none occurs.
+
+    Vectorized (numpy): each ``n`` compares the whole history ``n`` times in C, so a 32k
+    token history costs tens of microseconds, not the milliseconds a Python scan took a
+    sequence and a step (``bench/lookup.py``); pass a :class:`History`'s array to skip the
+    list's conversion."""
+    seq = np.asarray(tokens)
+    size = len(seq)
     if k <= 0 or size < 2:
         return ()
-    seq = list(tokens)
-    last = seq[-1]
     for n in range(min(longest, size - 1), 0, -1):
-        tail, found = seq[size - n:], -1
-        for i in range(size - n - 1, -1, -1):
-            if seq[i + n - 1] == last and seq[i:i + n] == tail:
-                if i + n + k <= size:
-                    return tuple(seq[i + n:i + n + k])
-                found = i if found < 0 else found
-        if found >= 0:
-            return tuple(seq[found + n:found + n + k])
+        tail = seq[size - n:]
+        match = seq[:size - n] == tail[0]  # candidate starts i = 0 .. size - n - 1
+        for j in range(1, n):
+            match &= seq[j:size - n + j] == tail[j]
+        starts = np.flatnonzero(match)
+        if starts.size:
+            whole = starts[starts + n + k <= size]
+            i = int(whole[-1] if whole.size else starts[-1])
+            return tuple(int(t) for t in seq[i + n:i + n + k])
     return ()
+
+
+class History:
+    """One sequence's tokens as an int64 numpy array, grown as the sequence grows (tokens
+    are only ever appended), so a lookup does not convert the whole list every step."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(1024, dtype=np.int64)
+        self._n = 0
+
+    def of(self, tokens: Sequence[int]) -> np.ndarray:
+        """``tokens`` as an array (the view is valid until the next call)."""
+        size = len(tokens)
+        if size < self._n or (self._n and self._buf[self._n - 1] != tokens[self._n - 1]):
+            self._n = 0  # not this history's continuation: start again
+        if size > len(self._buf):
+            grown = np.empty(max(size, 2 * len(self._buf)), dtype=np.int64)
+            grown[:self._n] = self._buf[:self._n]
+            self._buf = grown
+        if size > self._n:
+            self._buf[self._n:size] = tokens[self._n:size]
+            self._n = size
+        return self._buf[:size]
 
 
 @dataclass
@@ -136,6 +167,7 @@ class Drafter:
     _origin: dict[int, int] = field(default_factory=dict)  # a seeded sequence's own clock
     #: seq id -> (start, drafts) of its verifying step in flight
     inflight: dict[int, tuple[int, int]] = field(default_factory=dict)
+    _history: dict[int, History] = field(default_factory=dict)  # prompt lookup's arrays
 
     @property
     def on(self) -> bool:
@@ -192,7 +224,8 @@ class Drafter:
 
     def lookup(self, seq_id: int, tokens: Sequence[int], k: int) -> tuple[int, ...]:
         """Up to ``k`` drafts following ``tokens``."""
-        return prompt_lookup(tokens, self.longest, k)
+        history = self._history.setdefault(seq_id, History())
+        return prompt_lookup(history.of(tokens), self.longest, k)
 
     def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:
         """The drafts for ``seq_id``'s next step (``room``: tokens it may still draft)."""
@@ -235,6 +268,7 @@ class Drafter:
         self._wait.pop(seq_id, None)
         self._origin.pop(seq_id, None)
         self.inflight.pop(seq_id, None)
+        self._history.pop(seq_id, None)
 
     def report(self) -> dict:
         """The status's ``speculative`` figures."""

@@ -12,8 +12,10 @@ import json
 import httpx
 import pytest
 from conftest import Worker
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from plimsoll.worker.speculate import RETRY_STEPS, Drafter, prompt_lookup
+from plimsoll.worker.speculate import RETRY_STEPS, Drafter, History, prompt_lookup
 
 PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
            "def main(): return main() def main(): return",
@@ -114,6 +116,35 @@ def test_prompt_lookup_matches_the_longest_recent_ngram():
     assert prompt_lookup([4, 4, 4, 4, 4, 4], 3, 3) == (4, 4, 4)  # not the overlapping match
     assert prompt_lookup([1, 2, 9, 1, 2], 2, 3) == (9, 1, 2)
     assert prompt_lookup([1, 2, 1, 2], 2, 0) == ()
+
+
+def spec_lookup(seq: list[int], longest: int, k: int) -> tuple[int, ...]:
+    """The rule as the docstring states it, by brute force."""
+    if k <= 0 or len(seq) < 2:
+        return ()
+    for n in range(min(longest, len(seq) - 1), 0, -1):
+        places = [i for i in range(len(seq) - n) if seq[i:i + n] == seq[len(seq) - n:]]
+        whole = [i for i in places if i + n + k <= len(seq)]
+        if places:
+            i = (whole or places)[-1]
+            return tuple(seq[i + n:i + n + k])
+    return ()
+
+
+@pytest.mark.pure
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=60), st.integers(1, 4), st.integers(0, 5),
+       st.integers(0, 60))
+def test_the_vectorized_lookup_is_the_scan_and_its_history_follows_the_tokens(
+        seq, longest, k, cut):
+    assert prompt_lookup(seq, longest, k) == spec_lookup(seq, longest, k)
+    history = History()
+    for size in (cut, len(seq), cut // 2, len(seq)):  # grown, then a shorter list: rebuilt
+        part = seq[:size]
+        assert history.of(part).tolist() == part
+        assert prompt_lookup(history.of(part), longest, k) == spec_lookup(part, longest, k)
+    other = [x + 1 for x in seq]  # a different list of the same length: rebuilt too
+    assert history.of(other).tolist() == other
 
 
 def test_draft_length_adapts_to_acceptance():
