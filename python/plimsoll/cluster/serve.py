@@ -45,6 +45,7 @@ from plimsoll.core.sizing import DEFAULT_OUTPUT_TOKENS, default_output, fixed_bl
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.worker.events import SchedulerLimits
 from plimsoll.worker.pool import BlockPool
+from plimsoll.worker.prompt_pieces import PromptTokenizer
 from plimsoll.worker.scheduler import Scheduler
 
 log = logging.getLogger("plimsoll.cluster")
@@ -291,8 +292,10 @@ def ring_backend(sched: RingScheduler, cf: ClusterFacts, leader, guard):
         if not ready or sched.setup_error is not None:
             raise RuntimeError(f"the ring scheduler did not start: {sched.setup_error}")
 
+        tokenizer = PromptTokenizer(cf.tokenizer)
+
         def status_extra() -> dict[str, Any]:
-            return {"cluster": {
+            return {"prompt_pieces": tokenizer.figures(), "cluster": {
                 "world_size": len(cf.answers), "backend": cf.request.backend,
                 "stage": cf.request.stage, "parallel": cf.request.parallel,
                 "pipelined": bool(getattr(sched.engine, "pipelined", False)),
@@ -301,7 +304,7 @@ def ring_backend(sched: RingScheduler, cf: ClusterFacts, leader, guard):
                 "failed": sched.fatal.reason if sched.fatal else None}}
 
         try:
-            yield {"scheduler": sched, "tokenizer": cf.tokenizer,
+            yield {"scheduler": sched, "tokenizer": tokenizer,
                    "native_max_context": cf.facts.native_max_context,
                    "block_bytes": cf.facts.kv_bytes_per_token * cfg.block_tokens,
                    "kv_bytes_per_token": cf.facts.kv_bytes_per_token,

@@ -200,8 +200,10 @@ def sigterm_mid_stream(url: str, proc: subprocess.Popen, path: str, body: dict
             lines.append(line)
             if (signalled is None and line.startswith("data: {")
                     and content(json.loads(line[5:]))):
-                proc.send_signal(signal.SIGTERM)
+                # the time first: a loaded box may run the worker's whole drain between
+                # the signal and this process's next instruction
                 signalled = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
     assert signalled is not None, lines  # the stream had a token to signal on
     return lines, time.monotonic() - signalled, proc.wait(60)
 

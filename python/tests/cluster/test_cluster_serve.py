@@ -380,6 +380,7 @@ def test_under_mlx_launch_rank_0_serves_http(ring_ok, tiny_model):  # noqa: F811
                              "ignore_eos": True})  # sampled: EOS may come before 8 tokens
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         status = httpx.get(url + "/v1/plimsoll/status", timeout=10).json()
+        assert status["prompt_pieces"]["enabled"] is True, status["prompt_pieces"]
         pids = [x["pid"] for x in status["cluster"]["ranks"]]
         os.kill(pids[0], signal.SIGTERM)
         proc.wait(60)
