@@ -55,12 +55,14 @@ def _request_options(f):
                              help="How each rank runs its layers: the worker's engine (paged "
                                   "KV, batched decodes, prefix sharing), or one slot per "
                                   "sequence (loop)."),
-                click.option("--parallel", type=click.Choice(["pipeline", "tensor"]),
-                             default="pipeline", show_default=True,
+                click.option("--parallel", type=click.Choice(["auto", "pipeline", "tensor"]),
+                             default="auto", show_default=True,
                              help="How the model is split: by layers, rank to rank "
                                   "(pipeline), or every layer across every rank, 1/n of each "
                                   "projection and of the KV heads, two all-sums a layer "
-                                  "(tensor: llama, qwen2, qwen3; the engine stage)."),
+                                  "(tensor: llama, qwen2, qwen3; the engine stage). auto: "
+                                  "tensor where the backend is nccl or jaccl and the model "
+                                  "splits, else pipeline."),
                 click.option("--micro-batches", type=click.IntRange(1, 2), default=2,
                              show_default=True,
                              help="Engine stage: 2 pipelines alternate halves of the decodes "
@@ -126,9 +128,9 @@ def plan_command(model, rank_figures, as_json, **request_kw) -> None:
                                      source="command line")
               for r, (c, t, b) in enumerate(map(_parse_rank, rank_figures))]
     try:
-        facts = inspect_model(model)
-        plans = cluster_plan.plan_cluster(read_config(model), facts, tensor_bytes(model), probes,
-                                          request)
+        facts, config = inspect_model(model), read_config(model)
+        request = cluster_plan.resolve_parallel(request, config, facts, len(probes))
+        plans = cluster_plan.plan_cluster(config, facts, tensor_bytes(model), probes, request)
     except (ModelInspectionError, cluster_plan.ClusterPlanError) as err:
         raise UsageFailure(str(err)) from None
     answers = [cluster_plan.preflight(p, pr, facts, request)
@@ -137,9 +139,11 @@ def plan_command(model, rank_figures, as_json, **request_kw) -> None:
     answers = [a.model_copy(update={"reserved": a.admitted}) for a in answers]
     decision = cluster_plan.decide(answers, len(probes))
     if as_json:
-        click.echo(json.dumps({"ranks": [a.model_dump() for a in answers],
+        click.echo(json.dumps({"parallel": request.parallel,
+                               "ranks": [a.model_dump() for a in answers],
                                "decision": decision.model_dump()}, indent=2))
     else:
+        click.echo(f"split: {request.parallel} over {request.backend}")
         for a in answers:
             d = a.decision
             click.echo(f"rank {a.rank}: layers {a.plan.layer_start}..{a.plan.layer_end - 1}, "

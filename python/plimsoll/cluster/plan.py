@@ -98,12 +98,12 @@ class ClusterRequest(BaseModel):
     backend: Backend = Field(default="ring", description="The MLX distributed backend every "
                              "rank runs on (chosen before the ranks start: "
                              ":func:`plimsoll.cluster.backend.choose`).")
-    parallel: Literal["pipeline", "tensor"] = Field(
-        default="pipeline", description="How the model is split: by layers (each rank runs a "
+    parallel: Literal["auto", "pipeline", "tensor"] = Field(
+        default="auto", description="How the model is split: by layers (each rank runs a "
         "contiguous range, activations passed rank to rank), or every layer across every "
         "rank (mlx-lm's ``shard``: each rank holds 1/n of each projection and of the KV "
         "heads, two all-sums a layer; dense models of :data:`TENSOR_PARALLEL_TYPES` only, "
-        "on the engine stage).")
+        "on the engine stage); ``auto``: the plan chooses (:func:`resolve_parallel`).")
 
 
 class RankPlan(BaseModel):
@@ -246,7 +246,7 @@ def plan_cluster(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
     """Every rank's share. ``probes`` must be ranks 0..n-1 in order."""
     if [p.rank for p in probes] != list(range(len(probes))):
         raise ClusterPlanError(f"probes must be ranks 0..{len(probes) - 1} in order")
-    if request.parallel == "tensor":
+    if resolve_parallel(request, config, facts, len(probes)).parallel == "tensor":
         return tensor_plans(config, facts, tensor_bytes, probes, request)
     n_layers = facts.num_layers
     split = split_layers(n_layers, [p.capacity_bytes for p in probes])
@@ -289,6 +289,26 @@ def plan_cluster(config: dict, facts: ModelFacts, tensor_bytes: dict[str, int],
 TENSOR_PARALLEL_TYPES = ("llama", "qwen2", "qwen3")
 _SHARDED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.")
 _BY_OUTPUT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+#: backends whose links carry tensor parallelism's two all-sums a layer fast enough for it
+#: to be the plan's choice (NCCL between GPUs, RDMA over Thunderbolt 5: mlx-lm's own
+#: distributed default is its ``shard`` too). Over ring's TCP a step took 0.10-0.15 × one
+#: rank's on one H200 (bench/results/cluster-h200-2026-12-03-tensor.md): layers there.
+TENSOR_BACKENDS = ("nccl", "jaccl")
+
+
+def resolve_parallel(request: ClusterRequest, config: dict, facts: ModelFacts,
+                     ranks: int) -> ClusterRequest:
+    """``request`` with ``parallel`` decided: ``auto`` is ``tensor`` where the ranks are
+    linked by a :data:`TENSOR_BACKENDS` backend, run the engine stage and the model splits
+    (:func:`tensor_refusal`), else ``pipeline``; a named split stays as asked. Every rank
+    and the proxy decide alike from the same figures."""
+    if request.parallel != "auto":
+        return request
+    tensor = (ranks > 1 and request.backend in TENSOR_BACKENDS and request.stage == "engine"
+              and tensor_refusal(config, facts, ranks) is None)
+    return request.model_copy(update={"parallel": "tensor" if tensor else "pipeline"})
 
 
 def tensor_refusal(config: dict, facts: ModelFacts, ranks: int) -> str | None:

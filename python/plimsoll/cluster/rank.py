@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         probes = [cluster_plan.RankProbe.model_validate(x)
                   for x in ring.all_gather_json(probe.model_dump())]
         config, facts = read_config(args.model), inspect_model(args.model)
+        request = cluster_plan.resolve_parallel(request, config, facts, ring.size)
         plans = cluster_plan.plan_cluster(config, facts, tensor_bytes(args.model), probes, request)
         answer = cluster_plan.preflight(plans[ring.rank], probe, facts, request)
         previous_limit = None

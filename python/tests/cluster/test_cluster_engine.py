@@ -339,3 +339,36 @@ def test_a_tensor_plan_halves_the_kv_and_the_projections_and_refuses_what_does_n
                         tensor_bytes(hybrid_model), probes, tensor)
     with pytest.raises(cp.ClusterPlanError, match="engine stage"):
         cp.plan_cluster(config, facts, sizes, probes, tensor.model_copy(update={"stage": "loop"}))
+
+
+def test_auto_splits_every_layer_only_over_a_fast_link_and_where_the_model_splits(
+        tiny_model, hybrid_model):
+    """``--parallel auto`` (the default): tensor over nccl or jaccl where the model splits on
+    the engine stage; layers over ring, for a model tensor parallelism does not serve, for
+    ranks its heads do not divide by, on the loop stage; a named split is kept. The plan
+    follows the choice (a tensor plan gives every rank every layer)."""
+    from plimsoll.cluster.weights import read_config, tensor_bytes
+    from plimsoll.core.model_facts import inspect_model
+
+    config, facts = read_config(tiny_model), inspect_model(tiny_model)
+    hybrid = read_config(hybrid_model), inspect_model(hybrid_model)
+    assert REQUEST.parallel == "auto"
+
+    def chosen(request, ranks=2, model=(config, facts)):
+        return cp.resolve_parallel(request, *model, ranks).parallel
+
+    nccl, jaccl = (REQUEST.model_copy(update={"backend": b}) for b in ("nccl", "jaccl"))
+    assert chosen(nccl) == chosen(jaccl) == "tensor"
+    assert chosen(REQUEST) == "pipeline"  # ring
+    assert chosen(nccl, model=hybrid) == "pipeline"  # qwen3_next: not split by tensor
+    assert chosen(nccl, ranks=3) == "pipeline"  # 8 heads do not divide by 3
+    assert chosen(nccl, ranks=1) == "pipeline"
+    assert chosen(nccl.model_copy(update={"stage": "loop"})) == "pipeline"
+    assert chosen(nccl.model_copy(update={"parallel": "pipeline"})) == "pipeline"
+    assert chosen(REQUEST.model_copy(update={"parallel": "tensor"})) == "tensor"
+    probes = [cp.RankProbe(rank=r, ceiling_bytes=4 * GIB, total_ram_bytes=4 * GIB,
+                           budget_bytes=4 * GIB) for r in (0, 1)]
+    plans = cp.plan_cluster(config, facts, tensor_bytes(tiny_model), probes, nccl)
+    assert {(p.layer_start, p.layer_end) for p in plans} == {(0, 4)}
+    plans = cp.plan_cluster(config, facts, tensor_bytes(tiny_model), probes, REQUEST)
+    assert [(p.layer_start, p.layer_end) for p in plans] == [(0, 2), (2, 4)]
