@@ -84,6 +84,7 @@ class DraftModel(Drafter):
     """Drafts from a draft model's greedy tokens (see the module docstring)."""
 
     proposer = "draft_model"
+    looks_ahead = False  # its drafts come from its own state, read after each step
     engine: Any = None  # the draft model's Engine (its pools: the target's block ids); None
     #                     where refused (the model cannot speculate: no draft is loaded)
     chunk: int = 512    # most catch-up tokens per draft step, over every sequence

@@ -61,6 +61,7 @@ class MTPDrafter(Drafter):
     """Drafts from the checkpoint's MTP head (see the module docstring)."""
 
     proposer = "mtp"
+    looks_ahead = False  # its drafts come from its own state, read after each step
     engine: Any = None  # the head's Engine (its model: the Head); None where refused
     hidden: Any = None  # the target's hidden states handed over (mtp_head.Hidden)
     chunk: int = 512    # most catch-up tokens per head step, over every sequence

@@ -220,8 +220,9 @@ class Scheduler:
         self.line.spiked = bool(step.prefills)  # a prefill's transient: probe next iteration
         if step.decodes or step.prefills:
             self._steps += 1
-            if step.prefills and self._pending is not None:  # tokens out before heavy work
-                previous, self._pending = self._pending, None
+            if (step.prefills and self._pending is not None  # tokens out before heavy work,
+                    and not speculate.planned_ahead(self.drafter, step)):  # unless planned on
+                previous, self._pending = self._pending, None            # them
                 self._read(*previous)
             submitted = (self.engine.run_async(step), self._steps)
             prefix.after_submit(self.pool, self.engine, self._running, step, self.counters)
@@ -271,7 +272,7 @@ class Scheduler:
                 self._finish(run, "length")
                 continue
             if (verify := speculate.verify_work(self.drafter, self.pool, run)) is not None:
-                prefills.append(verify)
+                (prefills if verify.draft else decodes).append(verify)  # a token planned ahead
                 continue
             token = None if run.pending else (run.tokens[-1],)
             decodes.append(Work(run.req.id, token, run.written, table, True,

@@ -114,15 +114,35 @@ class History:
 
 
 @dataclass
+class Flight:
+    """A speculating sequence's step in flight (submitted, not read yet)."""
+
+    start: int   # where its Work writes
+    drafts: int  # the drafts it verifies
+    #: the tokens it yields if every draft is accepted and the target's next token is the one
+    #: lookup predicts after them; a step planned before this one is read assumes them
+    #: (:func:`verify_work`'s lookahead). None: nothing may be planned on it
+    expect: tuple[int, ...] | None = None
+    #: planned on the step before's ``expect``, which that step did not yield: its tokens
+    #: are dropped when read (its positions are written again later)
+    void: bool = False
+
+
+@dataclass
 class Figures:
-    """One proposer's counts: tokens proposed and accepted, verifying steps."""
+    """One proposer's counts: tokens proposed and accepted, verifying steps, and the steps
+    planned ahead of the step before's tokens (``ahead``; ``ahead_void``: dropped because
+    the step before yielded other tokens than predicted)."""
 
     proposed: int = 0
     accepted: int = 0
     steps: int = 0
+    ahead: int = 0
+    ahead_void: int = 0
 
     def report(self) -> dict[str, float | int]:
         return {"proposed": self.proposed, "accepted": self.accepted, "steps": self.steps,
+                "ahead": self.ahead, "ahead_void": self.ahead_void,
                 "acceptance_rate": round(self.accepted / self.proposed, 4)
                 if self.proposed else 0.0,
                 "accepted_per_step": round(self.accepted / self.steps, 4)
@@ -157,6 +177,10 @@ class Drafter:
     :meth:`lookup` and :meth:`prepare`."""
 
     proposer = "prompt_lookup"  # the status's name for it (by_proposer)
+    #: whether a greedy sequence's next step may be planned on the predicted outcome of its
+    #: step in flight (prompt lookup: its drafts cost nothing to make twice); a proposer with
+    #: a model of its own (a draft model, an MTP head) drafts from state that must be read
+    looks_ahead = True
     longest: int  # the longest n-gram matched (--prompt-lookup)
     most: int     # the longest draft (--num-draft-tokens)
     refused: str = ""  # why this engine does not speculate ("" when it does)
@@ -165,8 +189,8 @@ class Drafter:
     _length: dict[int, int] = field(default_factory=dict)
     _wait: dict[int, int] = field(default_factory=dict)  # its retry interval, where backed off
     _origin: dict[int, int] = field(default_factory=dict)  # a seeded sequence's own clock
-    #: seq id -> (start, drafts) of its verifying step in flight
-    inflight: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: seq id -> its steps in flight that verify drafts or were planned ahead, oldest first
+    inflight: dict[int, list[Flight]] = field(default_factory=dict)
     _history: dict[int, History] = field(default_factory=dict)  # prompt lookup's arrays
 
     @property
@@ -222,32 +246,69 @@ class Drafter:
         """Before a step is planned: work every sequence's proposal needs done at once
         (nothing for prompt lookup)."""
 
-    def lookup(self, seq_id: int, tokens: Sequence[int], k: int) -> tuple[int, ...]:
-        """Up to ``k`` drafts following ``tokens``."""
-        history = self._history.setdefault(seq_id, History())
-        return prompt_lookup(history.of(tokens), self.longest, k)
+    def lookup(self, seq_id: int, tokens: Sequence[int], k: int,
+               ahead: Sequence[int] = ()) -> tuple[int, ...]:
+        """Up to ``k`` drafts following ``tokens`` and then ``ahead`` (tokens assumed, not
+        read yet: :class:`Flight`'s ``expect``)."""
+        history = self._history.setdefault(seq_id, History()).of(tokens)
+        if ahead:
+            history = np.concatenate([history, np.asarray(ahead, dtype=history.dtype)])
+        return prompt_lookup(history, self.longest, k)
 
-    def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:
-        """The drafts for ``seq_id``'s next step (``room``: tokens it may still draft)."""
+    def expect(self, seq_id: int, tokens: Sequence[int], ahead: Sequence[int],
+               draft: Sequence[int]) -> tuple[int, ...] | None:
+        """What a step verifying ``draft`` after ``tokens`` + ``ahead`` yields if it accepts
+        every draft and the target's next token is lookup's next one; None where nothing
+        predicts that token (or this proposer does not look ahead)."""
+        if not self.looks_ahead or not draft:
+            return None
+        after = self.lookup(seq_id, tokens, 1, (*ahead, *draft))
+        return (*draft, after[0]) if after else None
+
+    def propose(self, seq_id: int, tokens: Sequence[int], room: int,
+                ahead: Sequence[int] = ()) -> tuple[int, ...]:
+        """The drafts for ``seq_id``'s next step (``room``: tokens it may still draft), after
+        ``tokens`` and the ``ahead`` tokens a step in flight is assumed to yield."""
         k = retry = self._current(seq_id)
         if k == 0:
             if not self._due(seq_id, self.clock):
                 return ()
             k = 1
-        draft = self.lookup(seq_id, tokens, min(k, room))
+        if room <= 0:
+            draft = ()
+        elif ahead:  # only a proposer that looks ahead is handed assumed tokens
+            draft = self.lookup(seq_id, tokens, min(k, room), ahead)
+        else:
+            draft = self.lookup(seq_id, tokens, min(k, room))
         if not draft and room > 0:
             self._length[seq_id] = k - 1
             if retry == 0:
                 self._back_off(seq_id)  # a retry that found nothing to draft
         return draft
 
-    def started(self, seq_id: int, start: int, drafts: int) -> None:
-        self.inflight[seq_id] = (start, drafts)
+    def started(self, seq_id: int, start: int, drafts: int,
+                expect: tuple[int, ...] | None = None) -> None:
+        self.inflight.setdefault(seq_id, []).append(Flight(start, drafts, expect))
+
+    def following(self, seq_id: int) -> tuple[int, ...] | None:
+        """The tokens ``seq_id``'s step in flight is assumed to yield, where its next step may
+        be planned on them (None: it must be read first)."""
+        flights = self.inflight.get(seq_id)
+        return flights[-1].expect if flights and not flights[-1].void else None
+
+    def pop_flight(self, seq_id: int) -> Flight:
+        """``seq_id``'s oldest step in flight, now read."""
+        flights = self.inflight[seq_id]
+        flight = flights.pop(0)
+        if not flights:
+            del self.inflight[seq_id]
+        return flight
 
     def settle(self, seq_id: int, accepted: int) -> tuple[int, int]:
         """``seq_id``'s verifying step accepted ``accepted`` drafts: count them, adapt its
         length; returns the step's start position and its drafts."""
-        start, drafts = self.inflight.pop(seq_id)
+        flight = self.pop_flight(seq_id)
+        start, drafts = flight.start, flight.drafts
         k = self._current(seq_id)
         if accepted == drafts:
             self._length[seq_id] = min(self.most, max(k, drafts) + 1)
@@ -300,11 +361,13 @@ def prepare(drafter: Drafter | None, pool: Any, running: dict[int, Run]) -> None
 
 
 def drafting_waits(drafter: Drafter | None, running: dict[int, Run]) -> bool:
-    """Whether a sequence that may draft this step has a token in flight (the scheduler reads
-    the previous step first: its drafts need that token)."""
+    """Whether a sequence that may draft this step has a token in flight that its drafts
+    need (the scheduler reads the previous step first), not one whose step's outcome it
+    may assume (:func:`verify_work`'s lookahead)."""
     return drafter is not None and any(
-        run.pending and not run.prefilling and may_draft(drafter, run)
-        for run in running.values())
+        run.pending and not run.prefilling and drafter.following(run.req.id) is None
+        and (may_draft(drafter, run) or run.req.id in drafter.inflight)  # never pipelined
+        for run in running.values())                                     # on a step ahead
 
 
 def verify_work(drafter: Drafter | None, pool: Any, run: Run) -> Work | None:
@@ -315,28 +378,72 @@ def verify_work(drafter: Drafter | None, pool: Any, run: Run) -> Work | None:
         return None
     if run.req.seed is not None:
         drafter.own_clock(run.req.id)
-    if run.pending:  # pipelined: it does not draft this step
+    sid, ahead = run.req.id, ()
+    if run.pending:
+        ahead = drafter.following(sid)
+        if ahead is None:  # a pipelined decode in flight: it does not draft this step
+            return None
+    # lookahead: a greedy sequence whose verifying step is in flight is planned on that
+    # step yielding ``ahead`` (its drafts and lookup's next token after them), written
+    # after it; if it yields other tokens this step's are dropped (settle). So a sequence
+    # whose drafts keep being right is pipelined as a plain decode is.
+    room = run.req.max_tokens - run.generated - len(ahead) - 1
+    draft = (drafter.propose(sid, run.tokens, room, ahead) if ahead  # only a proposer that
+             else drafter.propose(sid, run.tokens, room))            # looks ahead gets one
+    if not draft and not ahead:
         return None
-    room = run.req.max_tokens - run.generated - 1
-    draft = drafter.propose(run.req.id, run.tokens, room)
-    if not draft:
-        return None
-    table = pool.grow(run.req.id, run.written + 1 + len(draft))
+    table = pool.grow(sid, run.written + 1 + len(draft)) if draft else None
     if table is None:
-        return None
-    drafter.started(run.req.id, run.written, len(draft))
-    return Work(run.req.id, (run.tokens[-1], *draft), run.written, table, True,
-                run.sampling, None, draft=len(draft))
+        if not ahead:
+            return None
+        # planned ahead, it must name its token: the predicted one, no drafts (the scheduler
+        # grew the table for one token already)
+        draft, table = (), pool.grow(sid, run.written + 1)
+    expect = (drafter.expect(sid, run.tokens, ahead, draft)
+              if run.sampling.greedy and room > len(draft) else None)
+    drafter.started(sid, run.written, len(draft), expect)
+    if ahead:
+        drafter.figures.ahead += 1
+    first = ahead[-1] if ahead else run.tokens[-1]
+    if not draft:  # nothing to verify: the predicted token decoded, explicitly
+        return Work(sid, (first,), run.written, table, True, run.sampling, None)
+    return Work(sid, (first, *draft), run.written, table, True, run.sampling, None,
+                draft=len(draft))
+
+
+def planned_ahead(drafter: Drafter | None, step: Any) -> bool:
+    """Whether ``step`` holds a Work planned on the tokens of the step in flight (that step
+    must then be read after this one is submitted: :func:`settle` of a failed prediction
+    rolls ``written`` back over the Work's writes, which submitting adds)."""
+    return drafter is not None and any(
+        len(drafter.inflight.get(w.seq_id, ())) > 1 for w in (*step.decodes, *step.prefills))
 
 
 def settle(drafter: Drafter | None, run: Run, out: int | tuple[int, ...]) -> tuple[int, ...]:
     """The tokens a step read back for ``run``: a plain decode's one, or a verifying step's
     accepted drafts and the target's next token, whose settling rolls ``written`` back to
-    them and counts the request's drafted and accepted tokens."""
-    if isinstance(out, int):
-        return (out,)
-    start, drafts = drafter.settle(run.req.id, len(out) - 1)
+    them and counts the request's drafted and accepted tokens. A step planned ahead on this
+    one's predicted tokens stands if this one yielded them (``written`` then keeps its
+    writes), else it is void: none of its tokens (read later) are emitted."""
+    sid = run.req.id
+    flights = drafter.inflight.get(sid) if drafter is not None else None
+    if not flights:  # a plain decode
+        return (int(out),) if isinstance(out, int) else out
+    if flights[0].void:
+        drafter.pop_flight(sid)
+        drafter.figures.ahead_void += 1
+        return ()
+    out = (out,) if isinstance(out, int) else out
+    expect = flights[0].expect
+    if flights[0].drafts:
+        start, drafts = drafter.settle(sid, len(out) - 1)
+        run.req.drafted += drafts
+        run.req.accepted += len(out) - 1
+    else:  # a predicted token decoded ahead
+        start = drafter.pop_flight(sid).start
+    if sid in drafter.inflight and out == expect:
+        return out  # the step planned ahead on it stands: its writes too
     run.written = start + len(out)
-    run.req.drafted += drafts
-    run.req.accepted += len(out) - 1
+    for later in drafter.inflight.get(sid, ()):
+        later.void = True
     return out
