@@ -16,8 +16,8 @@ if noise := float(os.environ.get("PLIMSOLL_BENCH_DRAFT_NOISE") or 0):
     _rng = random.Random(0)
     _lookup = speculate.Drafter.lookup
 
-    def _noisy(self, seq_id, tokens, k):
+    def _noisy(self, seq_id, tokens, k, *ahead):  # ahead: tokens assumed (a lookahead)
         return tuple(t + 1 if _rng.random() < noise else t
-                     for t in _lookup(self, seq_id, tokens, k))
+                     for t in _lookup(self, seq_id, tokens, k, *ahead))
 
     speculate.Drafter.lookup = _noisy

@@ -60,6 +60,10 @@ from .waiting import Run
 #: nothing. Powers of two: the retries of sequences at different intervals still coincide
 RETRY_STEPS = 16
 MAX_RETRY_STEPS = 256
+#: a greedy sequence's next step is planned ahead of its verifying step in flight once this
+#: many of its verifying steps in a row yielded the tokens predicted for them (drafts right
+#: in runs, as where an agent quotes a file back); a prediction that fails ends the run
+AHEAD_AFTER = 2
 
 
 def prompt_lookup(tokens: Sequence[int] | np.ndarray, longest: int, k: int
@@ -192,6 +196,8 @@ class Drafter:
     #: seq id -> its steps in flight that verify drafts or were planned ahead, oldest first
     inflight: dict[int, list[Flight]] = field(default_factory=dict)
     _history: dict[int, History] = field(default_factory=dict)  # prompt lookup's arrays
+    #: seq id -> how many of its last verifying steps in a row yielded their ``expect``
+    _streak: dict[int, int] = field(default_factory=dict)
 
     @property
     def on(self) -> bool:
@@ -292,9 +298,17 @@ class Drafter:
 
     def following(self, seq_id: int) -> tuple[int, ...] | None:
         """The tokens ``seq_id``'s step in flight is assumed to yield, where its next step may
-        be planned on them (None: it must be read first)."""
+        be planned on them: its last :data:`AHEAD_AFTER` predictions came true (a step
+        planned on a wrong one is a step of the device's time for nothing). None: the step
+        in flight must be read first."""
         flights = self.inflight.get(seq_id)
-        return flights[-1].expect if flights and not flights[-1].void else None
+        if not flights or flights[-1].void or self._streak.get(seq_id, 0) < AHEAD_AFTER:
+            return None
+        return flights[-1].expect
+
+    def predicted(self, seq_id: int, right: bool) -> None:
+        """A verifying step's tokens were (or were not) the ones predicted for it."""
+        self._streak[seq_id] = self._streak.get(seq_id, 0) + 1 if right else 0
 
     def pop_flight(self, seq_id: int) -> Flight:
         """``seq_id``'s oldest step in flight, now read."""
@@ -330,6 +344,7 @@ class Drafter:
         self._origin.pop(seq_id, None)
         self.inflight.pop(seq_id, None)
         self._history.pop(seq_id, None)
+        self._streak.pop(seq_id, None)
 
     def report(self) -> dict:
         """The status's ``speculative`` figures."""
@@ -435,6 +450,8 @@ def settle(drafter: Drafter | None, run: Run, out: int | tuple[int, ...]) -> tup
         return ()
     out = (out,) if isinstance(out, int) else out
     expect = flights[0].expect
+    if expect is not None:
+        drafter.predicted(sid, out == expect)
     if flights[0].drafts:
         start, drafts = drafter.settle(sid, len(out) - 1)
         run.req.drafted += drafts

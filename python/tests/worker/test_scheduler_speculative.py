@@ -78,8 +78,8 @@ def test_speculation_gives_the_plain_tokens(prompt, accepts):
     figures = s.drafter.figures
     assert figures.proposed > 0 and req.drafted == figures.proposed
     assert (figures.accepted > 0) is accepts and req.accepted == figures.accepted
-    # planned ahead of the step in flight: the steps that stood only where drafts are right
-    assert figures.ahead > 0 and (figures.ahead > figures.ahead_void) is accepts
+    # planned ahead of the step in flight only where predictions kept coming true
+    assert (figures.ahead > 0) is accepts and figures.ahead_void < max(1, figures.ahead)
     if not accepts:  # fell to length 0, then retried (pipelined in between)
         assert 3 < s.counters["speculation_unpipelined"] < 80 // 4
     assert pool.held == 0 and s.drafter.inflight == {}
@@ -100,18 +100,19 @@ def test_speculation_beside_plain_and_sampled_requests():
 
 
 RIGHT = [*range(500, 940, 11), 500]  # its drafts are right
-WRONG = [x for v in range(111, 990, 11) for x in (v, v + 5)] + [100]  # its drafts are wrong
+# right in runs, broken twice: a prediction fails after a run of right ones
+MIXED = [*range(500, 632, 11), 7, *range(643, 808, 11), 8, *range(819, 940, 11), 500]
 
 
-@pytest.mark.parametrize("arrives_after", [2, 3, 5, 8])
-@pytest.mark.parametrize("fast", [RIGHT, WRONG], ids=["right", "wrong"])
+@pytest.mark.parametrize("arrives_after", [2, 5, 13])
+@pytest.mark.parametrize("fast", [RIGHT, MIXED], ids=["right", "mixed"])
 def test_steps_planned_ahead_beside_a_prompt_being_prefilled(fast, arrives_after):
     """A greedy sequence is planned ahead of its verifying step in flight; a long prompt
     arriving meanwhile makes steps heavy (their previous step is read after them then, not
     before), and a prediction that fails drops the step planned on it (its writes rolled
     back): both sequences' tokens are still a plain run's, and every write stays in its
     reservation."""
-    slow = [*range(300, 340)]
+    slow = [*range(300, 420)]  # 15 chunks: heavy steps while predictions fail
     want = [plain_tokens(fast, 40), plain_tokens(slow, 12)]
     s, _eng, pool = speculating(total=256, prefill=8)
     _, fast_ev = request(s, fast, 40)
@@ -122,5 +123,5 @@ def test_steps_planned_ahead_beside_a_prompt_being_prefilled(fast, arrives_after
     assert [tokens(fast_ev), tokens(slow_ev)] == want
     figures = s.drafter.figures
     assert figures.ahead > 0
-    assert (figures.ahead_void == 0) if fast is RIGHT else (figures.ahead_void == figures.ahead)
+    assert (figures.ahead_void == 0) if fast is RIGHT else (figures.ahead_void >= 1)
     assert pool.held == 0 and s.drafter.inflight == {}
