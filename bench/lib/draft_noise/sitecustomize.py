@@ -15,9 +15,27 @@ if noise := float(os.environ.get("PLIMSOLL_BENCH_DRAFT_NOISE") or 0):
 
     _rng = random.Random(0)
     _lookup = speculate.Drafter.lookup
+    _predicting = False
 
     def _noisy(self, seq_id, tokens, k, *ahead):  # ahead: tokens assumed (a lookahead)
-        return tuple(t + 1 if _rng.random() < noise else t
-                     for t in _lookup(self, seq_id, tokens, k, *ahead))
+        found = _lookup(self, seq_id, tokens, k, *ahead)
+        if _predicting:  # the prediction's own lookup: noised below, on its own stream
+            return found
+        return tuple(t + 1 if _rng.random() < noise else t for t in found)
 
     speculate.Drafter.lookup = _noisy
+    if hasattr(speculate.Drafter, "expect"):  # the token predicted after a step's drafts
+        _expect, _prng = speculate.Drafter.expect, random.Random(1)  # (a lookup draft too)
+
+        def _noisy_expect(self, *args):
+            global _predicting
+            _predicting = True
+            try:
+                out = _expect(self, *args)
+            finally:
+                _predicting = False
+            if out and _prng.random() < noise:
+                out = (*out[:-1], out[-1] + 1)
+            return out
+
+        speculate.Drafter.expect = _noisy_expect

@@ -63,7 +63,7 @@ MAX_RETRY_STEPS = 256
 #: a greedy sequence's next step is planned ahead of its verifying step in flight once this
 #: many of its verifying steps in a row yielded the tokens predicted for them (drafts right
 #: in runs, as where an agent quotes a file back); a prediction that fails ends the run
-AHEAD_AFTER = 2
+AHEAD_AFTER = 3
 
 
 def prompt_lookup(tokens: Sequence[int] | np.ndarray, longest: int, k: int

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from test_scheduler_plan import FakeEngine, FakePending, drain, make, request, tokens
 
+from plimsoll.worker import speculate
 from plimsoll.worker.events import Finished
 from plimsoll.worker.speculate import Drafter
 
@@ -106,12 +107,14 @@ MIXED = [*range(500, 632, 11), 7, *range(643, 808, 11), 8, *range(819, 940, 11),
 
 @pytest.mark.parametrize("arrives_after", [2, 5, 13])
 @pytest.mark.parametrize("fast", [RIGHT, MIXED], ids=["right", "mixed"])
-def test_steps_planned_ahead_beside_a_prompt_being_prefilled(fast, arrives_after):
+def test_steps_planned_ahead_beside_a_prompt_being_prefilled(fast, arrives_after,
+                                                            monkeypatch):
     """A greedy sequence is planned ahead of its verifying step in flight; a long prompt
     arriving meanwhile makes steps heavy (their previous step is read after them then, not
     before), and a prediction that fails drops the step planned on it (its writes rolled
     back): both sequences' tokens are still a plain run's, and every write stays in its
     reservation."""
+    monkeypatch.setattr(speculate, "AHEAD_AFTER", 2)  # the mechanism: more steps ahead
     slow = [*range(300, 420)]  # 15 chunks: heavy steps while predictions fail
     want = [plain_tokens(fast, 40), plain_tokens(slow, 12)]
     s, _eng, pool = speculating(total=256, prefill=8)
