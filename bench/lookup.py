@@ -3,8 +3,8 @@
 Prompt lookup (``plimsoll worker --prompt-lookup N``) searches a speculating sequence's
 whole history (prompt and output) for its last ``n`` tokens on every verifying step, on the
 scheduler's thread. Coding agents, for whom it is meant, send 16-40k-token prompts. This
-times :func:`plimsoll.worker.speculate.prompt_lookup` over a grown
-:class:`~plimsoll.worker.speculate.History` against the plain-Python scan it replaced, on
+times :func:`plimsoll.worker.ngram.prompt_lookup` over a grown
+:class:`~plimsoll.worker.ngram.History` against the plain-Python scan it replaced, on
 random histories (no match: every ``n`` scans it all, the worst case) and on ones whose tail
 recurs (a match at ``n`` = 3), at several lengths; each figure the median of ``--repeats``
 calls. No model, no mlx::
@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from plimsoll.worker.speculate import History, prompt_lookup
+from plimsoll.worker.ngram import History, prompt_lookup
 
 from lib import report
 

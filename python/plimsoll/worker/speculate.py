@@ -35,8 +35,13 @@ them. Constrained sequences decode plainly (a row's mask needs each previous tok
   Its counters are the status's ``speculative`` figures.
 - The scheduler's side, as functions over the drafter and a sequence: :func:`drafting_waits`
   (a sequence that may draft has a token in flight: the previous step is read before
-  planning, so it is never pipelined), :func:`verify_work` (its drafts as the step's Work)
-  and :func:`settle` (a verified step's tokens read back, ``written`` rolled back to them).
+  planning), :func:`verify_work` (its drafts as the step's Work) and :func:`settle` (a
+  verified step's tokens read back, ``written`` rolled back to them).
+- Lookahead (prompt lookup, greedy): each verifying step carries a prediction of what it
+  yields (:class:`Flight`'s ``expect``: its drafts, then lookup's next token); once
+  :data:`AHEAD_AFTER` in a row came true, the sequence's next step is planned on the
+  prediction while the step runs (pipelined, as a plain decode is), and dropped when read
+  if the prediction failed (:func:`settle` marks it void; ``written`` rolled back).
 
 Drafts never pass the reservation: ``k`` is at most the tokens the request may still
 generate less one, so the last drafted position is below ``prompt + max_tokens``.
@@ -52,6 +57,7 @@ import numpy as np
 
 from plimsoll.engine.work import Work
 
+from .ngram import History, prompt_lookup
 from .waiting import Run
 
 #: a sequence at draft length 0 tries one draft again at every step whose number is a
@@ -64,57 +70,6 @@ MAX_RETRY_STEPS = 256
 #: many of its verifying steps in a row yielded the tokens predicted for them (drafts right
 #: in runs, as where an agent quotes a file back); a prediction that fails ends the run
 AHEAD_AFTER = 3
-
-
-def prompt_lookup(tokens: Sequence[int] | np.ndarray, longest: int, k: int
-                  ) -> tuple[int, ...]:
-    """Up to ``k`` tokens that followed an earlier occurrence of ``tokens``' last ``n``
-    tokens, for the largest ``n <= longest`` that occurs: the most recent occurrence with
-    ``k`` tokens after it (one that overlaps the tail has fewer: a loop of one token would
-    draft one), else the most recent; () when none occurs.
-
-    Vectorized (numpy): each ``n`` compares the whole history ``n`` times in C, so a 32k
-    token history costs tens of microseconds, not the milliseconds a Python scan took a
-    sequence and a step (``bench/lookup.py``); pass a :class:`History`'s array to skip the
-    list's conversion."""
-    seq = np.asarray(tokens)
-    size = len(seq)
-    if k <= 0 or size < 2:
-        return ()
-    for n in range(min(longest, size - 1), 0, -1):
-        tail = seq[size - n:]
-        match = seq[:size - n] == tail[0]  # candidate starts i = 0 .. size - n - 1
-        for j in range(1, n):
-            match &= seq[j:size - n + j] == tail[j]
-        starts = np.flatnonzero(match)
-        if starts.size:
-            whole = starts[starts + n + k <= size]
-            i = int(whole[-1] if whole.size else starts[-1])
-            return tuple(int(t) for t in seq[i + n:i + n + k])
-    return ()
-
-
-class History:
-    """One sequence's tokens as an int64 numpy array, grown as the sequence grows (tokens
-    are only ever appended), so a lookup does not convert the whole list every step."""
-
-    def __init__(self) -> None:
-        self._buf = np.empty(1024, dtype=np.int64)
-        self._n = 0
-
-    def of(self, tokens: Sequence[int]) -> np.ndarray:
-        """``tokens`` as an array (the view is valid until the next call)."""
-        size = len(tokens)
-        if size < self._n or (self._n and self._buf[self._n - 1] != tokens[self._n - 1]):
-            self._n = 0  # not this history's continuation: start again
-        if size > len(self._buf):
-            grown = np.empty(max(size, 2 * len(self._buf)), dtype=np.int64)
-            grown[:self._n] = self._buf[:self._n]
-            self._buf = grown
-        if size > self._n:
-            self._buf[self._n:size] = tokens[self._n:size]
-            self._n = size
-        return self._buf[:size]
 
 
 @dataclass

@@ -30,7 +30,7 @@ from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
 from plimsoll.engine.sampling import scaled_logits  # noqa: E402
 from plimsoll.engine.work import Sampling, Step, Work  # noqa: E402
-from plimsoll.worker.speculate import prompt_lookup  # noqa: E402
+from plimsoll.worker.ngram import prompt_lookup  # noqa: E402
 
 BLOCK = 16
 SHARED_BLOCKS = 7  # the prompt less its last token

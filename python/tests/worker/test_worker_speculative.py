@@ -15,7 +15,8 @@ from conftest import Worker
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plimsoll.worker.speculate import RETRY_STEPS, Drafter, History, prompt_lookup
+from plimsoll.worker.ngram import History, prompt_lookup
+from plimsoll.worker.speculate import RETRY_STEPS, Drafter
 
 PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
            "def main(): return main() def main(): return",
