@@ -94,10 +94,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=21)
     report.output_args(ap, "lookup")
     args = ap.parse_args()
-    host = report.host_facts()
-    rows = run(args)
-    host["loadavg_end"] = report.loadavg()
-    name = args.name or report.default_name("lookup")
+    name, host, rows = report.measured(args, "lookup", run)
     result = {"name": name, "command": report.command(), "host": host, "args": vars(args),
               "rows": rows}
     report.write(result, args.out_dir, name, markdown)

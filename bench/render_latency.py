@@ -173,10 +173,7 @@ def main() -> int:
                     else "")
     report.output_args(ap, "render-latency")
     args = ap.parse_args()
-    host = report.host_facts()
-    runs = run(args)
-    host["loadavg_end"] = report.loadavg()
-    name = args.name or report.default_name("render-latency")
+    name, host, runs = report.measured(args, "render-latency", run)
     result = {"name": name, "command": report.command(), "host": host,
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "runs": runs, "summary": summary(runs),

@@ -168,6 +168,15 @@ def write(result: dict, out_dir: Path, name: str,
     return base
 
 
+def measured(args, measurement: str, fn: Callable):
+    """``fn(args)`` between the host's facts and its load average after it: (the output's
+    name, the host facts, what ``fn`` returned)."""
+    host = host_facts()
+    out = fn(args)
+    host["loadavg_end"] = loadavg()
+    return args.name or default_name(measurement), host, out
+
+
 def output_args(parser, measurement: str) -> None:
     """The two output options every script takes: ``--out-dir`` and ``--name``."""
     parser.add_argument("--out-dir", type=Path, default=RESULTS,
