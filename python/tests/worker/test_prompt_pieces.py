@@ -3,7 +3,8 @@
 cache too; the cache keeps to its bound; a tokenizer whose pieces are not independent is
 refused at the start-time check and tokenizes whole; and through a real worker, prompts that
 share a long system prompt reuse its ids (the status counts the hits) with the usage's
-prompt tokens unchanged."""
+prompt tokens unchanged. Not in the pure tier: transformers' encoding imports mlx where it
+is installed (its array checks)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from plimsoll.demo import tokenizer as tokenizer_build
 from plimsoll.worker import prompt_pieces
 from plimsoll.worker.prompt_pieces import PieceEncoder, PromptTokenizer, checked
-
-pytestmark = pytest.mark.pure
 
 
 def fast_tokenizer(tmp_path_factory, tok: Tokenizer, name: str):
@@ -114,7 +113,6 @@ def test_the_wrapper_is_the_tokenizer_otherwise(demo):
         return_dict=False)
 
 
-@pytest.mark.impure
 def test_a_worker_reuses_a_shared_system_prompts_ids(tiny_model, tmp_path):
     from conftest import Worker
     from transformers import AutoTokenizer
