@@ -8,7 +8,9 @@ is installed (its array checks)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 
 import httpx
 import pytest
@@ -68,13 +70,26 @@ def test_a_shared_prefix_is_tokenized_once_and_its_ids_reused(demo):
 
 
 def test_the_cache_keeps_to_its_bound(demo, monkeypatch):
+    """The figure the cache keeps under its cap, and the bytes it really holds: Python's own
+    allocations traced while it fills (the encoder, its pieces and their ids) stay under
+    the cap too."""
     monkeypatch.setattr(prompt_pieces, "CACHE_BYTES", 64 << 10)
-    enc = PieceEncoder(demo.backend_tokenizer)
-    for i in range(60):
-        piece = f"piece {i} " + "some text to tokenize " * 40
-        assert enc.encode(piece) == demo.encode(piece, add_special_tokens=False)
-        assert enc.figures()["bytes"] <= 64 << 10
+    pieces = [f"piece {i} " + "some text to tokenize " * 40 for i in range(60)]
+    wants = [demo.encode(p, add_special_tokens=False) for p in pieces]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        held_before = tracemalloc.get_traced_memory()[0]
+        enc = PieceEncoder(demo.backend_tokenizer)
+        for piece, want in zip(pieces, wants, strict=True):
+            assert enc.encode(piece) == want
+            assert enc.figures()["bytes"] <= 64 << 10
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - held_before
+    finally:
+        tracemalloc.stop()
     assert 0 < enc.figures()["pieces"] < 60  # the oldest went
+    assert held <= 64 << 10, held
 
 
 def test_a_tokenizer_whose_pieces_are_not_independent_is_refused(tmp_path_factory):
