@@ -97,7 +97,8 @@ class DraftModel(Drafter):
     _catching: set[int] = field(default_factory=set)  # still catching up at this step
     _gap: dict[int, int] = field(default_factory=dict)  # where its unwritten draft KV starts
 
-    def lookup(self, seq_id: int, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+    def lookup(self, seq_id: int, tokens: Sequence[int], k: int,
+               ahead: Sequence[int] = ()) -> tuple[int, ...]:
         return self._ready.get(seq_id, ())[:k]
 
     def prepare(self, pool: Any, running: dict[int, Run]) -> None:
@@ -115,10 +116,11 @@ class DraftModel(Drafter):
         if want:
             self._ready = self._draft(want)
 
-    def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:
+    def propose(self, seq_id: int, tokens: Sequence[int], room: int,
+                ahead: Sequence[int] = ()) -> tuple[int, ...]:
         if seq_id in self._catching:  # its draft KV is still catching up: no drafts this
             return ()                 # step, and no shorter draft length for it either
-        return super().propose(seq_id, tokens, room)
+        return super().propose(seq_id, tokens, room, ahead)
 
     def _draft(self, want: list[tuple[Run, int, tuple[int, ...]]]) -> dict[int, tuple[int, ...]]:
         """One catch-up step (at most ``chunk`` tokens over every sequence: a sequence whose

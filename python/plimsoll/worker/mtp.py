@@ -71,13 +71,15 @@ class MTPDrafter(Drafter):
     _ready: dict[int, tuple[int, ...]] = field(default_factory=dict)
     _waiting: set[int] = field(default_factory=set)  # wants to draft, not caught up yet
 
-    def lookup(self, seq_id: int, tokens: Sequence[int], k: int) -> tuple[int, ...]:
+    def lookup(self, seq_id: int, tokens: Sequence[int], k: int,
+               ahead: Sequence[int] = ()) -> tuple[int, ...]:
         return self._ready.get(seq_id, ())[:k]
 
-    def propose(self, seq_id: int, tokens: Sequence[int], room: int) -> tuple[int, ...]:
+    def propose(self, seq_id: int, tokens: Sequence[int], room: int,
+                ahead: Sequence[int] = ()) -> tuple[int, ...]:
         if seq_id in self._waiting:  # its head KV is still catching up: no drafts this
             return ()                # step, and no shorter draft length for it either
-        return super().propose(seq_id, tokens, room)
+        return super().propose(seq_id, tokens, room, ahead)
 
     def prepare(self, pool: Any, running: dict[int, Run]) -> None:
         """The head's catch-up and drafts for this step, batched (the module docstring)."""

@@ -211,7 +211,10 @@ class Drafter:
                ahead: Sequence[int] = ()) -> tuple[int, ...]:
         """Up to ``k`` drafts following ``tokens`` and then ``ahead`` (tokens assumed, not
         read yet: :class:`Flight`'s ``expect``)."""
-        history = self._history.setdefault(seq_id, History()).of(tokens)
+        history = self._history.get(seq_id)
+        if history is None:
+            history = self._history[seq_id] = History()
+        history = history.of(tokens)
         if ahead:
             history = np.concatenate([history, np.asarray(ahead, dtype=history.dtype)])
         return prompt_lookup(history, self.longest, k)
@@ -235,12 +238,7 @@ class Drafter:
             if not self._due(seq_id, self.clock):
                 return ()
             k = 1
-        if room <= 0:
-            draft = ()
-        elif ahead:  # only a proposer that looks ahead is handed assumed tokens
-            draft = self.lookup(seq_id, tokens, min(k, room), ahead)
-        else:
-            draft = self.lookup(seq_id, tokens, min(k, room))
+        draft = self.lookup(seq_id, tokens, min(k, room), ahead) if room > 0 else ()
         if not draft and room > 0:
             self._length[seq_id] = k - 1
             if retry == 0:
@@ -358,8 +356,7 @@ def verify_work(drafter: Drafter | None, pool: Any, run: Run) -> Work | None:
     # after it; if it yields other tokens this step's are dropped (settle). So a sequence
     # whose drafts keep being right is pipelined as a plain decode is.
     room = run.req.max_tokens - run.generated - len(ahead) - 1
-    draft = (drafter.propose(sid, run.tokens, room, ahead) if ahead  # only a proposer that
-             else drafter.propose(sid, run.tokens, room))            # looks ahead gets one
+    draft = drafter.propose(sid, run.tokens, room, ahead)
     if not draft and not ahead:
         return None
     table = pool.grow(sid, run.written + 1 + len(draft)) if draft else None
@@ -398,7 +395,7 @@ def settle(drafter: Drafter | None, run: Run, out: int | tuple[int, ...]) -> tup
     sid = run.req.id
     flights = drafter.inflight.get(sid) if drafter is not None else None
     if not flights:  # a plain decode
-        return (int(out),) if isinstance(out, int) else out
+        return (out,) if isinstance(out, int) else out
     if flights[0].void:
         drafter.pop_flight(sid)
         drafter.figures.ahead_void += 1
