@@ -56,6 +56,7 @@ from plimsoll.engine import (
 )
 from plimsoll.engine import state as seq_state
 from plimsoll.engine.attention import fused_prefill, route_attention
+from plimsoll.engine.chain import Chains
 from plimsoll.engine.decode_index import DecodeReads
 from plimsoll.engine.groups import state_index
 from plimsoll.engine.limits import backend_env_defaults
@@ -86,11 +87,11 @@ class Pending:
                     result[w.seq_id] = t
                     if w.constraint is not None:
                         w.constraint.advance(t)
-                if verified:
-                    checks, row = verified[1].tolist(), 0
+                if verified:  # the drafts read back too: a chained Work's are the engine's
+                    checks, drafts, row = verified[1].tolist(), verified[2].tolist(), 0
                     for w in verified[0]:
                         rows = checks[row:row + w.draft + 1]
-                        result[w.seq_id] = verify.accepted(w.tokens[1:], rows)
+                        result[w.seq_id] = verify.accepted(drafts[row:row + w.draft], rows)
                         row += w.draft + 1
             self._result, self._outs = result, []
         return self._result
@@ -201,6 +202,8 @@ class Engine:
         self.mtp = None
         #: layers a heavy step keeps in flight (attention.Pacer, forward._pace; 0: unpaced)
         self.prefill_window = PREFILL_LAYER_WINDOW
+        #: speculating sequences' outcomes kept on the device (engine/chain.py)
+        self.chains = Chains()
 
     @classmethod
     def load(cls, model_dir: str | Path, *, block_tokens: int, max_blocks: int,
@@ -281,6 +284,14 @@ class Engine:
                     "rejected drafts cannot be rolled back by length")
         return ""
 
+    @property
+    def chains_drafts(self) -> bool:
+        """Whether a prompt-lookup sequence's next verifying step may be chained on the
+        device (engine/chain.py): its Works verify as decode rows (every layer a plain
+        full-attention pool) and no MTP head drafts."""
+        return not self.speculation_refused and forward.verifies_as_rows(self) \
+            and self.mtp is None
+
     def kv_bytes_allocated(self) -> int:
         """nbytes of every KV pool array actually allocated."""
         return sum(p.nbytes for p in self._pools)
@@ -314,6 +325,7 @@ class Engine:
         self._last.pop(seq_id, None)
         self._keys.drop(seq_id)
         self._reads.forget(seq_id)
+        self.chains.drop(seq_id)
         if self.mtp is not None:
             self.mtp.forget(seq_id)
 
@@ -400,8 +412,13 @@ class Engine:
                 raise ValueError(f"sequence {w.seq_id}: tokens=None but nothing was sampled "
                                  "for it in an earlier step")
         for w in step.prefills:
-            if w.tokens is None:
-                raise ValueError(f"sequence {w.seq_id}: a prefill names its tokens")
+            if w.tokens is None and not (w.chained and w.lookup
+                                         and self.chains.holds(w.seq_id)):
+                raise ValueError(f"sequence {w.seq_id}: a prefill names its tokens (a "
+                                 "chained one follows a verifying step that drafts by lookup)")
+            if w.lookup and w.tokens is not None and w.history is None:
+                raise ValueError(f"sequence {w.seq_id}: a Work that begins a chain names "
+                                 "its history")
             if w.draft and (why := self.speculation_refused or (
                     "" if w.sample and w.constraint is None and w.draft == w.length - 1
                     and (w.draft_probs is None or tuple(w.draft_probs.shape[:1]) == (w.draft,))

@@ -103,8 +103,9 @@ def rows_of_works(works: tuple[Work, ...]) -> tuple[Work, ...]:
         if not w.draft:
             rows.append(w)
             continue
-        rows += [Work(w.seq_id, (t,), w.start + i, w.block_table, True, w.sampling)
-                 for i, t in enumerate(w.tokens)]
+        tokens = w.tokens or (None,) * w.length  # a chained Work's are on the device
+        rows += [Work(w.seq_id, None if t is None else (t,), w.start + i, w.block_table, True,
+                      w.sampling) for i, t in enumerate(tokens)]
     return tuple(rows)
 
 
@@ -121,21 +122,53 @@ def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
                                 slice_ok=eng.kernels.decode is None)
     write = np.array([w.block_table[s // bt] * bt + s % bt
                       for w, s in zip(rows, starts, strict=True)], dtype=np.int32)
-    lengths_mx = mx.array(lengths, dtype=mx.int32)
+    inputs = chained = None
+    if any(w.chained for w in works):  # positions, slots and tokens on the device
+        chained, inputs, positions, slots = _chained_rows(eng, works, rows, write)
+        lengths_mx, offset, write = positions + 1, positions, slots
+    else:
+        lengths_mx = mx.array(lengths, dtype=mx.int32)
+        offset = starts[0] if len(rows) == 1 else mx.array(starts, dtype=mx.int32)
+        write = write_of(write)
     mask = None
-    if min(lengths) != max(lengths):  # built on the device, not row × context on the host
+    if min(lengths) != max(lengths) or chained:  # on the device, not row × context on the host
         mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]
                 < lengths_mx[:, None])[:, None, None, :]
-    offset = starts[0] if len(rows) == 1 else mx.array(starts, dtype=mx.int32)
-    batch = Batch(write_of(write), read, mask, offset, lengths=lengths_mx,
-                  kernel=eng.kernels.decode)
+    batch = Batch(write, read, mask, offset, lengths=lengths_mx, kernel=eng.kernels.decode)
     if eng._batched is not None and eng._batched[0] == ids:
         stacked = [state.cache_of(e) for e in eng._batched[1]]
     else:
         held = [eng._states.get(w.seq_id) or eng._fresh_state() for w in works]
         stacked = [state.stack([r[j] for r in held]) for j in range(len(held[0]))]
     rings = eng._rings.batch(list(ids), starts, 1) if eng._rings else None
-    return Group(works, 0, True, batch, rings, stacked, rows), top
+    group = Group(works, 0, True, batch, rings, stacked, rows)
+    group.inputs, group.chained = inputs, chained
+    return group, top
+
+
+def _chained_rows(eng, works: tuple[Work, ...], rows: tuple[Work, ...], write: np.ndarray):
+    """Where some of ``works`` are chained (:mod:`plimsoll.engine.chain`): their drafts and
+    starts by sequence, and every row's input token, position and pool slot, on the device
+    (a chained Work's rows from its chain's start; the others' as the host named them)."""
+    bt, chained = eng.block_tokens, {}
+    tokens, positions, slots, row = [], [], [], 0
+    for w in works:
+        n = w.draft + 1 if w.draft else 1
+        if w.chained:
+            toks, found, start = eng.chains.inputs(w)
+            chained[w.seq_id] = (found, start)
+            pos = start + mx.arange(n, dtype=mx.int32)
+            table = mx.array(np.asarray(w.block_table, dtype=np.int32))
+            tokens.append(toks)
+            slots.append(mx.take(table, pos // bt) * bt + pos % bt)
+        else:
+            pos = mx.array([r.start for r in rows[row:row + n]], dtype=mx.int32)
+            tokens.append(decode_inputs(eng, rows[row:row + n]))
+            slots.append(mx.array(write[row:row + n]))
+        positions.append(pos)
+        row += n
+    return (chained, mx.concatenate(tokens), mx.concatenate(positions),
+            mx.concatenate(slots).astype(mx.int32))
 
 
 def _chunk_group(eng, w: Work, lo: int) -> Group:
@@ -168,6 +201,8 @@ def decode_inputs(eng, works: tuple[Work, ...]) -> mx.array:
 
 
 def _inputs(eng, g: Group) -> mx.array:
+    if g.inputs is not None:
+        return g.inputs
     if g.decode:
         return decode_inputs(eng, g.rows)
     return mx.array(g.works[0].tokens, dtype=mx.uint32)
@@ -235,17 +270,23 @@ def run(eng, groups: list[Group]) -> Out | None:
         _hand_over(eng.mtp, groups, kept)
     _check(eng, groups)
     _keep_states(eng, groups)
-    verified = None
+    verified, chained = None, []
     if any(w.draft for w in works):
         logits, works, verifying, rows = _split_verified(logits, works)
-        verified = (verifying, verify.check(rows, verifying, eng._keys))
+        found = {s: f for g in groups if g.chained for s, f in g.chained.items()}
+        drafts = verify.drafts_of(verifying, {s: f for s, (f, _) in found.items()})
+        checks = verify.check(rows, verifying, eng._keys, drafts)
+        verified = (verifying, checks, drafts)
+        chained = _advance(eng, verifying, checks, drafts, found)
+    for w in works if eng.chains.held else ():  # a plain step ends a chain
+        eng.chains.drop(w.seq_id)
     tokens = sample(logits, works, eng._keys) if works else None
     for row, w in enumerate(works):
         eng._last[w.seq_id] = (tokens, row)
     for w in verified[0] if verified else ():  # its next step names its tokens (never pipelined)
         eng._last.pop(w.seq_id, None)
     mx.async_eval(_arrays(eng, groups) + ([] if tokens is None else [tokens])
-                  + ([verified[1]] if verified else []))
+                  + ([verified[1], verified[2]] if verified else []) + chained)
     return (works, tokens, verified) if works or verified else None
 
 
@@ -282,6 +323,23 @@ def _forward(eng, groups: list[Group]) -> mx.array | None:
         caches = [mixers.step_view(k, flat) for k in eng.layers]
         logits = _call(eng, inputs, caches, [r for g in groups for r in g.sampled()])
     return logits
+
+
+def _advance(eng, verifying: tuple[Work, ...], checks: mx.array, drafts: mx.array,
+             found: dict[int, tuple[mx.array, mx.array]]) -> list[mx.array]:
+    """Every verifying Work that drafts by lookup leaves its chain on the device
+    (:meth:`plimsoll.engine.chain.Chains.advance`); the others drop theirs. The chains'
+    new arrays."""
+    out, row = [], 0
+    for w in verifying:
+        k = w.draft
+        if w.lookup:
+            start = found[w.seq_id][1] if w.seq_id in found else None
+            out += eng.chains.advance(w, start, drafts[row:row + k], checks[row:row + k + 1])
+        else:
+            eng.chains.drop(w.seq_id)
+        row += k + 1
+    return out
 
 
 def _split_verified(logits: mx.array, works: tuple[Work, ...]):

@@ -72,6 +72,14 @@ class Work:
     are overwritten later. ``draft_probs``: the distributions the proposer drew its drafts
     from, an array (``draft``, vocab) of probabilities over the target's vocabulary; None
     when each draft is certain (a point mass, as prompt lookup's are).
+
+    ``lookup`` = n > 0 (a verifying Work drafted by prompt lookup, on an engine whose
+    :attr:`~plimsoll.engine.core.Engine.chains_drafts`): the engine keeps the sequence's
+    outcome on the device (:mod:`plimsoll.engine.chain`), so its next Work may be *chained*:
+    ``tokens`` None and ``draft`` = k, its input the token this one ends with and k drafts
+    the engine finds by n-gram lookup, at the position this one leaves (``start`` is then
+    the highest that position can be; the table covers ``start + k + 1``). A Work that
+    begins a chain names the sequence's tokens at positions ``0 .. start`` in ``history``.
     """
 
     seq_id: int
@@ -83,11 +91,19 @@ class Work:
     constraint: TokenConstraint | None = None
     draft: int = 0
     draft_probs: object | None = field(default=None, compare=False, repr=False)
+    lookup: int = 0
+    history: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def length(self) -> int:
-        """Tokens this Work writes (one for a pipelined decode)."""
-        return 1 if self.tokens is None else len(self.tokens)
+        """Tokens this Work writes (one for a pipelined decode; a chained one's drafts and
+        the token before them)."""
+        return (self.draft + 1) if self.tokens is None else len(self.tokens)
+
+    @property
+    def chained(self) -> bool:
+        """Whether its tokens are the engine's own (:mod:`plimsoll.engine.chain`)."""
+        return self.tokens is None and self.draft > 0
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,8 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
             sched.drafter = drafter
         elif cfg.prompt_lookup:
             sched.drafter = speculate.Drafter(cfg.prompt_lookup, cfg.num_draft_tokens,
-                                              eng.speculation_refused)
+                                              eng.speculation_refused,
+                                              chains=eng.chains_drafts)
         if sched.drafter is not None and sched.drafter.refused:
             log.warning("speculation off: %s", sched.drafter.refused)
         elif sched.drafter is not None:  # its drafts are decode rows (engine/forward)

@@ -76,7 +76,8 @@ AHEAD_AFTER = 3
 class Flight:
     """A speculating sequence's step in flight (submitted, not read yet)."""
 
-    start: int   # where its Work writes
+    #: where its Work writes (a chained one's: known once the step before it is read)
+    start: int | None
     drafts: int  # the drafts it verifies
     #: the tokens it yields if every draft is accepted and the target's next token is the one
     #: lookup predicts after them; a step planned before this one is read assumes them
@@ -85,6 +86,8 @@ class Flight:
     #: planned on the step before's ``expect``, which that step did not yield: its tokens
     #: are dropped when read (its positions are written again later)
     void: bool = False
+    #: drafted by the engine from the step before's outcome on the device (engine/chain.py)
+    chained: bool = False
 
 
 @dataclass
@@ -98,10 +101,11 @@ class Figures:
     steps: int = 0
     ahead: int = 0
     ahead_void: int = 0
+    chained: int = 0  # of ``ahead``: drafted by the engine on the device
 
     def report(self) -> dict[str, float | int]:
         return {"proposed": self.proposed, "accepted": self.accepted, "steps": self.steps,
-                "ahead": self.ahead, "ahead_void": self.ahead_void,
+                "ahead": self.ahead, "ahead_void": self.ahead_void, "chained": self.chained,
                 "acceptance_rate": round(self.accepted / self.proposed, 4)
                 if self.proposed else 0.0,
                 "accepted_per_step": round(self.accepted / self.steps, 4)
@@ -143,6 +147,9 @@ class Drafter:
     longest: int  # the longest n-gram matched (--prompt-lookup)
     most: int     # the longest draft (--num-draft-tokens)
     refused: str = ""  # why this engine does not speculate ("" when it does)
+    #: the engine drafts an unseeded sequence's next step on the device from its verifying
+    #: step in flight (engine/chain.py; Engine.chains_drafts): lookahead at any acceptance
+    chains: bool = False
     figures: Figures = field(default_factory=Figures)
     clock: int = 0  # the step being planned (tick): retries happen on its multiples
     _length: dict[int, int] = field(default_factory=dict)
@@ -219,6 +226,13 @@ class Drafter:
             history = np.concatenate([history, np.asarray(ahead, dtype=history.dtype)])
         return prompt_lookup(history, self.longest, k)
 
+    def history(self, seq_id: int, tokens: Sequence[int]) -> np.ndarray:
+        """``tokens`` as int32 (a copy): a chain's history on the device begins with it."""
+        held = self._history.get(seq_id)
+        if held is None:
+            held = self._history[seq_id] = History()
+        return held.of(tokens).astype(np.int32)
+
     def expect(self, seq_id: int, tokens: Sequence[int], ahead: Sequence[int],
                draft: Sequence[int]) -> tuple[int, ...] | None:
         """What a step verifying ``draft`` after ``tokens`` + ``ahead`` yields if it accepts
@@ -245,9 +259,29 @@ class Drafter:
                 self._back_off(seq_id)  # a retry that found nothing to draft
         return draft
 
-    def started(self, seq_id: int, start: int, drafts: int,
-                expect: tuple[int, ...] | None = None) -> None:
-        self.inflight.setdefault(seq_id, []).append(Flight(start, drafts, expect))
+    def started(self, seq_id: int, start: int | None, drafts: int,
+                expect: tuple[int, ...] | None = None, chained: bool = False) -> None:
+        self.inflight.setdefault(seq_id, []).append(
+            Flight(start, drafts, expect, chained=chained))
+
+    def chains_of(self, run: Run) -> bool:
+        """Whether ``run``'s verifying steps leave their outcome on the device for the next
+        (prompt lookup on an engine that chains; unseeded: a seeded sequence's draws follow
+        the steps that verify, which must not depend on when its tokens are read)."""
+        return self.chains and self.looks_ahead and run.req.seed is None
+
+    def chain_length(self, run: Run) -> int:
+        """The drafts of ``run``'s next step chained on its verifying step in flight (0: it
+        is not: its tokens are read first). Its drafts stop one short of ``max_tokens``
+        however many the step in flight yields, so they stay inside the reservation."""
+        flights = self.inflight.get(run.req.id)
+        if not (run.pending and flights and len(flights) == 1 and flights[0].drafts
+                and not flights[0].void and self.chains_of(run)):
+            return 0
+        room = run.req.max_tokens - run.generated - (flights[0].drafts + 1) - 1
+        k = min(self._current(run.req.id), room)
+        return k if k > 0 and run.written + 1 + k <= run.prompt_len + run.req.max_tokens \
+            else 0
 
     def following(self, seq_id: int) -> tuple[int, ...] | None:
         """The tokens ``seq_id``'s step in flight is assumed to yield, where its next step may
@@ -334,6 +368,7 @@ def drafting_waits(drafter: Drafter | None, running: dict[int, Run]) -> bool:
     may assume (:func:`verify_work`'s lookahead)."""
     return drafter is not None and any(
         run.pending and not run.prefilling and drafter.following(run.req.id) is None
+        and not drafter.chain_length(run)                                # chained on it
         and (may_draft(drafter, run) or run.req.id in drafter.inflight)  # never pipelined
         for run in running.values())                                     # on a step ahead
 
@@ -347,6 +382,12 @@ def verify_work(drafter: Drafter | None, pool: Any, run: Run) -> Work | None:
     if run.req.seed is not None:
         drafter.own_clock(run.req.id)
     sid, ahead = run.req.id, ()
+    if run.pending and (k := drafter.chain_length(run)):  # drafted on the device
+        drafter.started(sid, None, k, chained=True)
+        drafter.figures.ahead += 1
+        drafter.figures.chained += 1
+        return Work(sid, None, run.written, pool.grow(sid, run.written + 1 + k), True,
+                    run.sampling, None, draft=k, lookup=drafter.longest)
     if run.pending:
         ahead = drafter.following(sid)
         if ahead is None:  # a pipelined decode in flight: it does not draft this step
@@ -366,14 +407,19 @@ def verify_work(drafter: Drafter | None, pool: Any, run: Run) -> Work | None:
         # planned ahead, it must name its token: the predicted one, no drafts (the scheduler
         # grew the table for one token already)
         draft, table = (), pool.grow(sid, run.written + 1)
+    chains = drafter.chains_of(run) and not ahead
     expect = (drafter.expect(sid, run.tokens, ahead, draft)
-              if run.sampling.greedy and room > len(draft) else None)
+              if run.sampling.greedy and room > len(draft) and not chains else None)
     drafter.started(sid, run.written, len(draft), expect)
     if ahead:
         drafter.figures.ahead += 1
     first = ahead[-1] if ahead else run.tokens[-1]
     if not draft:  # nothing to verify: the predicted token decoded, explicitly
         return Work(sid, (first,), run.written, table, True, run.sampling, None)
+    if chains:  # the engine keeps its outcome: the next step may be chained on it
+        return Work(sid, (first, *draft), run.written, table, True, run.sampling, None,
+                    draft=len(draft), lookup=drafter.longest,
+                    history=drafter.history(sid, run.tokens))
     return Work(sid, (first, *draft), run.written, table, True, run.sampling, None,
                 draft=len(draft))
 
@@ -410,6 +456,11 @@ def settle(drafter: Drafter | None, run: Run, out: int | tuple[int, ...]) -> tup
         run.req.accepted += len(out) - 1
     else:  # a predicted token decoded ahead
         start = drafter.pop_flight(sid).start
+    later = drafter.inflight.get(sid)
+    if later and later[0].chained:  # drafted on the device after this: it stands
+        later[0].start = start + len(out)
+        run.written = later[0].start + later[0].drafts + 1
+        return out
     if sid in drafter.inflight and out == expect:
         return out  # the step planned ahead on it stands: its writes too
     run.written = start + len(out)

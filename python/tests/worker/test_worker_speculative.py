@@ -62,6 +62,9 @@ def test_greedy_output_is_the_same_with_prompt_lookup(pair):
     # greedy steps were planned ahead of the verifying step in flight on the real engine
     # (the outputs above are still the plain worker's), and some of them stood
     assert st["ahead"] > st["ahead_void"] >= 0, st
+    # ... drafted on the device from the step in flight (engine/chain.py): every plain
+    # full-attention engine chains an unseeded sequence's verifying steps
+    assert 0 < st["chained"] <= st["ahead"], st
     assert st["by_proposer"]["prompt_lookup"]["accepted"] == st["accepted"]
     assert 0 < st["acceptance_rate"] <= 1 and st["accepted_per_step"] > 0
     assert "speculative" not in plain.status()
