@@ -1,8 +1,8 @@
 """Controlled acceptance for bench/speculative.py ``--noise``: a worker started with this
 directory first on its PYTHONPATH (Python imports ``sitecustomize`` at start-up, in the API
 process and in the engine process it spawns) and ``PLIMSOLL_BENCH_DRAFT_NOISE=F`` has each
-prompt-lookup draft token replaced by a wrong one (the next token id) with probability ``F``
-(a fixed seed). With the ``repeat`` regime's drafts all right, a draft is then right with
+prompt-lookup draft token (the host's, and those the engine drafts on the device) replaced by
+a wrong one (the next token id) with probability ``F`` (a fixed seed). With the ``repeat`` regime's drafts all right, a draft is then right with
 probability ``1 - F``: the acceptance the bench plots speed against. Nothing else changes;
 without the variable this does nothing."""
 
@@ -39,3 +39,20 @@ if noise := float(os.environ.get("PLIMSOLL_BENCH_DRAFT_NOISE") or 0):
             return out
 
         speculate.Drafter.expect = _noisy_expect
+
+    try:  # drafts the engine makes on the device (engine/chain.py): noised there alike
+        from plimsoll.engine import chain
+    except ImportError:  # the code before it (--before-code) or no mlx
+        chain = None
+    if chain is not None and hasattr(chain, "drafts"):
+        import mlx.core as mx
+
+        _drafts, _key = chain.drafts, [mx.random.key(2)]
+
+        def _noisy_drafts(history, length, longest, k):
+            found = _drafts(history, length, longest, k)
+            _key[0], sub = mx.random.split(_key[0])
+            wrong = mx.random.uniform(shape=(k,), key=sub) < noise
+            return mx.where(wrong & (found >= 0), found + 1, found)
+
+        chain.drafts = _noisy_drafts

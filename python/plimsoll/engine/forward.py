@@ -122,16 +122,18 @@ def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
                                 slice_ok=eng.kernels.decode is None)
     write = np.array([w.block_table[s // bt] * bt + s % bt
                       for w, s in zip(rows, starts, strict=True)], dtype=np.int32)
-    inputs = chained = None
+    inputs = None
     if any(w.chained for w in works):  # positions, slots and tokens on the device
-        chained, inputs, positions, slots = _chained_rows(eng, works, rows, write)
-        lengths_mx, offset, write = positions + 1, positions, slots
+        inputs, positions = _chained_rows(eng, works, rows)
+        write = mx.take_along_axis(read.index, (positions // bt)[:, None], axis=1)[:, 0] \
+            * bt + positions % bt
+        lengths_mx, offset = positions + 1, positions
     else:
         lengths_mx = mx.array(lengths, dtype=mx.int32)
         offset = starts[0] if len(rows) == 1 else mx.array(starts, dtype=mx.int32)
         write = write_of(write)
     mask = None
-    if min(lengths) != max(lengths) or chained:  # on the device, not row × context on the host
+    if min(lengths) != max(lengths) or inputs is not None:  # on the device, not on the host
         mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]
                 < lengths_mx[:, None])[:, None, None, :]
     batch = Batch(write, read, mask, offset, lengths=lengths_mx, kernel=eng.kernels.decode)
@@ -142,33 +144,36 @@ def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
         stacked = [state.stack([r[j] for r in held]) for j in range(len(held[0]))]
     rings = eng._rings.batch(list(ids), starts, 1) if eng._rings else None
     group = Group(works, 0, True, batch, rings, stacked, rows)
-    group.inputs, group.chained = inputs, chained
+    group.inputs = inputs
     return group, top
 
 
-def _chained_rows(eng, works: tuple[Work, ...], rows: tuple[Work, ...], write: np.ndarray):
-    """Where some of ``works`` are chained (:mod:`plimsoll.engine.chain`): their drafts and
-    starts by sequence, and every row's input token, position and pool slot, on the device
-    (a chained Work's rows from its chain's start; the others' as the host named them)."""
-    bt, chained = eng.block_tokens, {}
-    tokens, positions, slots, row = [], [], [], 0
+def _chained_rows(eng, works: tuple[Work, ...], rows: tuple[Work, ...]):
+    """Where some of ``works`` are chained (:mod:`plimsoll.engine.chain`): every row's input
+    token and position on the device (a chained Work's from its chain, the others' as the
+    host named them), in the rows' order."""
+    chained, hosts, order, at = [], [], [], 0
     for w in works:
         n = w.draft + 1 if w.draft else 1
         if w.chained:
-            toks, found, start = eng.chains.inputs(w)
-            chained[w.seq_id] = (found, start)
-            pos = start + mx.arange(n, dtype=mx.int32)
-            table = mx.array(np.asarray(w.block_table, dtype=np.int32))
-            tokens.append(toks)
-            slots.append(mx.take(table, pos // bt) * bt + pos % bt)
+            chained.append(w)
+            order += [-1] * n
         else:
-            pos = mx.array([r.start for r in rows[row:row + n]], dtype=mx.int32)
-            tokens.append(decode_inputs(eng, rows[row:row + n]))
-            slots.append(mx.array(write[row:row + n]))
-        positions.append(pos)
-        row += n
-    return (chained, mx.concatenate(tokens), mx.concatenate(positions),
-            mx.concatenate(slots).astype(mx.int32))
+            order += range(len(hosts), len(hosts) + n)
+            hosts += rows[at:at + n]
+        at += n
+    tokens, positions = eng.chains.inputs(tuple(chained))
+    if not hosts:
+        return tokens, positions
+    at, index = len(hosts), []
+    for o in order:  # the chained rows follow the host rows in the sources below
+        index.append(at if o < 0 else o)
+        at += o < 0
+    index = mx.array(np.asarray(index, dtype=np.int32))
+    tokens = mx.concatenate([decode_inputs(eng, tuple(hosts)), tokens])[index]
+    positions = mx.concatenate([mx.array([r.start for r in hosts], dtype=mx.int32),
+                                positions])[index]
+    return tokens, positions
 
 
 def _chunk_group(eng, w: Work, lo: int) -> Group:
@@ -273,11 +278,11 @@ def run(eng, groups: list[Group]) -> Out | None:
     verified, chained = None, []
     if any(w.draft for w in works):
         logits, works, verifying, rows = _split_verified(logits, works)
-        found = {s: f for g in groups if g.chained for s, f in g.chained.items()}
-        drafts = verify.drafts_of(verifying, {s: f for s, (f, _) in found.items()})
+        drafts = eng.chains.drafts(verifying)
         checks = verify.check(rows, verifying, eng._keys, drafts)
         verified = (verifying, checks, drafts)
-        chained = _advance(eng, verifying, checks, drafts, found)
+        if eng.chains.held or any(w.lookup for w in verifying):
+            chained = eng.chains.advance(verifying, checks, drafts)
     for w in works if eng.chains.held else ():  # a plain step ends a chain
         eng.chains.drop(w.seq_id)
     tokens = sample(logits, works, eng._keys) if works else None
@@ -323,23 +328,6 @@ def _forward(eng, groups: list[Group]) -> mx.array | None:
         caches = [mixers.step_view(k, flat) for k in eng.layers]
         logits = _call(eng, inputs, caches, [r for g in groups for r in g.sampled()])
     return logits
-
-
-def _advance(eng, verifying: tuple[Work, ...], checks: mx.array, drafts: mx.array,
-             found: dict[int, tuple[mx.array, mx.array]]) -> list[mx.array]:
-    """Every verifying Work that drafts by lookup leaves its chain on the device
-    (:meth:`plimsoll.engine.chain.Chains.advance`); the others drop theirs. The chains'
-    new arrays."""
-    out, row = [], 0
-    for w in verifying:
-        k = w.draft
-        if w.lookup:
-            start = found[w.seq_id][1] if w.seq_id in found else None
-            out += eng.chains.advance(w, start, drafts[row:row + k], checks[row:row + k + 1])
-        else:
-            eng.chains.drop(w.seq_id)
-        row += k + 1
-    return out
 
 
 def _split_verified(logits: mx.array, works: tuple[Work, ...]):

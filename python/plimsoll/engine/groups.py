@@ -23,8 +23,7 @@ from plimsoll.engine.window import WindowAttention, WindowView
 class Group:
     """The decode rows of a step, or one prefill chunk: one call of each mixing module."""
 
-    __slots__ = ("batch", "chained", "decode", "hi", "inputs", "lo", "rings", "rows", "states",
-                 "works")
+    __slots__ = ("batch", "decode", "hi", "inputs", "lo", "rings", "rows", "states", "works")
 
     def __init__(self, works, lo: int, decode: bool, batch, rings, states: list, rows=None):
         self.works, self.lo, self.decode = tuple(works), lo, decode
@@ -33,10 +32,8 @@ class Group:
         self.rows = self.works if rows is None else tuple(rows)
         self.hi = lo + (len(self.rows) if decode else self.works[0].length)
         self.batch, self.rings, self.states = batch, rings, states
-        #: the rows' input tokens where the engine made some (chained Works), else None;
-        #: a chained Work's drafts and start by sequence id (engine/chain.py)
+        #: the rows' input tokens where the engine made some (chained Works: engine/chain.py)
         self.inputs: mx.array | None = None
-        self.chained: dict[int, tuple[mx.array, mx.array]] | None = None
 
     @property
     def length(self) -> int:

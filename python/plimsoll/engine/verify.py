@@ -95,29 +95,17 @@ def _draft_probs(works: tuple[Work, ...], drafts: mx.array, vocab: int) -> mx.ar
     return mx.concatenate(parts)
 
 
-def drafts_of(works: tuple[Work, ...], made: dict[int, mx.array]) -> mx.array:
-    """The drafts every row of ``works`` judges, (rows,) int32: each Work's ``draft`` tokens
-    (those the engine made for a chained one, ``made`` by sequence id: -1 where none was
-    found, never accepted), then -1 at its last row."""
-    if not made:
-        return mx.array(np.asarray([t for w in works for t in (*w.tokens[1:], -1)],
-                                   dtype=np.int32))
-    end = mx.array([-1], dtype=mx.int32)
-    return mx.concatenate([
-        part for w in works for part in (
-            made[w.seq_id] if w.seq_id in made
-            else mx.array(np.asarray(w.tokens[1:], dtype=np.int32)), end)])
-
-
 def check(logits: mx.array, works: tuple[Work, ...], keys: Keys,
           drafts: mx.array | None = None) -> mx.array:
     """Every verifying row of a step, still lazy: (rows, 2) uint32, a row's verdict on its
     draft (1: accepted; always 0 at a Work's last row and where the draft is -1) and the
     token emitted if the accepted prefix ends there. ``logits``: (rows, vocab), each Work's
-    ``draft + 1`` rows in order; ``drafts``: :func:`drafts_of` (default: the Works' own)."""
+    ``draft + 1`` rows in order; ``drafts``: the draft each row judges, -1 at a Work's
+    last row (default: the Works' own; :meth:`plimsoll.engine.chain.Chains.drafts`)."""
     vocab = logits.shape[-1]
     if drafts is None:
-        drafts = drafts_of(works, {})
+        drafts = mx.array(np.asarray([t for w in works for t in (*w.tokens[1:], -1)],
+                                     dtype=np.int32))
     rules = [w.sampling for w in works for _ in range(w.draft + 1)]
     target = mx.argmax(logits, axis=-1).astype(mx.int32)
     greedy = [r.greedy for r in rules]

@@ -22,15 +22,22 @@ from plimsoll.worker.ngram import prompt_lookup  # noqa: E402
 BLOCK = 16
 
 
+TOKENS = st.lists(st.integers(0, 4), min_size=1, max_size=40)
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(1, 3),
-       st.integers(1, 4), st.integers(0, 9))
-def test_the_device_rule_drafts_what_the_host_rule_does(tokens, longest, k, junk):
-    want = prompt_lookup(tokens, longest, k)
-    history = np.full(len(tokens) + junk, 3, dtype=np.int32)  # past the end: anything
-    history[:len(tokens)] = tokens
-    got = drafts(mx.array(history), mx.array(len(tokens), dtype=mx.int32), longest, k)
-    assert got.tolist() == [*want, *[-1] * (k - len(want))]
+@given(st.lists(TOKENS, min_size=1, max_size=3), st.integers(1, 3), st.integers(1, 4),
+       st.integers(0, 9))
+def test_the_device_rule_drafts_what_the_host_rule_does(rows, longest, k, junk):
+    """Several sequences at once, each its own length; past it anything."""
+    history = np.full((len(rows), max(map(len, rows)) + junk), 3, dtype=np.int32)
+    for r, tokens in enumerate(rows):
+        history[r, :len(tokens)] = tokens
+    got = drafts(mx.array(history), mx.array([len(t) for t in rows], dtype=mx.int32),
+                 longest, k)
+    for r, tokens in enumerate(rows):
+        want = prompt_lookup(tokens, longest, k)
+        assert got[r].tolist() == [*want, *[-1] * (k - len(want))], (r, tokens)
 
 
 @pytest.mark.parametrize("took", [0, 1, 2, 3])
@@ -38,19 +45,21 @@ def test_a_chain_moves_past_what_its_step_accepted(took):
     chains, k = Chains(), 3
     history = np.array([7, 8, 9, 7, 8], dtype=np.int32)  # positions 0 .. 4; 8 is at 4
     w = Work(1, (8, 9, 7, 5), 4, tuple(range(4)), True, draft=k, lookup=2, history=history)
-    found = mx.array([9, 7, 5], dtype=mx.int32)
     verdicts = [1] * took + [0] * (k + 1 - took)
     checks = mx.array([[v, 40 + i] for i, v in enumerate(verdicts)], dtype=mx.uint32)
-    chains.advance(w, None, found, checks)
-    c = chains._held[1]
-    assert c.start.item() == 4 + took + 1 and c.token.item() == 40 + took
+    drafted = chains.drafts((w,))
+    assert drafted.tolist() == [9, 7, 5, -1]
+    chains.advance((w,), checks, drafted)
     want = [7, 8, 9, 7, 8, *[9, 7, 5][:took], 40 + took]
-    assert c.history[:len(want)].tolist() == want
-    # the next step's input: that token, then what lookup finds after it
-    tokens, drafted, start = chains.inputs(Work(1, None, 8, tuple(range(4)), True, draft=2,
-                                                lookup=2))
-    assert start.item() == 5 + took and tokens[0].item() == 40 + took
-    assert drafted.tolist() == [*prompt_lookup(want, 2, 2), -1, -1][:2]
+    assert chains._start.tolist() == [4 + took + 1] and chains._token.tolist() == [40 + took]
+    assert chains._history[0, :len(want)].tolist() == want
+    # the next step's rows: that token, then what lookup finds after it, from there on
+    nxt = Work(1, None, 8, tuple(range(4)), True, draft=2, lookup=2)
+    tokens, positions = chains.inputs((nxt,))
+    found = [*prompt_lookup(want, 2, 2), -1, -1][:2]
+    assert tokens.tolist() == [40 + took, *[max(t, 0) for t in found]]
+    assert positions.tolist() == [5 + took, 6 + took, 7 + took]
+    assert chains.drafts((nxt,)).tolist() == [*found, -1]
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +74,18 @@ def test_chained_steps_decode_the_target_greedy_tokens(eng):
     assert eng.chains_drafts
     k, n = 3, 90
     prompts = {1: tuple(text(eng.tokenizer, 12, 1)) * 3, 2: tuple(text(eng.tokenizer, 9, 5)) * 2}
+    plain = tuple(text(eng.tokenizer, 20, 9))  # a third decodes plainly, pipelined, beside
     refs = {s: reference(eng.model, p, n) for s, p in prompts.items()}
+    ref3 = reference(eng.model, plain, n)
     tables = {1: tuple(range(0, 24)), 2: tuple(range(24, 48))}
-    first = eng.run(Step(prefills=tuple(Work(s, p, 0, tables[s], True)
-                                        for s, p in prompts.items())))
+    table3 = tuple(range(48, 60))
+    first = eng.run(Step(prefills=(*(Work(s, p, 0, tables[s], True)
+                                     for s, p in prompts.items()),
+                                   Work(3, plain, 0, table3, True))))
     got = {s: [first[s]] for s in prompts}
+    got3 = [first[3]]
+    pending3 = eng.run_async(Step(decodes=(Work(3, (got3[0],), len(plain), table3, True),)))
+    got3.append(pending3.result()[3])
     # each chain begins with drafts the host found, then the engine drafts every step
     start = {s: len(p) for s, p in prompts.items()}
     begin = []
@@ -81,13 +97,17 @@ def test_chained_steps_decode_the_target_greedy_tokens(eng):
     drafted = {w.seq_id: w.draft for w in begin}
     pending = eng.run_async(Step(prefills=tuple(begin)))
     chained, longer = 0, 0
-    while min(len(v) for v in got.values()) < n - k - 1:
+    while min(len(v) for v in got.values()) < n - k - 1 and len(got3) < n - 1:
         # planned before the step in flight is read: the highest start it can have
-        nxt = eng.run_async(Step(prefills=tuple(
-            Work(s, None, start[s] + drafted[s] + 1, tables[s], True, draft=k, lookup=3)
-            for s in prompts)))
+        nxt = eng.run_async(Step(
+            decodes=(Work(3, None, len(plain) + 1 + chained, table3, True),),
+            prefills=tuple(Work(s, None, start[s] + drafted[s] + 1, tables[s], True,
+                                draft=k, lookup=3) for s in prompts)))
         chained += 1
         for s, out in pending.result().items():
+            if s == 3:
+                got3.append(out)
+                continue
             assert isinstance(out, tuple) and 1 <= len(out) <= drafted[s] + 1
             got[s] += out
             longer += len(out) > 1
@@ -95,9 +115,13 @@ def test_chained_steps_decode_the_target_greedy_tokens(eng):
             drafted[s] = k
         pending = nxt
     for s, out in pending.result().items():
-        got[s] += out
+        if s == 3:
+            got3.append(out)
+        else:
+            got[s] += out
     for s in prompts:
         assert got[s] == refs[s][:len(got[s])], s
+    assert got3 == ref3[:len(got3)]
     assert chained >= 3
     assert longer >= 1  # some drafts of the engine's own were accepted
     # a plain step ends a sequence's chain; an ended sequence's goes with its state
