@@ -2,9 +2,10 @@
 directory first on its PYTHONPATH (Python imports ``sitecustomize`` at start-up, in the API
 process and in the engine process it spawns) and ``PLIMSOLL_BENCH_DRAFT_NOISE=F`` has each
 prompt-lookup draft token (the host's, and those the engine drafts on the device) replaced by
-a wrong one (the next token id) with probability ``F`` (a fixed seed). With the ``repeat`` regime's drafts all right, a draft is then right with
-probability ``1 - F``: the acceptance the bench plots speed against. Nothing else changes;
-without the variable this does nothing."""
+a wrong one (the next token id) with probability ``F`` (a fixed seed). With the ``repeat``
+regime's drafts all right, a draft is then right with probability ``1 - F``: the acceptance
+the bench plots speed against. Nothing else changes; without the variable this does
+nothing."""
 
 import os
 

@@ -5,6 +5,8 @@ TokenConstraint, Work, Step; the transients a step holds are counted in
 :mod:`plimsoll.core.transients`), :mod:`.core` (the Engine: steps, pipelining, recurrent
 state), :mod:`.forward` (a step as one forward: its groups, the model call, sampling),
 :mod:`.verify` (a speculating sequence's drafts checked: greedy, or by rejection sampling),
+:mod:`.chain` (prompt lookup on the device: the next verifying step drafted from the one in
+flight),
 :mod:`.mtp_head` (a checkpoint's MTP layer drafting from the target's hidden states),
 :mod:`.compiled` (decode-only steps compiled per shape bucket),
 :mod:`.groups` (a step's groups and their views), :mod:`.mixers` (the model's token-mixing
@@ -23,7 +25,7 @@ scheduler's block pool (:mod:`plimsoll.worker.pool`); the engine writes where a 
 
 May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, forward, compiled, groups, mixers,
 sampled_rows, kernels, pool_cuda, backend, paged, attention, latent, composite, window,
-sampling, verify, mtp_head, state, limits, warmup, threads and drive only).
+sampling, verify, chain, mtp_head, state, limits, warmup, threads and drive only).
 
 The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work``
 imports without mlx; ``from plimsoll.engine import Engine`` loads
