@@ -65,6 +65,10 @@ def test_greedy_output_is_the_same_with_prompt_lookup(pair):
     # ... drafted on the device from the step in flight (engine/chain.py): every plain
     # full-attention engine chains an unseeded sequence's verifying steps
     assert 0 < st["chained"] <= st["ahead"], st
+    # an unseeded sampled request is chained too (its drafts' verdicts by the rejection
+    # rule; a low temperature keeps its output on the loop lookup finds)
+    complete(spec, PROMPTS[0], 32, temperature=0.05)
+    assert spec.wait_idle()["speculative"]["chained"] > st["chained"]
     assert st["by_proposer"]["prompt_lookup"]["accepted"] == st["accepted"]
     assert 0 < st["acceptance_rate"] <= 1 and st["accepted_per_step"] > 0
     assert "speculative" not in plain.status()
