@@ -38,6 +38,11 @@
 # worker and mlx_lm.server over HTTP; 1, 8, 32 streams; OVERHEAD_ARGS adds overhead.py flags,
 # e.g. --tokens 128 --rounds 1):
 #   PHASES=overhead bash bench/gpu_run.sh
+#
+# SPECULATIVE=SECONDS keeps the budget's last SECONDS for bench/speculative.py on the same
+# model after serving.py (prompt lookup at ~100 % and ~0.8 acceptance, 1 and 8 streams, beside
+# plimsoll plain and mlx_lm.server; SPEC_ARGS adds flags, e.g. --before-code DIR). It writes
+# its results only at its end: give it ~240 s.
 set -uo pipefail
 start=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -59,7 +64,8 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$OUT/logs/n
 timeout -k 10 200 "$PY" bench/gpu_model.py "$MODEL" ${MODEL_ARGS:-} 2>&1 | tee "$OUT/logs/gpu_model.log"
 if [ "${PIPESTATUS[0]}" != 0 ]; then say "model build failed"; exit 1; fi
 
-left=$(( BUDGET - ($(date +%s) - start) ))
+SPEC_S=${SPECULATIVE:-0}
+left=$(( BUDGET - ($(date +%s) - start) - SPEC_S ))
 if [ "${KV_QUANT:-0}" = 1 ]; then
   say "model ready; serving.py --kv gets ${left}s (KV=${KV:-auto,q8,q4})"
   # shellcheck disable=SC2086
@@ -99,4 +105,13 @@ timeout -k 30 "$left" "$PY" bench/serving.py --model "$MODEL" ${NAME_ARGS[@]+"${
   2>&1 | tee "$OUT/logs/$LOG.log"
 rc=${PIPESTATUS[0]}
 say "serving.py exit $rc; results in $OUT"
+if [ "$SPEC_S" -gt 0 ]; then
+  left=$(( BUDGET - ($(date +%s) - start) ))
+  say "speculative.py gets ${left}s"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$left" "$PY" bench/speculative.py --model "$MODEL" --runs 2 \
+    --regimes repeat --noise 0.2 --streams 1,8 --out-dir "$OUT" --dir /tmp/speculative \
+    ${NAME:+--name "$NAME-speculative"} ${SPEC_ARGS:-} 2>&1 | tee "$OUT/logs/$LOG-speculative.log"
+  say "speculative.py exit ${PIPESTATUS[0]}"
+fi
 exit "$rc"
