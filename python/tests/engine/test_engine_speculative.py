@@ -5,10 +5,13 @@ One step holds a speculating sequence (a right, a right and a wrong draft), anot
 sequence's decode row and a third's prompt chunk; the speculating one accepts exactly the
 agreeing prefix plus the target's next token, and after rolling back by length (the wrong
 draft's slot is simply overwritten) it decodes mlx-lm's tokens on. Drafts on a constrained
-row are refused."""
+row are refused. Two sequences whose verifying steps are chained on the device
+(engine/chain.py: each step submitted before the one it follows is read, its input and
+drafts the engine's own), beside a plain pipelined decode, decode mlx-lm's tokens too."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 mx = pytest.importorskip("mlx.core")
@@ -18,6 +21,7 @@ from plimsoll.engine import Engine  # noqa: E402
 from plimsoll.engine.drive import reference, sharpen, text  # noqa: E402
 from plimsoll.engine.verify import accepted  # noqa: E402
 from plimsoll.engine.work import Sampling, Step, Work  # noqa: E402
+from plimsoll.worker.ngram import prompt_lookup  # noqa: E402
 
 BLOCK = 16
 
@@ -108,3 +112,66 @@ def test_drafts_are_refused_on_a_constrained_row(eng):
         eng.run(Step(prefills=(Work(9, (1, 2, 3), 0, (0,), True, Sampling(temperature=0.7),
                                     draft=2, draft_probs=mx.ones((1, 8)) / 8),)))
     assert eng.speculation_refused == ""
+
+
+def test_chained_steps_decode_the_target_greedy_tokens(eng):
+    assert eng.chains_drafts
+    k, n = 3, 90
+    prompts = {21: tuple(text(eng.tokenizer, 12, 1)) * 3,
+               22: tuple(text(eng.tokenizer, 9, 5)) * 2}
+    plain = tuple(text(eng.tokenizer, 20, 9))  # a third decodes plainly, pipelined, beside
+    refs = {s: reference(eng.model, p, n) for s, p in prompts.items()}
+    ref3 = reference(eng.model, plain, n)
+    tables = {21: tuple(range(0, 24)), 22: tuple(range(24, 48))}
+    table3 = tuple(range(48, 60))
+    first = eng.run(Step(prefills=(*(Work(s, p, 0, tables[s], True)
+                                     for s, p in prompts.items()),
+                                   Work(23, plain, 0, table3, True))))
+    got = {s: [first[s]] for s in prompts}
+    got3 = [first[23]]
+    pending3 = eng.run_async(Step(decodes=(Work(23, (got3[0],), len(plain), table3, True),)))
+    got3.append(pending3.result()[23])
+    # each chain begins with drafts the host found, then the engine drafts every step
+    start = {s: len(p) for s, p in prompts.items()}
+    begin = []
+    for s, p in prompts.items():
+        toks = [*p, got[s][0]]
+        d = prompt_lookup(toks, 3, k) or p[:k]  # any drafts: greedy output is the target's
+        begin.append(Work(s, (toks[-1], *d), start[s], tables[s], True, draft=len(d),
+                          lookup=3, history=np.asarray(toks, dtype=np.int32)))
+    drafted = {w.seq_id: w.draft for w in begin}
+    pending = eng.run_async(Step(prefills=tuple(begin)))
+    chained, longer = 0, 0
+    while min(len(v) for v in got.values()) < n - k - 1 and len(got3) < n - 1:
+        # planned before the step in flight is read: the highest start it can have
+        nxt = eng.run_async(Step(
+            decodes=(Work(23, None, len(plain) + 1 + chained, table3, True),),
+            prefills=tuple(Work(s, None, start[s] + drafted[s] + 1, tables[s], True,
+                                draft=k, lookup=3) for s in prompts)))
+        chained += 1
+        for s, out in pending.result().items():
+            if s == 23:
+                got3.append(out)
+                continue
+            assert isinstance(out, tuple) and 1 <= len(out) <= drafted[s] + 1
+            got[s] += out
+            longer += len(out) > 1
+            start[s] += len(out)
+            drafted[s] = k
+        pending = nxt
+    for s, out in pending.result().items():
+        if s == 23:
+            got3.append(out)
+        else:
+            got[s] += out
+    for s in prompts:
+        assert got[s] == refs[s][:len(got[s])], s
+    assert got3 == ref3[:len(got3)]
+    assert chained >= 3
+    assert longer >= 1  # some drafts of the engine's own were accepted
+    # a plain step ends a sequence's chain; an ended sequence's goes with its state
+    eng.run(Step(decodes=(Work(21, (got[21][-1],), start[21], tables[21], True),)))
+    assert not eng.chains.holds(21) and eng.chains.holds(22)
+    for seq in (21, 22, 23):
+        eng.free_state(seq)
+    assert not eng.chains.held
