@@ -64,7 +64,7 @@ def test_a_wait_after_the_drain_ran_out_ends_at_once_and_one_within_it_finishes(
         await asyncio.sleep(0.3)
         t0 = time.monotonic()
         assert await drain.within(_result_after(5, "late"), GONE) is GONE
-        assert time.monotonic() - t0 < 0.2
+        assert time.monotonic() - t0 < 1.0  # at once, not the 5 s of the awaited work
 
     asyncio.run(main())
 
