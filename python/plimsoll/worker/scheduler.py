@@ -220,9 +220,10 @@ class Scheduler:
         self.line.spiked = bool(step.prefills)  # a prefill's transient: probe next iteration
         if step.decodes or step.prefills:
             self._steps += 1
-            if (step.prefills and self._pending is not None  # tokens out before heavy work,
-                    and not speculate.planned_ahead(self.drafter, step)):  # unless planned on
-                previous, self._pending = self._pending, None            # them
+            heavy = any(not w.draft for w in step.prefills)  # a prompt chunk, not drafts
+            if (heavy and self._pending is not None  # tokens out before heavy work, unless
+                    and not speculate.planned_ahead(self.drafter, step)):  # planned on them
+                previous, self._pending = self._pending, None
                 self._read(*previous)
             submitted = (self.engine.run_async(step), self._steps)
             prefix.after_submit(self.pool, self.engine, self._running, step, self.counters)

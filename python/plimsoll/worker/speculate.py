@@ -425,11 +425,13 @@ def verify_work(drafter: Drafter | None, pool: Any, run: Run) -> Work | None:
 
 
 def planned_ahead(drafter: Drafter | None, step: Any) -> bool:
-    """Whether ``step`` holds a Work planned on the tokens of the step in flight (that step
-    must then be read after this one is submitted: :func:`settle` of a failed prediction
-    rolls ``written`` back over the Work's writes, which submitting adds)."""
+    """Whether ``step`` holds a Work planned on the predicted tokens of the step in flight
+    (that step must then be read after this one is submitted: :func:`settle` of a failed
+    prediction rolls ``written`` back over the Work's writes, which submitting adds). A
+    chained Work does not count: its step may be read before or after it is submitted."""
     return drafter is not None and any(
-        len(drafter.inflight.get(w.seq_id, ())) > 1 for w in (*step.decodes, *step.prefills))
+        len(flights := drafter.inflight.get(w.seq_id, ())) > 1 and not flights[-1].chained
+        for w in (*step.decodes, *step.prefills))
 
 
 def settle(drafter: Drafter | None, run: Run, out: int | tuple[int, ...]) -> tuple[int, ...]:
@@ -455,11 +457,13 @@ def settle(drafter: Drafter | None, run: Run, out: int | tuple[int, ...]) -> tup
         run.req.drafted += drafts
         run.req.accepted += len(out) - 1
     else:  # a predicted token decoded ahead
-        start = drafter.pop_flight(sid).start
+        start, drafts = drafter.pop_flight(sid).start, 0
     later = drafter.inflight.get(sid)
     if later and later[0].chained:  # drafted on the device after this: it stands
         later[0].start = start + len(out)
-        run.written = later[0].start + later[0].drafts + 1
+        # ``written`` counted this step's every draft (the highest the chain could reach),
+        # whether or not the step chained on it is submitted yet: less what was rejected
+        run.written -= drafts + 1 - len(out)
         return out
     if sid in drafter.inflight and out == expect:
         return out  # the step planned ahead on it stands: its writes too

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 
 import httpx
 import pytest
@@ -89,6 +90,23 @@ def constrained(w: Worker) -> str:
                             "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
+
+
+def test_chained_streams_beside_a_long_prompt_being_prefilled(pair):
+    """Steps that hold chained Works and prompt chunks: the step before is read before such a
+    step is submitted (tokens out before heavy work), which moves ``written`` back under a
+    chained step planned on it; the outputs stay the plain worker's."""
+    plain, spec, _ = pair
+    long_prompt = " ".join(f"word{i % 97} and more" for i in range(500))  # several chunks
+    want = [complete(plain, p, 48) for p in PROMPTS[:2]] + [complete(plain, long_prompt, 16)]
+    before = spec.wait_idle()["speculative"]["chained"]
+    with concurrent.futures.ThreadPoolExecutor(3) as ex:
+        streams = [ex.submit(complete, spec, p, 48) for p in PROMPTS[:2]]
+        time.sleep(0.2)  # the two are decoding when the long prompt arrives
+        late = ex.submit(complete, spec, long_prompt, 16)
+        got = [f.result() for f in streams] + [late.result()]
+    assert got == want
+    assert spec.wait_idle()["speculative"]["chained"] > before
 
 
 def test_a_constrained_request_decodes_plainly_beside_speculating_ones(pair):
