@@ -411,11 +411,15 @@ class Engine:
             if w.tokens is None and w.seq_id not in self._last:
                 raise ValueError(f"sequence {w.seq_id}: tokens=None but nothing was sampled "
                                  "for it in an earlier step")
+        chains = any(w.lookup for w in step.prefills) and self.chains_drafts
         for w in step.prefills:
             if w.tokens is None and not (w.chained and w.lookup
                                          and self.chains.holds(w.seq_id)):
                 raise ValueError(f"sequence {w.seq_id}: a prefill names its tokens (a "
                                  "chained one follows a verifying step that drafts by lookup)")
+            if w.lookup and not (w.draft and chains):
+                raise ValueError(f"sequence {w.seq_id}: only a verifying Work on an engine "
+                                 "that chains drafts (Engine.chains_drafts) drafts by lookup")
             if w.lookup and w.tokens is not None and w.history is None:
                 raise ValueError(f"sequence {w.seq_id}: a Work that begins a chain names "
                                  "its history")

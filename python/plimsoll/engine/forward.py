@@ -21,7 +21,10 @@ has every row sampled — its ``k + 1`` tokens decode rows of the step
 (:func:`rows_of_works`; a chunk of its own where a layer is not a plain full-attention
 pool): all such rows of a step are checked at once
 (:mod:`plimsoll.engine.verify`: greedy by the argmax, sampled by the rejection-sampling
-rule), and :class:`~plimsoll.engine.core.Pending` takes each one's accepted prefix. Where
+rule), and :class:`~plimsoll.engine.core.Pending` takes each one's accepted prefix. A
+*chained* verifying Work (``tokens`` None: :mod:`plimsoll.engine.chain`) has its rows' tokens,
+positions and pool slots made on the device from its chain, and every verifying Work that
+drafts by lookup leaves its chain for the next step. Where
 an MTP head drafts (:attr:`Engine.mtp`), the last decoder layer's output at every row is
 handed to it (:mod:`plimsoll.engine.mtp_head`). A quantized
 pool's chunk that samples attends its last token to the quantized blocks as mlx-lm's own
