@@ -62,6 +62,7 @@ from plimsoll.worker.pool import BlockPool, Grant
 from plimsoll.worker.trace import StepTrace
 
 from . import prefix, speculate
+from . import speculate_steps as spec
 from .events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
 from .stats import PUBLISH_INTERVAL_S, status_figures
 from .trip import MemoryLine, shed
@@ -207,12 +208,12 @@ class Scheduler:
         if self.line.due(bool(self._running)):
             self._check_trip()
         self._end_cancelled()
-        speculate.begin_step(self.drafter)  # the retry clock
-        if self._pending is not None and speculate.drafting_waits(self.drafter, self._running):
+        spec.begin_step(self.drafter)  # the retry clock
+        if self._pending is not None and spec.drafting_waits(self.drafter, self._running):
             previous, self._pending = self._pending, None  # its drafts need its tokens
             self.counters["speculation_unpipelined"] += 1
             self._read(*previous)
-        speculate.prepare(self.drafter, self.pool, self._running)  # a draft model's batch
+        spec.prepare(self.drafter, self.pool, self._running)  # a draft model's batch
         step = self._plan()
         if self.trace is not None and (step.decodes or step.prefills):
             self.trace.line(self.engine, "step", step, self._steps + 1)
@@ -222,7 +223,7 @@ class Scheduler:
             self._steps += 1
             heavy = any(not w.draft for w in step.prefills)  # a prompt chunk, not drafts
             if (heavy and self._pending is not None  # tokens out before heavy work, unless
-                    and not speculate.planned_ahead(self.drafter, step)):  # planned on them
+                    and not spec.planned_ahead(self.drafter, step)):  # planned on them
                 previous, self._pending = self._pending, None
                 self._read(*previous)
             submitted = (self.engine.run_async(step), self._steps)
@@ -272,7 +273,7 @@ class Scheduler:
                 log.error("sequence %s would pass its reservation; ended", run.req.id)
                 self._finish(run, "length")
                 continue
-            if (verify := speculate.verify_work(self.drafter, self.pool, run)) is not None:
+            if (verify := spec.verify_work(self.drafter, self.pool, run)) is not None:
                 (prefills if verify.draft else decodes).append(verify)  # a token planned ahead
                 continue
             token = None if run.pending else (run.tokens[-1],)
@@ -324,7 +325,7 @@ class Scheduler:
             if run is None:
                 continue
             run.pending -= 1
-            for token in speculate.settle(self.drafter, run, out):  # drafts: written rolls back
+            for token in spec.settle(self.drafter, run, out):  # drafts: written rolls back
                 if self._emit(run, token):
                     break
             else:
