@@ -149,11 +149,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     report.output_args(ap, "chain-step")
     args = ap.parse_args()
-    name, host, rows = report.measured(args, "chain-step", run)
-    result = {"name": name, "command": report.command(), "host": host, "args": vars(args),
-              "rows": rows}
-    report.write(result, args.out_dir, name, markdown)
-    return 0
+    return report.measure_and_write(args, "chain-step", run, markdown)
 
 
 if __name__ == "__main__":

@@ -94,11 +94,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=21)
     report.output_args(ap, "lookup")
     args = ap.parse_args()
-    name, host, rows = report.measured(args, "lookup", run)
-    result = {"name": name, "command": report.command(), "host": host, "args": vars(args),
-              "rows": rows}
-    report.write(result, args.out_dir, name, markdown)
-    return 0
+    return report.measure_and_write(args, "lookup", run, markdown)
 
 
 if __name__ == "__main__":

@@ -173,14 +173,11 @@ def main() -> int:
                     else "")
     report.output_args(ap, "render-latency")
     args = ap.parse_args()
-    name, host, runs = report.measured(args, "render-latency", run)
-    result = {"name": name, "command": report.command(), "host": host,
-              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "runs": runs, "summary": summary(runs),
-              "prompt_tokens": max((f.get("prompt", 0) for r in runs.values()
-                                    for f in r["alone"]), default=None)}
-    report.write(result, args.out_dir, name, markdown)
-    return 0
+    return report.measure_and_write(
+        args, "render-latency", run, markdown, key="runs",
+        more=lambda runs: {"summary": summary(runs),
+                           "prompt_tokens": max((f.get("prompt", 0) for r in runs.values()
+                                                 for f in r["alone"]), default=None)})
 
 
 if __name__ == "__main__":

@@ -177,6 +177,19 @@ def measured(args, measurement: str, fn: Callable):
     return args.name or default_name(measurement), host, out
 
 
+def measure_and_write(args, measurement: str, fn: Callable, markdown: Callable[[dict], str],
+                      key: str = "rows", more: Callable[[object], dict] | None = None) -> int:
+    """A script's main after its arguments: ``fn(args)`` measured (:func:`measured`), its
+    output under ``key`` beside the name, command, host and arguments (and ``more(output)``),
+    written as NAME.json and NAME.md under ``--out-dir``. Returns the exit status."""
+    name, host, out = measured(args, measurement, fn)
+    result = {"name": name, "command": command(), "host": host,
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              key: out, **(more(out) if more else {})}
+    write(result, args.out_dir, name, markdown)
+    return 0
+
+
 def output_args(parser, measurement: str) -> None:
     """The two output options every script takes: ``--out-dir`` and ``--name``."""
     parser.add_argument("--out-dir", type=Path, default=RESULTS,
