@@ -1,0 +1,112 @@
+"""The scheduler chaining verifying steps on the device (engine/chain.py), against a fake engine
+that chains as the real one does (pure): after a verifying Work that drafts by lookup it keeps
+the sequence's start and tokens, and a chained Work (``tokens`` None) gets its token and its
+drafts (the host's own lookup rule, -1 past what it finds) from them. The fake refuses what
+the real engine refuses — a chained Work with no chain, a table that does not cover its
+positions, a write past the reservation — and checks the host's ``start`` is the highest the
+chain can reach and no higher than one step's drafts beyond it (``written`` kept exact).
+
+The outputs must be a plain run's, with drafts right, rejected, and beside a long prompt
+whose chunks make steps heavy (the step in flight is then read before a chained step is
+submitted)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from test_scheduler_plan import FakePending, drain, request, tokens
+from test_scheduler_speculative import RIGHT, VerifyingEngine, plain_tokens, speculating
+
+from plimsoll.worker.ngram import prompt_lookup
+
+pytestmark = pytest.mark.pure
+
+MOST = 3
+WRONG = [x for v in range(111, 990, 11) for x in (v, v + 5)] + [100]  # every draft rejected
+
+
+class ChainingEngine(VerifyingEngine):
+    """The verifying fake with the real engine's chains."""
+
+    chains_drafts = True
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        self.chain: dict[int, tuple[int, list[int]]] = {}  # seq -> (start, tokens to it)
+        self.chained = 0
+
+    def run_async(self, step):
+        works = []
+        for w in step.prefills:
+            if w.chained:
+                assert w.seq_id in self.chain, f"seq {w.seq_id}: chained with no chain"
+                start, history = self.chain[w.seq_id]
+                assert start <= w.start <= start + MOST, (w.start, start)
+                found = prompt_lookup(history, w.lookup, w.draft)
+                w = replace(w, tokens=(history[-1], *found, *[-1] * (w.draft - len(found))),
+                            start=start)
+                self.chained += 1
+            elif w.lookup:
+                assert len(w.history) == w.start + 1 and w.history[-1] == w.tokens[0]
+                self.chain[w.seq_id] = (w.start, list(w.history))
+            works.append(w)
+        out = super().run_async(replace(step, prefills=tuple(works))).result()
+        for w in works:
+            if w.lookup:
+                start, history = self.chain[w.seq_id]
+                self.chain[w.seq_id] = (start + len(out[w.seq_id]),
+                                        history + list(out[w.seq_id]))
+        for w in step.decodes:  # a plain step ends a chain
+            self.chain.pop(w.seq_id, None)
+        return FakePending(out)
+
+    def free_state(self, seq):
+        super().free_state(seq)
+        self.chain.pop(seq, None)
+
+
+def chaining(**kw):
+    s, _eng, pool = speculating(**kw)
+    eng = ChainingEngine(pool)
+    s.engine = eng
+    s.drafter.chains = True
+    return s, eng, pool
+
+
+@pytest.mark.parametrize("n", [7, 13, 80])
+@pytest.mark.parametrize("prompt, accepts", [(RIGHT, True), (WRONG, False)],
+                         ids=["right", "wrong"])
+def test_chained_speculation_gives_the_plain_tokens(prompt, accepts, n):
+    want = plain_tokens(prompt, n)
+    s, eng, pool = chaining(total=256)
+    req, ev = request(s, prompt, n)
+    drain(s)
+    assert tokens(ev) == want
+    figures = s.drafter.figures
+    assert eng.chained == figures.chained > 0  # chained steps whatever the acceptance
+    assert (figures.accepted > 0) is accepts and req.accepted == figures.accepted
+    if accepts:  # every verifying step after the first chained: none read before planning
+        assert figures.chained >= figures.steps - 2
+    assert pool.held == 0 and s.drafter.inflight == {}
+
+
+@pytest.mark.parametrize("arrives_after", [2, 5, 13])
+def test_chained_steps_beside_a_prompt_being_prefilled(arrives_after):
+    slow = [*range(300, 420)]  # 15 chunks: heavy steps while the other is chained
+    want = [plain_tokens(RIGHT, 40), plain_tokens(slow, 12)]
+    s, eng, pool = chaining(total=256, prefill=8)
+    _, fast_ev = request(s, RIGHT, 40)
+    for _ in range(arrives_after):
+        s.iterate()
+    _, slow_ev = request(s, slow, 12)
+    drain(s)
+    assert [tokens(fast_ev), tokens(slow_ev)] == want
+    assert eng.chained > 0 and pool.held == 0 and s.drafter.inflight == {}
+
+
+def test_a_seeded_request_is_not_chained():
+    s, eng, _pool = chaining(total=256)
+    request(s, RIGHT, 30, temperature=0.7, seed=3)
+    drain(s)
+    assert s.drafter.figures.proposed > 0 and eng.chained == 0
