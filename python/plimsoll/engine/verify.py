@@ -34,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from plimsoll.engine.sampling import Keys, categorical, scaled_logits
-from plimsoll.engine.work import Work
+from plimsoll.engine.work import Accepted, Work
 
 _DRAWS: dict[int, Callable] = {}  # draft length -> the vmapped draw of its rows' uniforms
 
@@ -133,11 +133,11 @@ def check(logits: mx.array, works: tuple[Work, ...], keys: Keys,
     return mx.stack([ok.astype(mx.uint32), token.astype(mx.uint32)], axis=-1)
 
 
-def accepted(drafts: Sequence[int], checks: Sequence[Sequence[int]]) -> tuple[int, ...]:
+def accepted(drafts: Sequence[int], checks: Sequence[Sequence[int]]) -> Accepted:
     """The tokens a verifying Work yields from its rows' ``checks`` (``[verdict, token]``
     each, ``len(drafts) + 1`` of them, :func:`check`): the drafts before the first rejected
     one, then that row's token."""
     m = 0
     while m < len(drafts) and checks[m][0]:
         m += 1
-    return (*drafts[:m], checks[m][1])
+    return Accepted((*drafts[:m], checks[m][1]), sum(d >= 0 for d in drafts))

@@ -113,3 +113,16 @@ class Step:
 
     decodes: tuple[Work, ...] = ()
     prefills: tuple[Work, ...] = ()
+
+
+class Accepted(tuple):
+    """What a verifying Work yields (its accepted drafts, then the target's token), and
+    ``found``: how many of its drafts existed (a chained Work's drafts that the device rule
+    did not find are -1: verified rows, never proposals)."""
+
+    found: int
+
+    def __new__(cls, tokens, found: int):
+        out = super().__new__(cls, tokens)
+        out.found = found
+        return out

@@ -13,7 +13,8 @@ step's figures), the scheduler — :mod:`.scheduler` (the thread, the step loop,
 :mod:`.waiting` (intake, the waiters a step admits, expiry, the decode-batch bound),
 :mod:`.prefix` (an admission's hit blocks, prompt chunks, registered blocks, hybrid state
 snapshots), :mod:`.speculate` (prompt-lookup drafts, each sequence's draft length, steps in
-flight), :mod:`.speculate_steps` (speculation's part of each step: reads, Works, settling), :mod:`.ngram` (prompt lookup's search),
+flight), :mod:`.speculate_steps` (speculation's part of each step: reads, Works, settling),
+:mod:`.ngram` (prompt lookup's search),
 :mod:`.draft_model` (a draft model's proposals on its own paged KV,
 its load-time checks), :mod:`.mtp` (the checkpoint's MTP head as the proposer),
 :mod:`.trip` (the memory lines, what a trip sheds), :mod:`.stats` (the

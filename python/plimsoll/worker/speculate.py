@@ -306,13 +306,15 @@ class Drafter:
             del self.inflight[seq_id]
         return flight
 
-    def settle(self, seq_id: int, accepted: int) -> tuple[int, int]:
+    def settle(self, seq_id: int, accepted: int, **found: int) -> tuple[int, int]:
         """``seq_id``'s verifying step accepted ``accepted`` drafts: count them, adapt its
-        length; returns the step's start position and its drafts."""
+        length; returns the step's start position and the drafts it was planned with.
+        ``found=n``: a chained step's drafts that existed (the rest were rows the device
+        rule found nothing for): they are what was proposed."""
         flight = self.pop_flight(seq_id)
-        start, drafts = flight.start, flight.drafts
+        start, drafts = flight.start, found.get("found", flight.drafts)
         k = self._current(seq_id)
-        if accepted == drafts:
+        if drafts and accepted == drafts:
             self._length[seq_id] = min(self.most, max(k, drafts) + 1)
         elif accepted == 0:
             self._length[seq_id] = max(0, min(k, drafts) - 1)
@@ -323,7 +325,7 @@ class Drafter:
         self.figures.proposed += drafts
         self.figures.accepted += accepted
         self.figures.steps += 1
-        return start, drafts
+        return start, flight.drafts
 
     def forget(self, seq_id: int) -> None:
         """``seq_id`` ended: drop its state."""

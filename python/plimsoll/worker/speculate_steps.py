@@ -124,8 +124,9 @@ def settle(drafter: Drafter | None, run: Run, out: int | tuple[int, ...]) -> tup
     if expect is not None:
         drafter.predicted(sid, out == expect)
     if flights[0].drafts:
-        start, drafts = drafter.settle(sid, len(out) - 1)
-        run.req.drafted += drafts
+        found = {"found": out.found} if flights[0].chained else {}  # engine/work.Accepted
+        start, drafts = drafter.settle(sid, len(out) - 1, **found)
+        run.req.drafted += found.get("found", drafts)
         run.req.accepted += len(out) - 1
     else:  # a predicted token decoded ahead
         start, drafts = drafter.pop_flight(sid).start, 0

@@ -18,6 +18,7 @@ import pytest
 from test_scheduler_plan import FakePending, drain, request, tokens
 from test_scheduler_speculative import RIGHT, VerifyingEngine, plain_tokens, speculating
 
+from plimsoll.engine.work import Accepted
 from plimsoll.worker.ngram import prompt_lookup
 
 pytestmark = pytest.mark.pure
@@ -35,6 +36,8 @@ class ChainingEngine(VerifyingEngine):
         super().__init__(pool)
         self.chain: dict[int, tuple[int, list[int]]] = {}  # seq -> (start, tokens to it)
         self.chained = 0
+        self.found = 0  # drafts that existed, over every verifying Work
+        self.empty = 0  # chained Works whose drafts the rule did not find
 
     def run_async(self, step):
         works = []
@@ -44,6 +47,7 @@ class ChainingEngine(VerifyingEngine):
                 start, history = self.chain[w.seq_id]
                 assert start <= w.start <= start + MOST, (w.start, start)
                 found = prompt_lookup(history, w.lookup, w.draft)
+                self.empty += not found
                 w = replace(w, tokens=(history[-1], *found, *[-1] * (w.draft - len(found))),
                             start=start)
                 self.chained += 1
@@ -53,6 +57,9 @@ class ChainingEngine(VerifyingEngine):
             works.append(w)
         out = super().run_async(replace(step, prefills=tuple(works))).result()
         for w in works:
+            if w.draft:  # as the real engine's Pending: the drafts that existed
+                out[w.seq_id] = Accepted(out[w.seq_id], sum(t >= 0 for t in w.tokens[1:]))
+                self.found += out[w.seq_id].found
             if w.lookup:
                 start, history = self.chain[w.seq_id]
                 self.chain[w.seq_id] = (start + len(out[w.seq_id]),
@@ -74,9 +81,12 @@ def chaining(**kw):
     return s, eng, pool
 
 
+NOTHING = [*range(100, 400, 7)]  # no n-gram recurs: the device rule finds no drafts
+
+
 @pytest.mark.parametrize("n", [7, 13, 80])
-@pytest.mark.parametrize("prompt, accepts", [(RIGHT, True), (WRONG, False)],
-                         ids=["right", "wrong"])
+@pytest.mark.parametrize("prompt, accepts", [(RIGHT, True), (WRONG, False), (NOTHING, False)],
+                         ids=["right", "wrong", "nothing"])
 def test_chained_speculation_gives_the_plain_tokens(prompt, accepts, n):
     want = plain_tokens(prompt, n)
     s, eng, pool = chaining(total=256)
@@ -84,10 +94,15 @@ def test_chained_speculation_gives_the_plain_tokens(prompt, accepts, n):
     drain(s)
     assert tokens(ev) == want
     figures = s.drafter.figures
-    assert eng.chained == figures.chained > 0  # chained steps whatever the acceptance
+    assert eng.chained == figures.chained  # chained steps whatever the acceptance ...
+    assert (figures.chained > 0) is (prompt is not NOTHING)  # (... where a chain began)
     assert (figures.accepted > 0) is accepts and req.accepted == figures.accepted
+    # proposed: the drafts that existed, not the rows a chained step verified for nothing
+    assert figures.proposed == eng.found == req.drafted
     if accepts:  # every verifying step after the first chained: none read before planning
         assert figures.chained >= figures.steps - 2
+    if prompt is RIGHT and n == 80:  # its output leaves the prompt's run: nothing found
+        assert eng.empty > 0
     assert pool.held == 0 and s.drafter.inflight == {}
 
 
