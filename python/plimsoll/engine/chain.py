@@ -115,7 +115,9 @@ class Chains:
     def inputs(self, works: tuple[Work, ...]) -> tuple[mx.array, mx.array]:
         """The chained ``works``' rows (each Work's ``draft + 1``, in order): their input
         tokens (uint32: the chain's token, then its drafts, 0 for a -1) and positions
-        (int32), lazy. Their drafts stay for :meth:`drafts` and :meth:`advance`."""
+        (int32), lazy. Their drafts stay for :meth:`drafts` and :meth:`advance`. One lookup
+        serves every row, at the step's longest draft: a Work of fewer drafts takes the
+        first of them (its occurrence chosen for that length: drafts, never outputs)."""
         ids = tuple(w.seq_id for w in works)
         self._select(ids)
         k = max(w.draft for w in works)
