@@ -27,6 +27,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from plimsoll.engine import verify
 from plimsoll.engine.work import Work
 
 HISTORY_ROUND = 4096  # the histories' width grows in steps of this many tokens
@@ -136,11 +137,12 @@ class Chains:
         """The drafts every row of the verifying ``works`` judges, (rows,) int32: each
         Work's drafts (a chained one's as found on the device, -1 where none, never
         accepted), then -1 at its last row."""
-        host = [t for w in works if not w.chained for t in (*w.tokens[1:], -1)]
-        if not any(w.chained for w in works):
-            return mx.array(np.asarray(host, dtype=np.int32))
+        named = tuple(w for w in works if not w.chained)
+        host = verify.named_drafts(named) if named else mx.zeros((0,), mx.int32)
+        if len(named) == len(works):
+            return host
         ids, k, found = self._step
-        src, order, at = len(host), [], 0  # indices into host + found (flattened)
+        src, order, at = host.shape[0], [], 0  # indices into host + found (flattened)
         for w in works:
             if w.chained:
                 j = ids.index(w.seq_id)
@@ -148,7 +150,7 @@ class Chains:
             else:
                 order += list(range(at, at + w.draft + 1))
                 at += w.draft + 1
-        both = mx.concatenate([mx.array(np.asarray(host, dtype=np.int32)), found.reshape(-1)])
+        both = mx.concatenate([host, found.reshape(-1)])
         return mx.take(both, mx.array(np.asarray(order, dtype=np.int32)))
 
     def advance(self, works: tuple[Work, ...], checks: mx.array, drafted: mx.array

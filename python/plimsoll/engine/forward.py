@@ -123,8 +123,6 @@ def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
     # highest id covers every block the decodes read or write.
     read, top = eng._reads.read(ids, [w.block_table for w in rows], lengths,
                                 slice_ok=eng.kernels.decode is None)
-    write = np.array([w.block_table[s // bt] * bt + s % bt
-                      for w, s in zip(rows, starts, strict=True)], dtype=np.int32)
     inputs = None
     if any(w.chained for w in works):  # positions, slots and tokens on the device
         inputs, positions = _chained_rows(eng, works, rows)
@@ -134,7 +132,8 @@ def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
     else:
         lengths_mx = mx.array(lengths, dtype=mx.int32)
         offset = starts[0] if len(rows) == 1 else mx.array(starts, dtype=mx.int32)
-        write = write_of(write)
+        write = write_of(np.array([w.block_table[s // bt] * bt + s % bt
+                                   for w, s in zip(rows, starts, strict=True)], np.int32))
     mask = None
     if min(lengths) != max(lengths) or inputs is not None:  # on the device, not on the host
         mask = (mx.arange(max(lengths), dtype=mx.int32)[None, :]

@@ -95,6 +95,12 @@ def _draft_probs(works: tuple[Work, ...], drafts: mx.array, vocab: int) -> mx.ar
     return mx.concatenate(parts)
 
 
+def named_drafts(works: tuple[Work, ...]) -> mx.array:
+    """The drafts the Works name, a row each, -1 at each Work's last row: (rows,) int32."""
+    return mx.array(np.asarray([t for w in works for t in (*w.tokens[1:], -1)],
+                               dtype=np.int32))
+
+
 def check(logits: mx.array, works: tuple[Work, ...], keys: Keys,
           drafts: mx.array | None = None) -> mx.array:
     """Every verifying row of a step, still lazy: (rows, 2) uint32, a row's verdict on its
@@ -104,8 +110,7 @@ def check(logits: mx.array, works: tuple[Work, ...], keys: Keys,
     last row (default: the Works' own; :meth:`plimsoll.engine.chain.Chains.drafts`)."""
     vocab = logits.shape[-1]
     if drafts is None:
-        drafts = mx.array(np.asarray([t for w in works for t in (*w.tokens[1:], -1)],
-                                     dtype=np.int32))
+        drafts = named_drafts(works)
     rules = [w.sampling for w in works for _ in range(w.draft + 1)]
     target = mx.argmax(logits, axis=-1).astype(mx.int32)
     greedy = [r.greedy for r in rules]

@@ -162,10 +162,10 @@ class DraftModel(Drafter):
         self.kv_bytes = eng.kv_bytes_allocated()  # read here, on the engine's thread
         return out
 
-    def settle(self, seq_id: int, accepted: int) -> tuple[int, int]:
+    def settle(self, seq_id: int, accepted: int, found: int | None = None) -> tuple[int, int]:
         """As :meth:`Drafter.settle`; the draft KV stays valid through the accepted drafts
         (the rejected positions roll back by length)."""
-        start, drafts = super().settle(seq_id, accepted)
+        start, drafts = super().settle(seq_id, accepted, found)
         self._seen[seq_id] = start + min(drafts, accepted + 1)
         if accepted and seq_id in self._gap:  # drafting again: fill the gap from its start
             self._seen[seq_id] = self._gap.pop(seq_id)

@@ -306,13 +306,13 @@ class Drafter:
             del self.inflight[seq_id]
         return flight
 
-    def settle(self, seq_id: int, accepted: int, **found: int) -> tuple[int, int]:
+    def settle(self, seq_id: int, accepted: int, found: int | None = None) -> tuple[int, int]:
         """``seq_id``'s verifying step accepted ``accepted`` drafts: count them, adapt its
         length; returns the step's start position and the drafts it was planned with.
-        ``found=n``: a chained step's drafts that existed (the rest were rows the device
-        rule found nothing for): they are what was proposed."""
+        ``found``: a chained step's drafts that existed (the rest were rows the device rule
+        found nothing for): they are what was proposed."""
         flight = self.pop_flight(seq_id)
-        start, drafts = flight.start, found.get("found", flight.drafts)
+        start, drafts = flight.start, flight.drafts if found is None else found
         k = self._current(seq_id)
         if drafts and accepted == drafts:
             self._length[seq_id] = min(self.most, max(k, drafts) + 1)

@@ -87,12 +87,11 @@ def verify_work(drafter: Drafter | None, pool: Any, run: Run) -> Work | None:
     first = ahead[-1] if ahead else run.tokens[-1]
     if not draft:  # nothing to verify: the predicted token decoded, explicitly
         return Work(sid, (first,), run.written, table, True, run.sampling, None)
-    if chains:  # the engine keeps its outcome: the next step may be chained on it
-        return Work(sid, (first, *draft), run.written, table, True, run.sampling, None,
-                    draft=len(draft), lookup=drafter.longest,
-                    history=drafter.history(sid, run.tokens))
+    # chains: the engine keeps its outcome, so the next step may be chained on it
+    begins = {"lookup": drafter.longest, "history": drafter.history(sid, run.tokens)} \
+        if chains else {}
     return Work(sid, (first, *draft), run.written, table, True, run.sampling, None,
-                draft=len(draft))
+                draft=len(draft), **begins)
 
 
 def planned_ahead(drafter: Drafter | None, step: Any) -> bool:
@@ -124,9 +123,9 @@ def settle(drafter: Drafter | None, run: Run, out: int | tuple[int, ...]) -> tup
     if expect is not None:
         drafter.predicted(sid, out == expect)
     if flights[0].drafts:
-        found = {"found": out.found} if flights[0].chained else {}  # engine/work.Accepted
-        start, drafts = drafter.settle(sid, len(out) - 1, **found)
-        run.req.drafted += found.get("found", drafts)
+        found = out.found if flights[0].chained else None  # engine/work.Accepted
+        start, drafts = drafter.settle(sid, len(out) - 1, found)
+        run.req.drafted += drafts if found is None else found
         run.req.accepted += len(out) - 1
     else:  # a predicted token decoded ahead
         start, drafts = drafter.pop_flight(sid).start, 0

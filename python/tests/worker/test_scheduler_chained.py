@@ -16,7 +16,14 @@ from dataclasses import replace
 
 import pytest
 from test_scheduler_plan import FakePending, drain, request, tokens
-from test_scheduler_speculative import RIGHT, VerifyingEngine, plain_tokens, speculating
+from test_scheduler_speculative import (
+    RIGHT,
+    SLOW,
+    VerifyingEngine,
+    beside_a_long_prompt,
+    plain_tokens,
+    speculating,
+)
 
 from plimsoll.engine.work import Accepted
 from plimsoll.worker.ngram import prompt_lookup
@@ -108,15 +115,9 @@ def test_chained_speculation_gives_the_plain_tokens(prompt, accepts, n):
 
 @pytest.mark.parametrize("arrives_after", [2, 5, 13])
 def test_chained_steps_beside_a_prompt_being_prefilled(arrives_after):
-    slow = [*range(300, 420)]  # 15 chunks: heavy steps while the other is chained
-    want = [plain_tokens(RIGHT, 40), plain_tokens(slow, 12)]
     s, eng, pool = chaining(total=256, prefill=8)
-    _, fast_ev = request(s, RIGHT, 40)
-    for _ in range(arrives_after):
-        s.iterate()
-    _, slow_ev = request(s, slow, 12)
-    drain(s)
-    assert [tokens(fast_ev), tokens(slow_ev)] == want
+    assert beside_a_long_prompt(s, RIGHT, arrives_after) == \
+        [plain_tokens(RIGHT, 40), plain_tokens(SLOW, 12)]
     assert eng.chained > 0 and pool.held == 0 and s.drafter.inflight == {}
 
 

@@ -101,8 +101,20 @@ def test_speculation_beside_plain_and_sampled_requests():
 
 
 RIGHT = [*range(500, 940, 11), 500]  # its drafts are right
+SLOW = [*range(300, 420)]  # 15 chunks of prompt at prefill=8: heavy steps
 # right in runs, broken twice: a prediction fails after a run of right ones
 MIXED = [*range(500, 632, 11), 7, *range(643, 808, 11), 8, *range(819, 940, 11), 500]
+
+
+def beside_a_long_prompt(s, fast: list[int], arrives_after: int) -> list[list[int]]:
+    """``fast`` (40 tokens) runs alone for ``arrives_after`` iterations, then :data:`SLOW`
+    (12) arrives and both run out: their tokens."""
+    _, fast_ev = request(s, fast, 40)
+    for _ in range(arrives_after):
+        s.iterate()
+    _, slow_ev = request(s, SLOW, 12)
+    drain(s)
+    return [tokens(fast_ev), tokens(slow_ev)]
 
 
 @pytest.mark.parametrize("arrives_after", [2, 5, 13])
@@ -115,15 +127,9 @@ def test_steps_planned_ahead_beside_a_prompt_being_prefilled(fast, arrives_after
     back): both sequences' tokens are still a plain run's, and every write stays in its
     reservation."""
     monkeypatch.setattr(speculate, "AHEAD_AFTER", 2)  # the mechanism: more steps ahead
-    slow = [*range(300, 420)]  # 15 chunks: heavy steps while predictions fail
-    want = [plain_tokens(fast, 40), plain_tokens(slow, 12)]
     s, _eng, pool = speculating(total=256, prefill=8)
-    _, fast_ev = request(s, fast, 40)
-    for _ in range(arrives_after):
-        s.iterate()
-    _, slow_ev = request(s, slow, 12)
-    drain(s)
-    assert [tokens(fast_ev), tokens(slow_ev)] == want
+    assert beside_a_long_prompt(s, fast, arrives_after) == \
+        [plain_tokens(fast, 40), plain_tokens(SLOW, 12)]
     figures = s.drafter.figures
     assert figures.ahead > 0
     assert (figures.ahead_void == 0) if fast is RIGHT else (figures.ahead_void >= 1)
