@@ -18,6 +18,7 @@ mx = pytest.importorskip("mlx.core")
 
 from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
+from plimsoll.engine.chain import HISTORY_ROUND  # noqa: E402
 from plimsoll.engine.drive import reference, sharpen, text  # noqa: E402
 from plimsoll.engine.verify import accepted  # noqa: E402
 from plimsoll.engine.work import Sampling, Step, Work  # noqa: E402
@@ -169,6 +170,11 @@ def test_chained_steps_decode_the_target_greedy_tokens(eng):
     assert got3 == ref3[:len(got3)]
     assert chained >= 3
     assert longer >= 1  # some drafts of the engine's own were accepted
+    # the bytes the chains hold: one int32 row a chained sequence, its positions rounded up
+    # to HISTORY_ROUND (DESIGN's bound: max_batch rows of the context so rounded)
+    reach = max(start.values()) + 2 * k + 3  # a planned start is at most k + 1 ahead
+    width = -(-reach // HISTORY_ROUND) * HISTORY_ROUND
+    assert eng.chains.nbytes() == eng.chains._history.nbytes <= len(prompts) * 4 * width
     # a plain step ends a sequence's chain; an ended sequence's goes with its state
     eng.run(Step(decodes=(Work(21, (got[21][-1],), start[21], tables[21], True),)))
     assert not eng.chains.holds(21) and eng.chains.holds(22)
