@@ -178,7 +178,7 @@ class Engine:
             plain = [p for p in self._pools if type(p) is FullAttention]
             gather = kernels.check_gather(plain)
             write = kernels.check_write(plain, compile_decode, gather)
-            self.kernels.verdicts += [write, gather]
+            self.kernels.verdicts += [write, gather, kernels.check_skinny(model)]
             for p in plain if write.used else ():
                 p.inplace = pool_cuda.write
             for p in plain if gather.used else ():

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-from plimsoll.engine import backend, paged_cuda, pool_cuda
+from plimsoll.engine import backend, paged_cuda, pool_cuda, skinny_cuda
 from plimsoll.engine.paged import FullAttention, Read
 
 #: the largest |kernel − reference| allowed, by dtype (unit-normal inputs; f32 accumulation)
@@ -191,6 +191,16 @@ def select(dtype: mx.Dtype, q_heads: int | None, shapes: list[tuple[int, int, in
             if verdict.used:
                 chosen = kernel
     return Selection(verdicts, chosen)
+
+
+def check_skinny(model) -> Verdict:
+    """Whether ``model``'s linear layers take steps of 2-8 rows through
+    :mod:`plimsoll.engine.skinny_cuda` on this device: its check on the model's own weights;
+    installed where it passes."""
+    shapes, why, err, mine, ref = skinny_cuda.check(skinny_cuda.weights(model), TOLERANCE)
+    if shapes:
+        skinny_cuda.install(model, shapes=shapes)
+    return Verdict(skinny_cuda.NAME, "cuda", bool(shapes), why, err, mine, ref)
 
 
 WRITE_KERNEL = "pool_write_cuda"

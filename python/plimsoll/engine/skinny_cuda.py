@@ -1,0 +1,218 @@
+"""A model's linear layers at 2-8 rows as one bandwidth-bound CUDA kernel (imports mlx).
+
+Why: a step of a few rows (a sequence verifying 3 drafts is 4 rows, 8 streams decoding are
+8) reads every weight once, so it should cost what one row costs. On an H200 (MLX CUDA
+0.32.4, the Qwen3-4B-shaped bf16 model, bench/results/gpu-step-h200-2026-12-04.md) every
+linear layer of the model plus the lm head took 2.94 ms at 1 row (MLX's matrix-vector
+kernel, ~2.7 TB/s) but 6.9-7.3 ms at 2 to 32 rows (cuBLAS): 4 ms more a step for every
+verifying step and every batch of a few streams.
+
+:func:`skinny` computes ``x @ w.T`` for ``x`` (m, k), 2 ≤ m ≤ :data:`MAX_ROWS`, ``w``
+(n, k) in bf16 or f16, ``k`` a multiple of 8: one warp per :data:`ROWS_PER_WARP` rows of
+``w``, its lanes reading 16 bytes of each row at a time (a warp reads 512 consecutive
+bytes) and every one of the ``m`` rows of ``x`` at the same columns, accumulating in
+float32, then a warp reduction. Each weight byte is read once, whatever ``m``.
+
+:func:`install` puts it under a model's ``nn.Linear`` layers (and a tied embedding's
+``as_linear``, the lm head) by giving those modules a subclass whose call takes the kernel
+for 2-8 rows of a matching dtype and the layer's own path otherwise; only after
+:func:`check` found it equal to ``x @ w.T`` within the dtype's tolerance and not slower on
+the model's own weights, shape by shape, on this device (the verdict goes to the
+status's ``kernels`` with the others of :mod:`plimsoll.engine.kernels`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from plimsoll.engine import backend
+
+NAME = "skinny_matmul_cuda"
+MAX_ROWS = 8  # rows of x the kernel takes (its accumulators are registers)
+ROWS_PER_WARP = 2
+WIDE = 8192  # rows of w from which a warp takes 4 of them
+WARPS = 4
+CHECK_ROWS = (2, 4, 8)
+DTYPES = (mx.bfloat16, mx.float16)
+
+_SOURCE = r"""
+    constexpr int V = 8;  // 2-byte elements per 16-byte load
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int N = w_shape[0], K = w_shape[1];
+    const int n0 = (blockIdx.x * WARPS + warp) * R;
+    if (n0 >= N) return;
+    float acc[M][R];
+    for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+    for (int k = lane * V; k < K; k += 32 * V) {
+        float xf[M][V];
+        for (int m = 0; m < M; ++m) {
+            const uint4 u = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+            const T* e = reinterpret_cast<const T*>(&u);
+            for (int i = 0; i < V; ++i) xf[m][i] = static_cast<float>(e[i]);
+        }
+        for (int r = 0; r < R; ++r) {
+            if (n0 + r >= N) break;
+            const uint4 u = *reinterpret_cast<const uint4*>(w + (size_t)(n0 + r) * K + k);
+            const T* e = reinterpret_cast<const T*>(&u);
+            for (int i = 0; i < V; ++i) {
+                const float wf = static_cast<float>(e[i]);
+                for (int m = 0; m < M; ++m) acc[m][r] += xf[m][i] * wf;
+            }
+        }
+    }
+    for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r)
+            for (int o = 16; o > 0; o >>= 1)
+                acc[m][r] += __shfl_xor_sync(0xffffffff, acc[m][r], o);
+    if (lane == 0)
+        for (int r = 0; r < R && n0 + r < N; ++r)
+            for (int m = 0; m < M; ++m) out[(size_t)m * N + n0 + r] = static_cast<T>(acc[m][r]);
+"""
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(name="plimsoll_skinny_matmul", input_names=["x", "w"],
+                               output_names=["out"], source=_SOURCE)
+
+
+def takes(rows: int, x: mx.array, w: mx.array) -> bool:
+    """Whether :func:`skinny` computes ``x @ w.T`` for ``rows`` rows of ``x`` (pure)."""
+    return (2 <= rows <= MAX_ROWS and x.dtype == w.dtype and x.dtype in DTYPES
+            and w.ndim == 2 and x.shape[-1] == w.shape[1] and w.shape[1] % 8 == 0)
+
+
+def rows_per_warp(n: int) -> int:
+    """Rows of ``w`` a warp takes: more where ``w`` is tall (fewer reads of ``x`` per weight
+    byte), fewer where a short one would leave SMs without a block (pure)."""
+    return 4 if n >= WIDE else ROWS_PER_WARP
+
+
+def skinny(x: mx.array, w: mx.array) -> mx.array:
+    """``x @ w.T`` for ``x`` (m, k), ``w`` (n, k) as :func:`takes` allows: (m, n)."""
+    m, n = x.shape[0], w.shape[0]
+    r = rows_per_warp(n)
+    blocks = -(-n // (r * WARPS))
+    return _kernel()(inputs=[x, w], template=[("T", x.dtype), ("M", m), ("R", r),
+                                              ("WARPS", WARPS)],
+                     grid=(blocks * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1),
+                     output_shapes=[(m, n)], output_dtypes=[x.dtype])[0]
+
+
+def _through(fn: Callable[[mx.array, mx.array], mx.array], x: mx.array, w: mx.array):
+    """``x @ w.T`` through ``fn`` where it takes it, else None."""
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    if not takes(rows, x, w):
+        return None
+    return fn(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+
+
+class SkinnyLinear(nn.Linear):
+    """An ``nn.Linear`` whose call of 2-8 rows goes through :attr:`matmul`."""
+
+    matmul: Callable[[mx.array, mx.array], mx.array] = staticmethod(skinny)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out = _through(self.matmul, x, self["weight"])
+        if out is None:
+            return super().__call__(x)
+        return out + self["bias"] if "bias" in self else out
+
+
+class SkinnyEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose ``as_linear`` (a tied lm head) of 2-8 rows goes through
+    :attr:`matmul`."""
+
+    matmul: Callable[[mx.array, mx.array], mx.array] = staticmethod(skinny)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        out = _through(self.matmul, x, self.weight)
+        return super().as_linear(x) if out is None else out
+
+
+def _key(w: mx.array) -> tuple:
+    return (*w.shape, w.dtype)
+
+
+def install(model: nn.Module, matmul: Callable[[mx.array, mx.array], mx.array] = skinny,
+            shapes: set[tuple] | None = None) -> int:
+    """Give every plain ``nn.Linear`` and ``nn.Embedding`` of ``model`` (those whose weight's
+    ``(n, k, dtype)`` is in ``shapes``, if given) the subclass that takes 2-8 rows through
+    ``matmul`` (the weights stay the module's own); how many."""
+    swapped = 0
+    for _, module in model.named_modules():
+        for plain, skinny_type in ((nn.Linear, SkinnyLinear), (nn.Embedding, SkinnyEmbedding)):
+            if type(module) is plain and (shapes is None or _key(module.weight) in shapes):
+                module.__class__ = skinny_type
+                if matmul is not skinny:
+                    module.matmul = matmul
+                swapped += 1
+    return swapped
+
+
+def weights(model: nn.Module) -> list[mx.array]:
+    """One weight of every distinct (shape, dtype) among ``model``'s plain linear layers and
+    embeddings that the kernel could take."""
+    seen: dict[tuple, mx.array] = {}
+    for _, m in model.named_modules():
+        w = m.get("weight") if type(m) in (nn.Linear, nn.Embedding) else None
+        if w is not None and w.ndim == 2 and w.dtype in DTYPES and w.shape[1] % 8 == 0:
+            seen.setdefault(_key(w), w)
+    return list(seen.values())
+
+
+def _best_ms(fn, *args) -> float:
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        mx.eval(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _reference(x: mx.array, w: mx.array) -> mx.array:
+    return x @ w.T
+
+
+def check(ws: list[mx.array], tolerance: dict):
+    """``(shapes, reason, max error, kernel ms, reference ms)`` of the kernel on this device,
+    on the model's own weights ``ws`` (one of each shape): ``x`` unit-normal at every row
+    count it takes (each count's code is built here, not mid-step), the largest difference
+    from ``x @ w.T`` relative to the largest output; per weight, the times at
+    :data:`CHECK_ROWS` rows (best of five each) summed. ``shapes``: the weights' ``(n, k,
+    dtype)`` it is used for — all only where it agrees within ``tolerance`` (by dtype), and
+    of those the ones where it is not slower; the times are the totals over those."""
+    if backend.name() != "cuda":
+        return set(), f"not this device: the engine runs on {backend.name()}", None, None, None
+    if not ws:
+        return set(), "the model has no bf16/f16 linear weight it could take", None, None, None
+    worst, mine, ref, faster = 0.0, 0.0, 0.0, set()
+    try:
+        for w in ws:
+            mine_w = ref_w = 0.0
+            for rows in range(2, MAX_ROWS + 1):
+                x = mx.random.normal((rows, w.shape[1]), key=mx.random.key(rows)).astype(w.dtype)
+                got, want = skinny(x, w).astype(mx.float32), _reference(x, w).astype(mx.float32)
+                err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
+                worst = max(worst, err) if err == err else float("nan")
+                if not worst <= tolerance.get(w.dtype, 2e-2):
+                    return (set(), f"disagrees with x @ w.T: relative error {worst:.3g} at "
+                            f"{rows} rows of {tuple(w.shape)}", worst, None, None)
+                if rows in CHECK_ROWS:
+                    mine_w += _best_ms(skinny, x, w)
+                    ref_w += _best_ms(_reference, x, w)
+            if mine_w <= ref_w:
+                faster.add(_key(w))
+                mine, ref = mine + mine_w, ref + ref_w
+    except Exception as err:  # any failure of a kernel means: do not use it
+        return set(), f"failed on this device: {type(err).__name__}: {err}", None, None, None
+    if not faster:
+        return set(), "slower than x @ w.T on every weight of the model", worst, None, None
+    return (faster, f"agrees with x @ w.T; not slower on {len(faster)} of {len(ws)} weight "
+            "shapes, used there", worst, round(mine, 4), round(ref, 4))
