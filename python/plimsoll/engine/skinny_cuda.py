@@ -8,10 +8,19 @@ kernel, ~2.7 TB/s) but 6.9-7.3 ms at 2 to 32 rows (cuBLAS): 4 ms more a step for
 verifying step and every batch of a few streams.
 
 :func:`skinny` computes ``x @ w.T`` for ``x`` (m, k), 2 ≤ m ≤ :data:`MAX_ROWS`, ``w``
-(n, k) in bf16 or f16, ``k`` a multiple of 8: one warp per :data:`ROWS_PER_WARP` rows of
-``w``, its lanes reading 16 bytes of each row at a time (a warp reads 512 consecutive
-bytes) and every one of the ``m`` rows of ``x`` at the same columns, accumulating in
-float32, then a warp reduction. Each weight byte is read once, whatever ``m``.
+(n, k) in bf16 or f16, ``k`` a multiple of 8: one warp per 2 or 4 rows of ``w``
+(:func:`layout`), its lanes reading 16 bytes of each row at a time (a warp reads 512
+consecutive bytes; loaded streaming, so that ``x`` stays in L1) and every one of the ``m``
+rows of ``x`` at the same columns, accumulating in float32 registers, then a warp
+reduction. Each weight byte is read once, whatever ``m``.
+
+Measured, a first version (a warp's rows in a loop with an early exit, so its accumulators
+were not all registers; 4-warp blocks; no unrolling): the model's linear layers at 2 / 4 /
+8 rows 4.65 / 6.06 / 7.17 ms against cuBLAS's 6.30 / 7.44 / 8.32 in the same run
+(bench/results/gpu-step-skinny-h200-2026-12-04.md) — faster, still ~2× one row, so bound
+by latency rather than bandwidth. This version (every fixed loop unrolled, two iterations'
+loads in flight, streaming weight loads, 8-warp blocks for tall weights) has not run on a
+GPU yet; its check decides, shape by shape, whether it is used.
 
 :func:`install` puts it under a model's ``nn.Linear`` layers (and a tied embedding's
 ``as_linear``, the lm head) by giving those modules a subclass whose call takes the kernel
@@ -35,7 +44,7 @@ from plimsoll.engine import backend
 NAME = "skinny_matmul_cuda"
 MAX_ROWS = 8  # rows of x the kernel takes (its accumulators are registers)
 ROWS_PER_WARP = 2
-WIDE = 8192  # rows of w from which a warp takes 4 of them
+WIDE = 8192  # rows of w from which blocks are 8 warps and, past 4 rows of x, a warp takes 4
 WARPS = 4
 CHECK_ROWS = (2, 4, 8)
 DTYPES = (mx.bfloat16, mx.float16)
@@ -46,33 +55,49 @@ _SOURCE = r"""
     const int N = w_shape[0], K = w_shape[1];
     const int n0 = (blockIdx.x * WARPS + warp) * R;
     if (n0 >= N) return;
+    const T* wr[R];  // a last warp's rows past N read row N - 1 again and store nothing
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = w + (size_t)min(n0 + r, N - 1) * K;
     float acc[M][R];
+#pragma unroll
     for (int m = 0; m < M; ++m)
+#pragma unroll
         for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+#pragma unroll 2
     for (int k = lane * V; k < K; k += 32 * V) {
-        float xf[M][V];
+        uint4 wu[R];  // the weights stream through once: not kept in L1, x is
+#pragma unroll
+        for (int r = 0; r < R; ++r) wu[r] = __ldcs(reinterpret_cast<const uint4*>(wr[r] + k));
+#pragma unroll
         for (int m = 0; m < M; ++m) {
-            const uint4 u = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
-            const T* e = reinterpret_cast<const T*>(&u);
-            for (int i = 0; i < V; ++i) xf[m][i] = static_cast<float>(e[i]);
-        }
-        for (int r = 0; r < R; ++r) {
-            if (n0 + r >= N) break;
-            const uint4 u = *reinterpret_cast<const uint4*>(w + (size_t)(n0 + r) * K + k);
-            const T* e = reinterpret_cast<const T*>(&u);
-            for (int i = 0; i < V; ++i) {
-                const float wf = static_cast<float>(e[i]);
-                for (int m = 0; m < M; ++m) acc[m][r] += xf[m][i] * wf;
+            const uint4 xu = __ldg(reinterpret_cast<const uint4*>(x + (size_t)m * K + k));
+            const T* xe = reinterpret_cast<const T*>(&xu);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const T* we = reinterpret_cast<const T*>(&wu[r]);
+#pragma unroll
+                for (int i = 0; i < V; ++i)
+                    acc[m][r] += static_cast<float>(xe[i]) * static_cast<float>(we[i]);
             }
         }
     }
+#pragma unroll
     for (int m = 0; m < M; ++m)
+#pragma unroll
         for (int r = 0; r < R; ++r)
+#pragma unroll
             for (int o = 16; o > 0; o >>= 1)
                 acc[m][r] += __shfl_xor_sync(0xffffffff, acc[m][r], o);
-    if (lane == 0)
-        for (int r = 0; r < R && n0 + r < N; ++r)
-            for (int m = 0; m < M; ++m) out[(size_t)m * N + n0 + r] = static_cast<T>(acc[m][r]);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (n0 + r < N) {
+#pragma unroll
+                for (int m = 0; m < M; ++m)
+                    out[(size_t)m * N + n0 + r] = static_cast<T>(acc[m][r]);
+            }
+        }
+    }
 """
 
 
@@ -88,20 +113,24 @@ def takes(rows: int, x: mx.array, w: mx.array) -> bool:
             and w.ndim == 2 and x.shape[-1] == w.shape[1] and w.shape[1] % 8 == 0)
 
 
-def rows_per_warp(n: int) -> int:
-    """Rows of ``w`` a warp takes: more where ``w`` is tall (fewer reads of ``x`` per weight
-    byte), fewer where a short one would leave SMs without a block (pure)."""
-    return 4 if n >= WIDE else ROWS_PER_WARP
+def layout(m: int, n: int) -> tuple[int, int]:
+    """(rows of ``w`` a warp takes, warps a block) for ``m`` rows of ``x`` over ``n`` rows of
+    ``w`` (pure): a tall ``w`` gets 8-warp blocks and, at more than 4 rows of ``x``, 4 rows
+    a warp (fewer reads of ``x`` per weight byte); a short one 2 rows a warp in 4-warp blocks,
+    so that it still gives every SM blocks."""
+    if n >= WIDE:
+        return (4 if m > 4 else ROWS_PER_WARP), 8
+    return ROWS_PER_WARP, WARPS
 
 
 def skinny(x: mx.array, w: mx.array) -> mx.array:
     """``x @ w.T`` for ``x`` (m, k), ``w`` (n, k) as :func:`takes` allows: (m, n)."""
     m, n = x.shape[0], w.shape[0]
-    r = rows_per_warp(n)
-    blocks = -(-n // (r * WARPS))
+    r, warps = layout(m, n)
+    blocks = -(-n // (r * warps))
     return _kernel()(inputs=[x, w], template=[("T", x.dtype), ("M", m), ("R", r),
-                                              ("WARPS", WARPS)],
-                     grid=(blocks * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1),
+                                              ("WARPS", warps)],
+                     grid=(blocks * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
                      output_shapes=[(m, n)], output_dtypes=[x.dtype])[0]
 
 

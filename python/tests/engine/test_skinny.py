@@ -30,6 +30,14 @@ def test_which_calls_it_takes():
                                                                              mx.bfloat16))
 
 
+def test_the_layout_gives_tall_weights_wider_blocks():
+    assert skinny_cuda.layout(2, 1024) == (2, 4)
+    assert skinny_cuda.layout(8, 4096) == (2, 4)
+    assert skinny_cuda.layout(4, 9728) == (2, 8)
+    assert skinny_cuda.layout(5, 9728) == (4, 8)
+    assert skinny_cuda.layout(8, 151936) == (4, 8)
+
+
 def test_the_modules_send_few_rows_through_it_and_keep_their_bias():
     calls = []
 
