@@ -39,6 +39,11 @@
 # e.g. --tokens 128 --rounds 1):
 #   PHASES=overhead bash bench/gpu_run.sh
 #
+# STEP=1 first runs bench/gpu_step.py on the same model (~80 s: the linear layers at 1-32
+# rows, cuBLAS against the engine's few-row kernel; the engine's decode and verifying steps at
+# 1, 4 and 8 rows with in-place and with scatter pool writes, compiled decode too):
+#   STEP=1 PHASES=decode,streams8 bash bench/gpu_run.sh
+#
 # SPECULATIVE=SECONDS keeps the budget's last SECONDS for bench/speculative.py on the same
 # model after serving.py (prompt lookup at ~100 % and ~0.8 acceptance, 1 and 8 streams, beside
 # plimsoll plain and mlx_lm.server; SPEC_ARGS adds flags, e.g. --before-code DIR). It writes
@@ -64,6 +69,11 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$OUT/logs/n
 timeout -k 10 200 "$PY" bench/gpu_model.py "$MODEL" ${MODEL_ARGS:-} 2>&1 | tee "$OUT/logs/gpu_model.log"
 if [ "${PIPESTATUS[0]}" != 0 ]; then say "model build failed"; exit 1; fi
 
+if [ "${STEP:-0}" = 1 ]; then
+  say "gpu_step.py"
+  (cd bench && timeout -k 10 150 "$PY" gpu_step.py --model "$MODEL" --rows 1,4,8 --compile off,on \
+    --steps 40 --reps 5 --out-dir "$OUT" ${NAME:+--name "$NAME-step"}) 2>&1 | tee "$OUT/logs/$LOG-step.log"
+fi
 SPEC_S=${SPECULATIVE:-0}
 left=$(( BUDGET - ($(date +%s) - start) - SPEC_S ))
 if [ "${KV_QUANT:-0}" = 1 ]; then
