@@ -46,6 +46,11 @@ SHAPES = {
     "micro": {"hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
               "vocab_size": 4096},
+    # bench/host_build.py's model: the 4B model's 36 layers at micro width (the graph a step
+    # builds on the host has the 4B model's ops; their compute is next to nothing)
+    "deep": {"hidden_size": 128, "num_hidden_layers": 36, "intermediate_size": 256,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+             "vocab_size": 4096},
 }
 BASE = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": False,
         "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000, "rope_scaling": None,

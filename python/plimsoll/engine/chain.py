@@ -81,6 +81,13 @@ class Chains:
         self._start = self._token = self._history = None  # (rows,) (rows,) (rows, cap)
         #: this step's chained Works: their ids, longest draft, and drafts with a -1 column
         self._step: tuple[tuple[int, ...], int, mx.array] | None = None
+        #: each chain's highest reachable start, kept on the host from what the engine
+        #: itself knows (never from a chained Work's own ``start``, which its caller may have
+        #: planned before a step it then read): the Work that began it's start + drafts + 1,
+        #: plus drafts + 1 for every chained Work, less the drafts each step read rejected.
+        #: A chained Work names at least this ``start`` (the history's width, the tables'
+        #: reach and the reads follow it), never less
+        self._reach: dict[int, int] = {}
 
     @property
     def held(self) -> bool:
@@ -88,6 +95,15 @@ class Chains:
 
     def holds(self, seq_id: int) -> bool:
         return seq_id in self._ids
+
+    def reach(self, seq_id: int) -> int:
+        """The highest position sequence ``seq_id``'s chain can start its next Work at."""
+        return self._reach[seq_id]
+
+    def settled(self, seq_id: int, rejected: int) -> None:
+        """A step of ``seq_id``'s chain was read: ``rejected`` of its drafts were not taken."""
+        if seq_id in self._reach:
+            self._reach[seq_id] -= rejected
 
     def drop(self, seq_id: int) -> None:
         if seq_id in self._ids:
@@ -100,6 +116,7 @@ class Chains:
         """Keep the rows of ``ids`` (all held), in that order."""
         if ids == self._ids:
             return
+        self._reach = {s: self._reach[s] for s in ids if s in self._reach}
         if not ids:
             self._ids, self._start, self._token, self._history = (), None, None, None
             return
@@ -204,5 +221,7 @@ class Chains:
         history = mx.where(inside, mx.take_along_axis(values, mx.clip(off, 0, k), axis=1),
                            history)
         self._ids, self._history = ids, history
+        self._reach = {w.seq_id: (self._reach[w.seq_id] if w.chained else w.start)
+                       + w.draft + 1 for w, _ in rows}
         self._start, self._token = start + took + 1, token[:, 0]
         return [self._start, self._token, self._history]

@@ -91,7 +91,10 @@ class Pending:
                     checks, drafts, row = verified[1].tolist(), verified[2].tolist(), 0
                     for w in verified[0]:
                         rows = checks[row:row + w.draft + 1]
-                        result[w.seq_id] = verify.accepted(drafts[row:row + w.draft], rows)
+                        result[w.seq_id] = got = verify.accepted(drafts[row:row + w.draft],
+                                                                 rows)
+                        if w.lookup:  # its rejected drafts move its chain's reach back
+                            self._engine.chains.settled(w.seq_id, w.draft + 1 - len(got))
                         row += w.draft + 1
             self._result, self._outs = result, []
         return self._result
@@ -417,6 +420,9 @@ class Engine:
                                          and self.chains.holds(w.seq_id)):
                 raise ValueError(f"sequence {w.seq_id}: a prefill names its tokens (a "
                                  "chained one follows a verifying step that drafts by lookup)")
+            if w.tokens is None and w.start < (reach := self.chains.reach(w.seq_id)):
+                raise ValueError(f"sequence {w.seq_id}: a chained Work starts at the highest "
+                                 f"position its chain can reach ({reach}), not {w.start}")
             if w.lookup and not (w.draft and chains):
                 raise ValueError(f"sequence {w.seq_id}: only a verifying Work on an engine "
                                  "that chains drafts (Engine.chains_drafts) drafts by lookup")

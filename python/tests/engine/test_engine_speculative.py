@@ -175,6 +175,14 @@ def test_chained_steps_decode_the_target_greedy_tokens(eng):
     reach = max(start.values()) + 2 * k + 3  # a planned start is at most k + 1 ahead
     width = -(-reach // HISTORY_ROUND) * HISTORY_ROUND
     assert eng.chains.nbytes() == eng.chains._history.nbytes <= len(prompts) * 4 * width
+    # a chained Work names the highest start its chain can reach (the Work before's start +
+    # drafts + 1): one below it is refused before anything is built (a start too low would
+    # send the device's positions past what the history, tables and reads were sized for)
+    reach = eng.chains.reach(22)
+    assert reach > start[22]  # the true position (read) is behind the planned one
+    with pytest.raises(ValueError, match=rf"can reach \({reach}\), not {reach - 1}"):
+        eng.run_async(Step(prefills=(Work(22, None, reach - 1, tables[22], True, draft=k,
+                                          lookup=3),)))
     # a plain step ends a sequence's chain; an ended sequence's goes with its state
     eng.run(Step(decodes=(Work(21, (got[21][-1],), start[21], tables[21], True),)))
     assert not eng.chains.holds(21) and eng.chains.holds(22)
