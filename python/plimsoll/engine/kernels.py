@@ -197,6 +197,9 @@ def check_skinny(model) -> Verdict:
     """Whether ``model``'s linear layers take steps of 2-8 rows through
     :mod:`plimsoll.engine.skinny_cuda` on this device: its check on the model's own weights;
     installed where it passes."""
+    if (here := backend.name()) != "cuda":  # the model is not even looked at
+        return Verdict(skinny_cuda.NAME, "cuda", False, f"not this device: the engine runs on "
+                       f"{here}")
     shapes, why, err, mine, ref = skinny_cuda.check(skinny_cuda.weights(model), TOLERANCE)
     if shapes:
         skinny_cuda.install(model, shapes=shapes)

@@ -169,13 +169,13 @@ def _key(w: mx.array) -> tuple:
     return (*w.shape, w.dtype)
 
 
-def install(model: nn.Module, matmul: Callable[[mx.array, mx.array], mx.array] = skinny,
+def install(model, matmul: Callable[[mx.array, mx.array], mx.array] = skinny,
             shapes: set[tuple] | None = None) -> int:
     """Give every plain ``nn.Linear`` and ``nn.Embedding`` of ``model`` (those whose weight's
     ``(n, k, dtype)`` is in ``shapes``, if given) the subclass that takes 2-8 rows through
     ``matmul`` (the weights stay the module's own); how many."""
     swapped = 0
-    for _, module in model.named_modules():
+    for module in _modules(model):
         for plain, skinny_type in ((nn.Linear, SkinnyLinear), (nn.Embedding, SkinnyEmbedding)):
             if type(module) is plain and (shapes is None or _key(module.weight) in shapes):
                 module.__class__ = skinny_type
@@ -185,11 +185,17 @@ def install(model: nn.Module, matmul: Callable[[mx.array, mx.array], mx.array] =
     return swapped
 
 
-def weights(model: nn.Module) -> list[mx.array]:
+def _modules(model) -> list:
+    """``model``'s modules: none for an object that is not an ``nn.Module`` (a cluster
+    rank's stage wraps its layers)."""
+    return [m for _, m in model.named_modules()] if isinstance(model, nn.Module) else []
+
+
+def weights(model) -> list[mx.array]:
     """One weight of every distinct (shape, dtype) among ``model``'s plain linear layers and
     embeddings that the kernel could take."""
     seen: dict[tuple, mx.array] = {}
-    for _, m in model.named_modules():
+    for m in _modules(model):
         w = m.get("weight") if type(m) in (nn.Linear, nn.Embedding) else None
         if w is not None and w.ndim == 2 and w.dtype in DTYPES and w.shape[1] % 8 == 0:
             seen.setdefault(_key(w), w)

@@ -87,5 +87,7 @@ def test_the_cpu_is_told_why_not(tmp_path):
     assert verdict.name == skinny_cuda.NAME and not verdict.used
     assert verdict.reason == "not this device: the engine runs on cpu"
     assert not any(isinstance(m, skinny_cuda.SkinnyLinear) for _, m in eng.model.named_modules())
-    # the weights it would be checked on: one of each (shape, dtype), float32 ones excluded
+    # the weights it would be checked on: one of each (shape, dtype), float32 ones excluded;
+    # none of an object that is not a module (a cluster rank's stage)
     assert skinny_cuda.weights(eng.model) == []
+    assert skinny_cuda.weights(object()) == [] and skinny_cuda.install(object()) == 0
