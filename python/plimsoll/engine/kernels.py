@@ -193,14 +193,56 @@ def select(dtype: mx.Dtype, q_heads: int | None, shapes: list[tuple[int, int, in
     return Selection(verdicts, chosen)
 
 
+def _matmul(x: mx.array, w: mx.array) -> mx.array:
+    return x @ w.T
+
+
+def _skinny_shapes(ws: list[mx.array]) -> tuple:
+    """``(shapes, reason, max error, kernel ms, reference ms)`` of the few-row kernel on the
+    model's own weights ``ws`` (one of each shape): ``x`` unit-normal at every row count it
+    takes (each count's code is built here, not mid-step), the largest difference from
+    ``x @ w.T`` relative to the largest output; per weight, the times at
+    :data:`~plimsoll.engine.skinny_cuda.CHECK_ROWS` rows (best of :data:`RUNS` each) summed.
+    ``shapes``: the weights' ``(n, k, dtype)`` it is used for — none unless it agrees within
+    :data:`TOLERANCE` on every one, and of those the ones where it is not slower; the times
+    are the totals over those."""
+    if not ws:
+        return set(), "the model has no bf16/f16 linear weight it could take", None, None, None
+    worst, mine, ref, faster = 0.0, 0.0, 0.0, set()
+    try:
+        for w in ws:
+            mine_w = ref_w = 0.0
+            for rows in range(2, skinny_cuda.MAX_ROWS + 1):
+                x = mx.random.normal((rows, w.shape[1]), key=mx.random.key(rows)).astype(w.dtype)
+                got = skinny_cuda.skinny(x, w).astype(mx.float32)
+                want = _matmul(x, w).astype(mx.float32)
+                err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
+                worst = max(worst, err) if err == err else float("nan")
+                if not worst <= TOLERANCE.get(w.dtype, 2e-2):
+                    return (set(), f"disagrees with x @ w.T: relative error {worst:.3g} at "
+                            f"{rows} rows of {tuple(w.shape)}", worst, None, None)
+                if rows in skinny_cuda.CHECK_ROWS:
+                    mine_w += _best_ms(skinny_cuda.skinny, (x, w))
+                    ref_w += _best_ms(_matmul, (x, w))
+            if mine_w <= ref_w:
+                faster.add(skinny_cuda.shape_key(w))
+                mine, ref = mine + mine_w, ref + ref_w
+    except Exception as err:  # any failure of a kernel means: do not use it
+        return set(), f"failed on this device: {type(err).__name__}: {err}", None, None, None
+    if not faster:
+        return set(), "slower than x @ w.T on every weight of the model", worst, None, None
+    return (faster, f"agrees with x @ w.T; not slower on {len(faster)} of {len(ws)} weight "
+            "shapes, used there", worst, round(mine, 4), round(ref, 4))
+
+
 def check_skinny(model) -> Verdict:
     """Whether ``model``'s linear layers take steps of 2-8 rows through
-    :mod:`plimsoll.engine.skinny_cuda` on this device: its check on the model's own weights;
-    installed where it passes."""
+    :mod:`plimsoll.engine.skinny_cuda` on this device (:func:`_skinny_shapes`); installed on
+    the weight shapes where it passes."""
     if (here := backend.name()) != "cuda":  # the model is not even looked at
         return Verdict(skinny_cuda.NAME, "cuda", False, f"not this device: the engine runs on "
                        f"{here}")
-    shapes, why, err, mine, ref = skinny_cuda.check(skinny_cuda.weights(model), TOLERANCE)
+    shapes, why, err, mine, ref = _skinny_shapes(skinny_cuda.weights(model))
     if shapes:
         skinny_cuda.install(model, shapes=shapes)
     return Verdict(skinny_cuda.NAME, "cuda", bool(shapes), why, err, mine, ref)

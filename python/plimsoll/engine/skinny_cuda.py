@@ -25,28 +25,25 @@ GPU yet; its check decides, shape by shape, whether it is used.
 :func:`install` puts it under a model's ``nn.Linear`` layers (and a tied embedding's
 ``as_linear``, the lm head) by giving those modules a subclass whose call takes the kernel
 for 2-8 rows of a matching dtype and the layer's own path otherwise; only after
-:func:`check` found it equal to ``x @ w.T`` within the dtype's tolerance and not slower on
-the model's own weights, shape by shape, on this device (the verdict goes to the
-status's ``kernels`` with the others of :mod:`plimsoll.engine.kernels`).
+:func:`plimsoll.engine.kernels.check_skinny` found it equal to ``x @ w.T`` within the
+dtype's tolerance and not slower on the model's own weights, shape by shape, on this device
+(the verdict goes to the status's ``kernels`` with the other kernels').
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from plimsoll.engine import backend
 
 NAME = "skinny_matmul_cuda"
 MAX_ROWS = 8  # rows of x the kernel takes (its accumulators are registers)
 ROWS_PER_WARP = 2
 WIDE = 8192  # rows of w from which blocks are 8 warps and, past 4 rows of x, a warp takes 4
 WARPS = 4
-CHECK_ROWS = (2, 4, 8)
+CHECK_ROWS = (2, 4, 8)  # the row counts its check times (it compares every count it takes)
 DTYPES = (mx.bfloat16, mx.float16)
 
 _SOURCE = r"""
@@ -165,7 +162,8 @@ class SkinnyEmbedding(nn.Embedding):
         return super().as_linear(x) if out is None else out
 
 
-def _key(w: mx.array) -> tuple:
+def shape_key(w: mx.array) -> tuple:
+    """A weight's ``(n, k, dtype)``: what the check decides on and :func:`install` matches."""
     return (*w.shape, w.dtype)
 
 
@@ -177,7 +175,7 @@ def install(model, matmul: Callable[[mx.array, mx.array], mx.array] = skinny,
     swapped = 0
     for module in _modules(model):
         for plain, skinny_type in ((nn.Linear, SkinnyLinear), (nn.Embedding, SkinnyEmbedding)):
-            if type(module) is plain and (shapes is None or _key(module.weight) in shapes):
+            if type(module) is plain and (shapes is None or shape_key(module.weight) in shapes):
                 module.__class__ = skinny_type
                 if matmul is not skinny:
                     module.matmul = matmul
@@ -198,56 +196,5 @@ def weights(model) -> list[mx.array]:
     for m in _modules(model):
         w = m.get("weight") if type(m) in (nn.Linear, nn.Embedding) else None
         if w is not None and w.ndim == 2 and w.dtype in DTYPES and w.shape[1] % 8 == 0:
-            seen.setdefault(_key(w), w)
+            seen.setdefault(shape_key(w), w)
     return list(seen.values())
-
-
-def _best_ms(fn, *args) -> float:
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        mx.eval(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
-def _reference(x: mx.array, w: mx.array) -> mx.array:
-    return x @ w.T
-
-
-def check(ws: list[mx.array], tolerance: dict):
-    """``(shapes, reason, max error, kernel ms, reference ms)`` of the kernel on this device,
-    on the model's own weights ``ws`` (one of each shape): ``x`` unit-normal at every row
-    count it takes (each count's code is built here, not mid-step), the largest difference
-    from ``x @ w.T`` relative to the largest output; per weight, the times at
-    :data:`CHECK_ROWS` rows (best of five each) summed. ``shapes``: the weights' ``(n, k,
-    dtype)`` it is used for — all only where it agrees within ``tolerance`` (by dtype), and
-    of those the ones where it is not slower; the times are the totals over those."""
-    if backend.name() != "cuda":
-        return set(), f"not this device: the engine runs on {backend.name()}", None, None, None
-    if not ws:
-        return set(), "the model has no bf16/f16 linear weight it could take", None, None, None
-    worst, mine, ref, faster = 0.0, 0.0, 0.0, set()
-    try:
-        for w in ws:
-            mine_w = ref_w = 0.0
-            for rows in range(2, MAX_ROWS + 1):
-                x = mx.random.normal((rows, w.shape[1]), key=mx.random.key(rows)).astype(w.dtype)
-                got, want = skinny(x, w).astype(mx.float32), _reference(x, w).astype(mx.float32)
-                err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
-                worst = max(worst, err) if err == err else float("nan")
-                if not worst <= tolerance.get(w.dtype, 2e-2):
-                    return (set(), f"disagrees with x @ w.T: relative error {worst:.3g} at "
-                            f"{rows} rows of {tuple(w.shape)}", worst, None, None)
-                if rows in CHECK_ROWS:
-                    mine_w += _best_ms(skinny, x, w)
-                    ref_w += _best_ms(_reference, x, w)
-            if mine_w <= ref_w:
-                faster.add(_key(w))
-                mine, ref = mine + mine_w, ref + ref_w
-    except Exception as err:  # any failure of a kernel means: do not use it
-        return set(), f"failed on this device: {type(err).__name__}: {err}", None, None, None
-    if not faster:
-        return set(), "slower than x @ w.T on every weight of the model", worst, None, None
-    return (faster, f"agrees with x @ w.T; not slower on {len(faster)} of {len(ws)} weight "
-            "shapes, used there", worst, round(mine, 4), round(ref, 4))
