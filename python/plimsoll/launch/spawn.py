@@ -178,15 +178,12 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
     wg, guard_env = (start_guard(cfg, footprint_bytes, cgroup_parent, cgroup_limit_bytes)
                      if guard else (None, {}))
     argv = wg.wrap(worker_argv(cfg)) if wg else worker_argv(cfg)
-    try:
+    proc = None
+    try:  # one guarded block from the spawn on: a signal's exception right after Popen
+        # returns still stops the worker (it runs in its own session: nobody else would)
         proc = subprocess.Popen(argv, env=worker_env() | guard_env | (env or {}), stdout=stdout,
                                 start_new_session=True)
-    except BaseException:
-        if wg:
-            wg.close()
-        raise
-    proc.plimsoll_guard = wg
-    try:
+        proc.plimsoll_guard = wg
         status = wait_ready(proc, cfg, timeout_s, "the worker",
                             lambda: f"the worker exited with status {proc.returncode} before "
                             "it was ready (see its log above)", (env or {}).get(SECRET_ENV))
@@ -194,7 +191,11 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
         if bad:
             raise LaunchError("the worker did not apply the derived limits: " + "; ".join(bad))
     except BaseException:
-        stop_worker(proc)
+        if proc is not None:
+            proc.plimsoll_guard = wg  # (again: the signal may have come before it was set)
+            stop_worker(proc)  # its guard released with it
+        elif wg:
+            wg.close()
         raise
     return proc, status
 
