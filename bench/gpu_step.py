@@ -20,7 +20,9 @@ Writes ``--out-dir``/``--name``.{json,md}::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -102,7 +104,7 @@ def _steps(eng, rows: int, verify: bool, steps: int) -> dict:
     tables = [tuple(range(s * per, (s + 1) * per)) for s in range(rows)]
     eng.run(Step(prefills=tuple(Work(s, prompt, 0, tables[s], True) for s in range(rows))))
     pos = len(prompt)
-    pending, host, t0 = None, [], time.perf_counter()
+    pending, host, done, t0 = None, [], [], time.perf_counter()
     for _ in range(steps):
         h0 = time.perf_counter()
         if verify:
@@ -115,23 +117,28 @@ def _steps(eng, rows: int, verify: bool, steps: int) -> dict:
         host.append(time.perf_counter() - h0)
         if pending is not None:
             pending.result()
+            done.append(time.perf_counter())
         pending = nxt
         pos += 4 if verify else 1
     pending.result()
     dt = time.perf_counter() - t0
     for s in range(rows):
         eng.free_state(s)
+    gaps = [b - a for a, b in itertools.pairwise(done)]
     return {"ms_per_step": round(1e3 * dt / steps, 3),
+            "p50_ms_per_step": round(1e3 * statistics.median(gaps), 3) if gaps else None,
             "host_ms_per_step": round(1e3 * statistics.median(host), 3)}
 
 
-def engine(model: Path, steps: int, rows_list: list[int], compile_decode: bool) -> dict:
+def engine(model: Path, steps: int, rows_list: list[int], compile_decode: bool,
+           max_blocks: int = 4096) -> dict:
     """Steps of an engine loaded with ``compile_decode`` (which also decides its pool writes:
     scatters where True, the CUDA in-place write kernel where False and it passed its check);
     ``compiled`` rows only where True."""
     from plimsoll.engine import Engine
 
-    eng = Engine.load(model, block_tokens=16, max_blocks=4096, compile_decode=compile_decode)
+    eng = Engine.load(model, block_tokens=16, max_blocks=max_blocks,
+                      compile_decode=compile_decode)
     traced = eng.compiled
     writes = "scatter" if compile_decode else "in place"
     print("kernels:", [(v.name, v.used) for v in eng.kernels.verdicts], flush=True)
@@ -155,8 +162,10 @@ def markdown(res: dict) -> str:
              *report.table(["rows / formulation", "ms"],
                            [(k, v) for k, v in res.get("matmul", {}).items()]), "",
              "## Engine steps in process, pipelined (ms per step, host ms per step)", "",
-             *report.table(["mode rows", "ms per step", "host ms per step"],
-                           [(k, v["ms_per_step"], v["host_ms_per_step"])
+             *report.table(["mode rows", "ms per step", "p50 ms between steps",
+                            "host ms per step"],
+                           [(k, v["ms_per_step"], v.get("p50_ms_per_step"),
+                             v["host_ms_per_step"])
                             for k, v in res.get("engine", {}).items()])]
     return "\n".join(lines) + "\n"
 
@@ -171,18 +180,23 @@ def main() -> int:
     ap.add_argument("--compile", type=lambda s: s.split(","), default=["on"],
                     help="engines to load: on (compile_decode, scatter writes), off (in-place "
                     "writes where the CUDA kernel passed its check), or on,off")
+    ap.add_argument("--max-blocks", type=int, default=4096,
+                    help="the engine's pool, in blocks of 16 tokens (a served model's pool is "
+                    "larger: `launch --concurrency 8 --context 40960` holds ~20,480)")
     ap.add_argument("--out-dir", type=Path, default=report.OUT)
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
     cfg = json.loads((args.model / "config.json").read_text())
-    res: dict = {"device": str(mx.default_device()), "command": "python3 " + " ".join(sys.argv)}
+    res: dict = {"device": str(mx.default_device()), "command": "python3 " + " ".join(sys.argv),
+                 "mlx_env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
     parts = args.parts.split(",")
     if "matmul" in parts:
         res["matmul"] = matmuls(cfg, args.reps)
     if "engine" in parts:
         res["engine"] = {}
         for flag in args.compile:
-            res["engine"] |= engine(args.model, args.steps, args.rows, flag == "on")
+            res["engine"] |= engine(args.model, args.steps, args.rows, flag == "on",
+                                    args.max_blocks)
     name = args.name or f"gpu-step-{report.machine()}-{time.strftime('%Y-%m-%d')}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(res, indent=1))

@@ -414,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     b = build_demo_model(args.models_dir / "tiny-b", preset="tiny", seed=1)
     res["models"] = {"a": str(a), "b": str(b)}
     env = dict(os.environ)
-    env["LD_PRELOAD"] = OPENBLAS
+    if os.path.exists(OPENBLAS):  # the CPU box's; a GPU host has none
+        env["LD_PRELOAD"] = OPENBLAS
     for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
         env.pop(k, None)
     cold: list[float] = []
