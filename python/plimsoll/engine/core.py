@@ -182,6 +182,16 @@ class Engine:
             gather = kernels.check_gather(plain)
             write = kernels.check_write(plain, compile_decode, gather)
             self.kernels.verdicts += [write, gather, kernels.check_skinny(model)]
+            #: quantized pools read by their own decode kernel where it passed its check
+            #: (it reads through the block index: a decode's read is never a slice then)
+            quantized = [p for p in self._pools if type(p) is QuantizedAttention]
+            verdict = kernels.check_quantized(quantized, self._compute_dtype,
+                                              facts.num_attention_heads)
+            self.quantized_kernel = verdict is not None and verdict.used
+            if verdict is not None:
+                self.kernels.verdicts.append(verdict)
+            for p in quantized if self.quantized_kernel else ():
+                p.decode_kernel = kernels.QUANTIZED.decode
             for p in plain if write.used else ():
                 p.inplace = pool_cuda.write
             for p in plain if gather.used else ():

@@ -122,7 +122,8 @@ def _decode_group(eng, works: tuple[Work, ...]) -> tuple[Group, int]:
     # The tables' index is kept across steps (only new blocks are written into it); its
     # highest id covers every block the decodes read or write.
     read, top = eng._reads.read(ids, [w.block_table for w in rows], lengths,
-                                slice_ok=eng.kernels.decode is None)
+                                slice_ok=eng.kernels.decode is None
+                                and not eng.quantized_kernel)
     inputs = None
     if any(w.chained for w in works):  # positions, slots and tokens on the device
         inputs, positions = _chained_rows(eng, works, rows)

@@ -16,6 +16,10 @@ on its word (neither this project's machines nor CI run every backend), so at en
    kernel not slower than the reference × :data:`MARGIN` (a slower first measurement is
    measured again before it counts).
 
+Quantized pools (engine/quantized.py) have their own variant of the decode kernel
+(:data:`QUANTIZED`), checked the same way by :func:`check_quantized` on the float problems
+quantized as the pools store them, against the pools' own dequantizing read.
+
 A kernel is used only when both hold; otherwise the reference path serves and the reason
 is kept (:class:`Verdict`): the worker reports every verdict in ``/v1/plimsoll/status``
 (``kernels``) and ``plimsoll doctor`` runs the same check on its host. On the CPU nothing is
@@ -33,6 +37,7 @@ import numpy as np
 
 from plimsoll.engine import backend, paged_cuda, pool_cuda, skinny_cuda
 from plimsoll.engine.paged import FullAttention, Read
+from plimsoll.engine.quantized import QuantizedAttention
 
 #: the largest |kernel − reference| allowed, by dtype (unit-normal inputs; f32 accumulation)
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 5e-3, mx.bfloat16: 2e-2}
@@ -137,9 +142,11 @@ def decide(max_error: float, tolerance: float, kernel_ms: float, reference_ms: f
 
 
 def check(kernel: Kernel, dtype: mx.Dtype, q_heads: int,
-          shapes: list[tuple[int, int, int]]) -> Verdict:
-    """Run ``kernel`` against the reference on this device for every pool shape
-    ``(kv_heads, k_dim, v_dim)`` of the model (see the module docstring)."""
+          shapes: list[tuple[int, int, int]], problem: Callable[..., tuple] = _problem,
+          reference: Callable[..., mx.array] = reference_decode) -> Verdict:
+    """Run ``kernel`` against ``reference`` on this device for every pool shape
+    ``(kv_heads, k_dim, v_dim)`` of the model, on ``problem``'s problems (see the module
+    docstring)."""
     tolerance = TOLERANCE.get(dtype, 2e-2)
     worst, times = 0.0, [0.0, 0.0]
     try:
@@ -150,12 +157,12 @@ def check(kernel: Kernel, dtype: mx.Dtype, q_heads: int,
                                f"does not serve this model's attention ({q_heads} query heads "
                                f"over {kv_heads} KV heads, K {k_dim} and V {v_dim} wide)")
             for seed, (rows, lo, hi) in enumerate(PROBLEMS):
-                args = _problem(rows, lo, hi, kv_heads, q_heads, k_dim, dtype, seed)
-                got, want = kernel.decode(*args), reference_decode(*args)
+                args = problem(rows, lo, hi, kv_heads, q_heads, k_dim, dtype, seed)
+                got, want = kernel.decode(*args), reference(*args)
                 err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
                 worst = max(worst, err) if err == err else float("nan")
             for _ in range(2):  # a slower first measurement is confirmed once
-                pair = (_best_ms(kernel.decode, args), _best_ms(reference_decode, args))
+                pair = (_best_ms(kernel.decode, args), _best_ms(reference, args))
                 if not decide(worst, tolerance, *pair).startswith("slower"):
                     break
             times = [times[0] + pair[0], times[1] + pair[1]]
@@ -166,6 +173,52 @@ def check(kernel: Kernel, dtype: mx.Dtype, q_heads: int,
     return Verdict(kernel.name, kernel.device, not why,
                    why or "agrees with the reference and is not slower", worst,
                    round(times[0], 4), round(times[1], 4))
+
+
+QUANTIZED = Kernel("paged_decode_quantized_cuda", "cuda", paged_cuda.paged_decode_quantized,
+                   paged_cuda.serves)
+
+
+def reference_decode_quantized(queries: mx.array, k_pool: tuple, v_pool: tuple,
+                               tables: mx.array, lengths: mx.array, longest: int, scale: float,
+                               block_tokens: int) -> mx.array:
+    """The engine's own decode read of quantized pools (``k_pool``, ``v_pool``: packed
+    values, scales, biases): :meth:`QuantizedAttention.attend_over` with the padding mask."""
+    heads, slots, words = k_pool[0].shape
+    dim, blocks = queries.shape[-1], slots // block_tokens
+    pool = QuantizedAttention(heads, dim, dim, k_pool[1].dtype, block_tokens, blocks, blocks,
+                              bits=words * 32 // dim, group_size=dim // k_pool[1].shape[-1])
+    pool.keys, pool.values, pool.blocks = k_pool, v_pool, blocks
+    mask = (mx.arange(longest, dtype=mx.int32)[None, :] < lengths[:, None])[:, None, None, :]
+    # a new array object: mlx-lm's quantized attention scales its queries in place
+    # (``queries *= scale``), and the check hands the kernel the same queries again
+    return pool.attend_over(mx.array(queries), scale, None, Read(index=tables, length=longest),
+                            mask, None)
+
+
+def check_quantized(pools: list[QuantizedAttention], dtype: mx.Dtype,
+                    q_heads: int | None) -> Verdict | None:
+    """Whether ``pools`` (the quantized full-attention ones) serve their decode rows through
+    :data:`QUANTIZED` on this device: :func:`check` on quantized problems (the float
+    problems quantized as the pools store them) against :func:`reference_decode_quantized`.
+    None where the model has no quantized pool (nothing to say)."""
+    if not pools:
+        return None
+    if (here := backend.name()) != QUANTIZED.device:
+        return Verdict(QUANTIZED.name, QUANTIZED.device, False,
+                       f"not this device: the engine runs on {here}")
+    if not q_heads:
+        return Verdict(QUANTIZED.name, QUANTIZED.device, False,
+                       "the model's query heads are not known")
+    bits, group = pools[0].bits, pools[0].group_size
+
+    def problem(*args) -> tuple:
+        queries, k_pool, v_pool, *rest = _problem(*args)
+        return (queries, tuple(mx.quantize(k_pool, group_size=group, bits=bits)),
+                tuple(mx.quantize(v_pool, group_size=group, bits=bits)), *rest)
+
+    shapes = sorted({(p.kv_heads, p.k_dim, p.v_dim) for p in pools})
+    return check(QUANTIZED, dtype, q_heads, shapes, problem, reference_decode_quantized)
 
 
 def select(dtype: mx.Dtype, q_heads: int | None, shapes: list[tuple[int, int, int]],

@@ -45,7 +45,7 @@ _ATTEND = r"""
     const int b = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int HQ = q_shape[1];
-    const int S = kp_shape[1];
+    const int S = __POOL___shape[1];
     const int MB = tables_shape[1];
     const int NS = gridDim.z;
     const int len = lengths[b];
@@ -66,12 +66,8 @@ _ATTEND = r"""
     const int hi = min(len, lo + span);
     for (int t = lo + warp; t < hi; t += WARPS) {
         const int slot = tables[b * MB + t / BT] * BT + t % BT;
-        const size_t row = ((size_t)kvh * S + slot) * D + lane * DPL;
         float kf[DPL], vf[DPL];
-        for (int i = 0; i < DPL; ++i) {
-            kf[i] = static_cast<float>(kp[row + i]);
-            vf[i] = static_cast<float>(vp[row + i]);
-        }
+__LOAD__
         for (int g = 0; g < G; ++g) {
             float dot = 0.f;
             for (int i = 0; i < DPL; ++i) dot += qr[g][i] * kf[i];
@@ -102,14 +98,47 @@ _ATTEND = r"""
         }
         const size_t o = ((size_t)(b * HQ + kvh * G + g)) * NS + split;
 """
+# a float pool's K/V: (kv_heads, slots, D), the lane's DPL consecutive elements of a row
+_LOAD_FLOAT = r"""
+        const size_t row = ((size_t)kvh * S + slot) * D + lane * DPL;
+        for (int i = 0; i < DPL; ++i) {
+            kf[i] = static_cast<float>(kp[row + i]);
+            vf[i] = static_cast<float>(vp[row + i]);
+        }
+"""
+# a quantized pool's (engine/quantized.py, mx.quantize's format): packed values (kv_heads,
+# slots, D * BITS / 32) uint32, element e at bits [e * BITS % 32, +BITS) of word e * BITS / 32;
+# scales and biases (kv_heads, slots, D / GS); an element is scale * value + bias
+_LOAD_QUANT = r"""
+        constexpr int W = D * BITS / 32, NG = D / GS;
+        constexpr unsigned MASK = (1u << BITS) - 1u;
+        const size_t vec = (size_t)kvh * S + slot;
+        for (int i = 0; i < DPL; ++i) {
+            const int e = lane * DPL + i;
+            const size_t wi = vec * W + (e * BITS) / 32, gi = vec * NG + e / GS;
+            const int sh = (e * BITS) % 32;
+            kf[i] = static_cast<float>(ks[gi]) * (float)((kq[wi] >> sh) & MASK)
+                + static_cast<float>(kb[gi]);
+            vf[i] = static_cast<float>(vs[gi]) * (float)((vq[wi] >> sh) & MASK)
+                + static_cast<float>(vb[gi]);
+        }
+"""
+
+
+def _attend(quantized: bool) -> str:
+    """The attention kernel's body for a float or a quantized pool."""
+    return (_ATTEND.replace("__LOAD__", _LOAD_QUANT if quantized else _LOAD_FLOAT)
+            .replace("__POOL__", "kq" if quantized else "kp"))
+
+
 # the partial results of a split, for _COMBINE
-_PARTIAL = _ATTEND + r"""
+_PARTIAL = r"""
         part_a[o * D + d] = val;
         if (d == 0) { part_m[o] = M; part_s[o] = tot; }
     }
 """
 # one split (NS = 1, so o is the row's query head): the attention itself
-_DIRECT = _ATTEND + r"""
+_DIRECT = r"""
         out[o * D + d] = static_cast<T>(val / tot);
     }
 """
@@ -133,6 +162,8 @@ _COMBINE = r"""
 
 #: ``after``: the pools' last in-place write token, never read (engine/pool_cuda.py)
 _INPUTS = ["q", "kp", "vp", "tables", "lengths", "scale_arr", "after"]
+_INPUTS_QUANT = ["q", "kq", "ks", "kb", "vq", "vs", "vb", "tables", "lengths", "scale_arr",
+                 "after"]
 
 
 def available() -> bool:
@@ -192,16 +223,20 @@ def combine(part_a: mx.array, part_m: mx.array, part_s: mx.array) -> mx.array:
 
 
 @functools.cache
-def _kernel(which: str):
+def _kernel(which: str, quantized: bool = False):
     if which == "combine":
         return mx.fast.cuda_kernel(name="plimsoll_paged_combine",
                                    input_names=["part_a", "part_m", "part_s"],
                                    output_names=["out"], source=_COMBINE)
+    body, names = _attend(quantized), _INPUTS_QUANT if quantized else _INPUTS
+    suffix = "_q" if quantized else ""
     if which == "direct":
-        return mx.fast.cuda_kernel(name="plimsoll_paged_decode_direct", input_names=_INPUTS,
-                                   output_names=["out"], source=_DIRECT)
-    return mx.fast.cuda_kernel(name="plimsoll_paged_decode", input_names=_INPUTS,
-                               output_names=["part_a", "part_m", "part_s"], source=_PARTIAL)
+        return mx.fast.cuda_kernel(name=f"plimsoll_paged_decode_direct{suffix}",
+                                   input_names=names, output_names=["out"],
+                                   source=body + _DIRECT)
+    return mx.fast.cuda_kernel(name=f"plimsoll_paged_decode{suffix}", input_names=names,
+                               output_names=["part_a", "part_m", "part_s"],
+                               source=body + _PARTIAL)
 
 
 @functools.lru_cache(maxsize=16)
@@ -216,19 +251,41 @@ def paged_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tables: 
     """Attention of ``queries`` (rows, q_heads, 1, dim) over each row's first
     ``lengths[row]`` positions of its table, read after the in-place write whose token is
     ``after``; returns (rows, q_heads, 1, dim)."""
+    return _launch([k_pool, v_pool], (), queries, tables, lengths, longest, scale,
+                   block_tokens, after)
+
+
+def paged_decode_quantized(queries: mx.array, k_pool: tuple, v_pool: tuple, tables: mx.array,
+                           lengths: mx.array, longest: int, scale: float, block_tokens: int,
+                           after: mx.array | None = None) -> mx.array:
+    """:func:`paged_decode` over quantized pools (engine/quantized.py): ``k_pool`` and
+    ``v_pool`` the (packed values, scales, biases) triples, dequantized in registers as
+    each K/V row is read (no float copy of the context); the bits and group size follow from
+    the triples' widths."""
+    d = queries.shape[-1]
+    packing = (("BITS", k_pool[0].shape[-1] * 32 // d), ("GS", d // k_pool[1].shape[-1]))
+    return _launch([*k_pool, *v_pool], packing, queries, tables, lengths, longest, scale,
+                   block_tokens, after)
+
+
+def _launch(pools: list[mx.array], packing: tuple, queries: mx.array, tables: mx.array,
+            lengths: mx.array, longest: int, scale: float, block_tokens: int,
+            after: mx.array | None) -> mx.array:
+    """One decode launch (two with splits) over float pools, or quantized ones where
+    ``packing`` names their bits and group size."""
     rows, hq, _, d = queries.shape
-    kvh = k_pool.shape[0]
-    splits = splits_for(rows, kvh, longest, sm_count())
-    inputs = [queries.reshape(rows, hq, d), k_pool, v_pool, tables, lengths, _scale(scale),
-              pool_cuda.nothing() if after is None else after]
+    kvh, quantized = pools[0].shape[0], bool(packing)
     template = [("T", queries.dtype), ("D", d), ("G", hq // kvh), ("BT", block_tokens),
-                ("WARPS", WARPS)]
+                ("WARPS", WARPS), *packing]
+    splits = splits_for(rows, kvh, longest, sm_count())
+    inputs = [queries.reshape(rows, hq, d), *pools, tables, lengths, _scale(scale),
+              pool_cuda.nothing() if after is None else after]
     grid, group = (rows * 32 * WARPS, kvh, splits), (32 * WARPS, 1, 1)
     if splits == 1:
-        return _kernel("direct")(inputs=inputs, template=template, grid=grid,
-                                 threadgroup=group, output_shapes=[(rows, hq, 1, d)],
-                                 output_dtypes=[queries.dtype])[0]
-    parts = _kernel("partial")(
+        return _kernel("direct", quantized)(inputs=inputs, template=template, grid=grid,
+                                            threadgroup=group, output_shapes=[(rows, hq, 1, d)],
+                                            output_dtypes=[queries.dtype])[0]
+    parts = _kernel("partial", quantized)(
         inputs=inputs, template=template, grid=grid, threadgroup=group,
         output_shapes=[(rows, hq, splits, d), (rows, hq, splits), (rows, hq, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])

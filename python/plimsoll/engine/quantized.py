@@ -27,8 +27,11 @@ reads and the growth are the same. Group size 64 (mlx-lm's ``kv_group_size`` def
     (:func:`plimsoll.core.transients.prefill_transient_bytes`).
 - A prefill chunk at position 0 attends to its own fresh (float) K/V, as mlx-lm's first
   prefill chunk does before ``maybe_quantize_kv_cache`` converts its cache.
-- MLX's CUDA paged-decode kernel (:mod:`plimsoll.engine.paged_cuda`) reads float pools
-  only; quantized pools always take this path, on every backend.
+- On CUDA, decode rows read through the paged-decode kernel's quantized variant
+  (:func:`plimsoll.engine.paged_cuda.paged_decode_quantized`, :attr:`decode_kernel`: each
+  K/V row dequantized in registers as it is read, no gathered copy) where it passed its
+  check against :meth:`attend_over` (:func:`plimsoll.engine.kernels.check_quantized`); else,
+  and on every other backend, the paths above.
 
 ``block_bytes`` / ``nbytes`` are exact: values + scales + biases, K and V, the same
 figure as :func:`plimsoll.core.cache_layout.vector_bytes` (the test compares them with
@@ -71,6 +74,9 @@ class QuantizedAttention(FullAttention):
                                  "KV dtype")
         super().__init__(kv_heads, k_dim, v_dim, dtype, block_tokens, max_blocks, slab_blocks)
         self.bits, self.group_size = bits, group_size
+        #: the CUDA decode kernel over quantized blocks (engine/paged_cuda.py) where it
+        #: passed its check on this device (engine/kernels.py), else None
+        self.decode_kernel = None
         self.keys: QTriple | None = None
         self.values: QTriple | None = None
 
@@ -161,15 +167,19 @@ class QuantizedAttention(FullAttention):
         """Attention of ``queries`` over this forward's read (see the module docstring). A
         chunk that samples (``batch.tail``) attends its last token to the quantized blocks
         of the whole chunk, as mlx-lm's own step for a prompt's last token does."""
-        n = queries.shape[2]
+        n, read = queries.shape[2], batch.read
+        if (self.decode_kernel is not None and n == 1 and sinks is None and read is not None
+                and read.index is not None and batch.lengths is not None):  # decode rows
+            return self.decode_kernel(queries, self.keys, self.values, read.index,
+                                      batch.lengths, read.length, scale, self.block_tokens)
         if batch.tail is None or n == 1:
-            return self._attend(queries, scale, sinks, batch.read, batch.mask, fresh)
-        body = self._attend(queries[:, :, :-1], scale, sinks, batch.read, "causal",
+            return self.attend_over(queries, scale, sinks, batch.read, batch.mask, fresh)
+        body = self.attend_over(queries[:, :, :-1], scale, sinks, batch.read, "causal",
                             fresh, cut=1)
-        last = self._attend(queries[:, :, -1:], scale, sinks, batch.tail, None, None)
+        last = self.attend_over(queries[:, :, -1:], scale, sinks, batch.tail, None, None)
         return mx.concatenate([body, last], axis=2)
 
-    def _attend(self, queries: mx.array, scale: float, sinks, read: Read | None, mask,
+    def attend_over(self, queries: mx.array, scale: float, sinks, read: Read | None, mask,
                 fresh, cut: int = 0) -> mx.array:
         """``queries`` over ``read`` (None: the chunk's own ``fresh`` K/V), its last ``cut``
         positions left out (a chunk's body without its sampled token)."""

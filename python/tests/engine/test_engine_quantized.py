@@ -18,7 +18,7 @@ from mlx_lm.generate import generate_step  # noqa: E402
 
 from plimsoll.core.model_facts import inspect_model  # noqa: E402
 from plimsoll.core.transients import dequant_transient_bytes, prefill_transient_bytes  # noqa: E402
-from plimsoll.engine import Engine  # noqa: E402
+from plimsoll.engine import Engine, backend, kernels  # noqa: E402
 from plimsoll.engine.drive import Blocks, drive, seqs_for, text  # noqa: E402
 from plimsoll.engine.quantized import QuantizedAttention  # noqa: E402
 
@@ -133,3 +133,61 @@ def test_a_quantized_block_round_trips_through_the_disk_tier_payload(engine):
                         pool.gather(Read(span=(target * BLOCK, (target + 1) * BLOCK))),
                         strict=True):
             assert all(mx.array_equal(x, y).item() for x, y in zip(a, b, strict=True))
+
+
+def _stand_in():
+    """A CPU stand-in for the CUDA decode kernel over quantized blocks: the engine's own
+    quantized read (so its tokens are the reference's), counting its calls' rows."""
+    calls = []
+
+    def decode(*args, after=None):
+        calls.append(args[0].shape[0])
+        return kernels.reference_decode_quantized(*args)
+
+    def serves(queries, k_dim, v_dim, kv_heads):
+        return queries.shape[2] == 1 and k_dim == v_dim
+
+    return kernels.Kernel("quantized_stand_in_cpu", "cpu", decode, serves), calls
+
+
+@pytest.mark.skipif(backend.name() != "cpu", reason="the CPU's kernel choice")
+def test_quantized_pools_off_cuda_keep_their_own_read(engine):
+    verdict = next(v for v in engine.kernels.verdicts if v.name == kernels.QUANTIZED.name)
+    assert not verdict.used and verdict.reason == "not this device: the engine runs on cpu"
+    assert not engine.quantized_kernel
+    assert all(p.decode_kernel is None for p in engine._pools)
+
+
+@pytest.mark.skipif(backend.name() != "cpu", reason="the CPU's kernel choice")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_checked_quantized_decode_kernel_serves_the_decode_rows(family_dir, monkeypatch, bits):
+    """A kernel that passes its check on quantized problems reads every decode row of the
+    quantized pools (through the block index, a single row too) with the same tokens; a
+    perturbed one is refused with its reason and the pools keep their own read."""
+    good, calls = _stand_in()
+    monkeypatch.setattr(kernels, "MARGIN", float("inf"))  # the stand-in IS the reference
+    monkeypatch.setattr(kernels, "QUANTIZED", good)
+    eng = Engine.load(family_dir("qwen3"), block_tokens=BLOCK, max_blocks=POOL,
+                      kv_dtype=f"q{bits}", slab_blocks=4)
+    verdict = eng.kernels.verdicts[-1]
+    assert verdict.name == good.name and verdict.used, verdict.reason
+    assert verdict.max_error == 0.0 and eng.quantized_kernel
+    pools = [p for p in eng._pools if isinstance(p, QuantizedAttention)]
+    assert pools and all(p.decode_kernel is good.decode for p in pools)
+    prompts = [text(eng.tokenizer, n, salt=n) for n in (7, 40)]
+    calls.clear()
+    got = drive(eng, seqs_for(prompts, 8, BLOCK, Blocks(POOL, shuffle=True)), chunk=64,
+                pipelined=True)
+    assert calls and set(calls) <= {1, 2}  # decode rows only
+    calls.clear()  # one sequence in consecutive blocks: read through its index, not a slice
+    alone = drive(eng, seqs_for(prompts[1:], 8, BLOCK, Blocks(POOL)), chunk=64)
+    assert calls and set(calls) == {1}
+    assert got[1] == alone[0] == quantized_reference(eng.model, prompts[1], 8, bits)
+
+    def perturbed(*args, after=None):
+        return kernels.reference_decode_quantized(*args) * 1.01 + 0.01
+
+    monkeypatch.setattr(kernels, "QUANTIZED", kernels.Kernel("perturbed_cpu", "cpu", perturbed,
+                                                             good.serves))
+    refused = kernels.check_quantized(pools, mx.float32, eng.facts.num_attention_heads)
+    assert not refused.used and refused.reason.startswith("disagrees with the reference")

@@ -113,3 +113,51 @@ def test_combine_of_split_partials_is_the_attention(rows, longest, splits):
         p = np.exp(scores - scores.max(axis=-1, keepdims=True))
         want = np.einsum("ht,htd->hd", p / p.sum(axis=-1, keepdims=True), v[r][:, :n])
         np.testing.assert_allclose(got[r], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_quantized_load_reads_what_dequantize_gives(bits, dim):
+    """The quantized kernel's load (``_LOAD_QUANT``) in numpy, lane by lane, with its own
+    expressions (W, NG, word and group of element e, its shift), against ``mx.dequantize``
+    of the same pool: the packing it assumes is MLX's. (The kernel itself runs on CUDA.)"""
+    heads, slots, gs = 2, 24, 64
+    x = mx.random.normal((heads, slots, dim), key=mx.random.key(bits + dim))
+    kq, ks, kb = mx.quantize(x, group_size=gs, bits=bits)
+    want = np.array(mx.dequantize(kq, ks, kb, group_size=gs, bits=bits))
+    q, s, b = (np.array(a).reshape(-1) for a in (kq, ks, kb))
+    w_words, ng, dpl, mask = dim * bits // 32, dim // gs, dim // 32, (1 << bits) - 1
+    assert "constexpr int W = D * BITS / 32, NG = D / GS;" in paged_cuda._LOAD_QUANT
+    got = np.zeros((heads, slots, dim), np.float32)
+    for kvh in range(heads):
+        for slot in range(slots):
+            vec = kvh * slots + slot
+            for lane in range(32):
+                for i in range(dpl):
+                    e = lane * dpl + i
+                    wi, gi, sh = vec * w_words + e * bits // 32, vec * ng + e // gs, e * bits % 32
+                    got[kvh, slot, e] = s[gi] * ((int(q[wi]) >> sh) & mask) + b[gi]
+    assert np.array_equal(got, want)
+
+
+def test_the_float_and_quantized_kernels_differ_only_in_their_load():
+    plain, quant = paged_cuda._attend(False), paged_cuda._attend(True)
+    assert paged_cuda._LOAD_FLOAT in plain and paged_cuda._LOAD_QUANT in quant
+    assert (plain.replace(paged_cuda._LOAD_FLOAT, "").replace("kp_shape", "")
+            == quant.replace(paged_cuda._LOAD_QUANT, "").replace("kq_shape", ""))
+    assert "__LOAD__" not in plain + quant and "__POOL__" not in plain + quant
+
+
+@pytest.mark.skipif(not paged_cuda.available(), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("rows", "lo", "hi"), [(1, 300, 300), (8, 1, 2000)])
+def test_quantized_kernel_equals_the_engines_quantized_read(bits, rows, lo, hi):
+    from plimsoll.engine import kernels
+
+    args = kernels._problem(rows, lo, hi, 8, 32, 128, mx.bfloat16, rows)
+    q, kp, vp, *rest = args
+    qargs = (q, tuple(mx.quantize(kp, group_size=64, bits=bits)),
+             tuple(mx.quantize(vp, group_size=64, bits=bits)), *rest)
+    got = paged_cuda.paged_decode_quantized(*qargs)
+    want = kernels.reference_decode_quantized(*qargs)
+    assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 2e-2
