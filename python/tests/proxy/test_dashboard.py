@@ -8,6 +8,8 @@ is absent.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
@@ -46,8 +48,7 @@ def proxy(tiny_model, tmp_path_factory) -> Iterator[Proxy]:
     assert not p.stop()
 
 
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory) -> Iterator:
+def _chromium(profile: Path):
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
 
@@ -57,13 +58,65 @@ def browser(tmp_path_factory) -> Iterator:
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage", "--window-size=1400,1500",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+                 f"--user-data-dir={profile}"):
         opts.add_argument(flag)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     driver.set_page_load_timeout(30)
-    yield driver
-    driver.quit()
+    return driver
+
+
+class Browser:
+    """A Chromium session that is started again, once, if Chromium goes away (seen once in a
+    loaded full suite: ``InvalidSessionIdException: ... the browser has closed the
+    connection``): the page is opened again and its first poll awaited, then the call that
+    met the lost session is made again. What the dashboard shows is the proxy's state, so
+    the checks hold on the new page; a second loss fails the test."""
+
+    def __init__(self, profiles):
+        self._profiles, self._url, self.restarts = profiles, None, 0
+        self.driver = _chromium(profiles.mktemp("chromium-profile"))
+
+    def lost(self, err: Exception) -> bool:
+        from selenium.common.exceptions import InvalidSessionIdException
+
+        if not isinstance(err, InvalidSessionIdException) or self.restarts or not self._url:
+            return False
+        self.restarts += 1
+        with contextlib.suppress(Exception):
+            self.driver.quit()
+        self.driver = _chromium(self._profiles.mktemp("chromium-profile"))
+        self.driver.get(self._url)
+        wait(self, lambda d: polls(d) >= 1, "the first poll after a restart")
+        return True
+
+    def get(self, url: str) -> None:
+        self._url = url
+        self.call("get", url)
+
+    def call(self, name: str, *args):
+        try:
+            return getattr(self.driver, name)(*args)
+        except Exception as err:
+            if self.lost(err):
+                return getattr(self.driver, name)(*args)
+            raise
+
+    def __getattr__(self, name: str):  # the driver's methods through call(), its properties
+        try:
+            attr = getattr(self.driver, name)
+        except Exception as err:
+            if not self.lost(err):
+                raise
+            attr = getattr(self.driver, name)
+        return functools.partial(self.call, name) if callable(attr) else attr
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory) -> Iterator[Browser]:
+    b = Browser(tmp_path_factory)
+    yield b
+    b.driver.quit()
 
 
 def wait(driver, pred, what: str, timeout: float = 60):
@@ -72,11 +125,15 @@ def wait(driver, pred, what: str, timeout: float = 60):
 
     # The page re-renders every poll, so an element found a moment ago may be gone: retry.
     ignored = (NoSuchElementException, StaleElementReferenceException)
-    try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.2,
-                             ignored_exceptions=ignored).until(lambda d: pred(d))
-    except Exception as err:
-        raise AssertionError(f"timed out waiting for {what}") from err
+    for attempt in range(2):
+        try:
+            return WebDriverWait(driver.driver, timeout, poll_frequency=0.2,
+                                 ignored_exceptions=ignored).until(lambda d: pred(driver))
+        except Exception as err:
+            if attempt == 0 and driver.lost(err):
+                continue
+            raise AssertionError(f"timed out waiting for {what}") from err
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def value(driver, element_id: str) -> int:
@@ -156,3 +213,21 @@ def test_page_is_self_contained(proxy):
     assert "<script>" in html and "dashboard.json" in html
     for outside in ("http://", "https://", "//cdn"):
         assert outside not in html.replace("http://www.w3.org/2000/svg", "")
+
+
+def test_a_browser_that_goes_away_is_started_again_once(proxy, tmp_path_factory):
+    """The session's restart (:class:`Browser`) does what it is there for: Chromium killed
+    under a running session, the next call opens the page on a new one."""
+    import psutil
+
+    b = Browser(tmp_path_factory)
+    try:
+        b.get(proxy.url + "/")
+        wait(b, lambda d: polls(d) >= 1, "the first poll")
+        driver_pid = b.driver.service.process.pid
+        for child in psutil.Process(driver_pid).children(recursive=True):
+            child.kill()
+        assert wait(b, lambda d: polls(d) >= 1, "a poll on the new page") >= 1
+        assert b.restarts == 1 and b.title == "plimsoll"
+    finally:
+        b.driver.quit()
