@@ -23,7 +23,7 @@ from .settings import Settings
 RELEASE_POLL_S = 0.05
 
 
-def unaccounted_bytes(snapshot: MemorySnapshot, pid: int = 0) -> int:
+def unaccounted_bytes(snapshot: MemorySnapshot, pid: int = 0, others: int | None = None) -> int:
     """The in-use figure the release check compares (blocking: ~10 ms on Linux).
 
     Where in-use is host-wide (Linux with no binding cgroup), the figure is the memory
@@ -32,10 +32,11 @@ def unaccounted_bytes(snapshot: MemorySnapshot, pid: int = 0) -> int:
     after an exit) less every other process's anonymous memory, so other tenants
     growing or shrinking do not move it, while memory a dead worker left behind
     (shared memory, kernel objects) still does. A binding cgroup's usage, or macOS's
-    wired figure, is taken as it is.
+    wired figure, is taken as it is. ``others``: :func:`anon_bytes_except` of ``pid``
+    where the caller has read it already.
     """
     if snapshot.platform == "linux" and snapshot.ceiling_source.startswith("MemTotal"):
-        return read_content_bytes() - anon_bytes_except(pid)
+        return read_content_bytes() - (anon_bytes_except(pid) if others is None else others)
     return snapshot.in_use_bytes
 
 

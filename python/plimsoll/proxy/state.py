@@ -40,7 +40,7 @@ from plimsoll.web.worker_secret import headers, new_secret, secret_env
 from .events import EventLog
 
 WATCH_INTERVAL_S = 0.1
-SAMPLE_EVERY = 5  # an in-use sample every 0.5 s (a probe read costs ~1-2 ms)
+SAMPLE_EVERY = 5  # an in-use sample every 0.5 s (one /proc pass: ~2 ms on the CPU box)
 STOP_GRACE_S = 10.0
 
 

@@ -50,7 +50,7 @@ from plimsoll.web.serve import free_port
 
 from ..probes.held import (
     descendants_held_bytes,
-    held_bytes,
+    held_and_others,
 )
 from ..probes.snapshot import MemorySnapshot
 from .errors import ProxyError
@@ -95,7 +95,9 @@ class Supervisor:
         return unaccounted_bytes(self._snapshot(), pid)
 
     def measure(self, pid: int) -> tuple[int, int]:
-        return self.unaccounted(pid), held_bytes(pid)
+        """(the release check's in-use figure, what ``pid``'s tree holds), one /proc read."""
+        held, others = held_and_others(pid)
+        return unaccounted_bytes(self._snapshot(), pid, others), held
 
     def observed_bytes(self, pid: int) -> int:
         """The worker's footprint: its process's, and what the processes below it (its

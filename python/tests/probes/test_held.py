@@ -11,7 +11,14 @@ import time
 import pytest
 
 from plimsoll.core.units import MIB
-from plimsoll.probes.held import anon_bytes_except, held_bytes, process_tree
+from plimsoll.probes.held import (
+    anon_bytes_except,
+    held_and_others,
+    held_bytes,
+    parse_status,
+    process_tree,
+    tree_in,
+)
 
 CHILD = "import sys; x = bytearray(96 << 20); x[::4096] = b'x' * len(x[::4096]); " \
         "print('ready', flush=True); sys.stdin.read()"
@@ -83,3 +90,32 @@ def test_a_killed_process_memory_shows_released_at_once() -> None:
         shortfalls.append(read_content_bytes() - anon_bytes_except(0) - (before - held))
         time.sleep(0.02)
     assert min(shortfalls) <= 16 * MIB, shortfalls
+
+
+def test_a_tree_comes_from_the_parents_in_one_table() -> None:
+    table = {1: (0, 10), 5: (1, 20), 6: (5, 30), 7: (6, None), 9: (1, 40), 12: (None, 50)}
+    assert tree_in(table, 5) == {5, 6, 7}
+    assert tree_in(table, 1) == {1, 5, 6, 7, 9}
+    assert tree_in(table, 12) == {12}
+    assert tree_in(table, 99) == set()  # gone
+    assert tree_in({3: (4, 1), 4: (3, 1)}, 3) == {3, 4}  # a cycle ends
+
+
+def test_a_status_gives_the_parent_and_the_anonymous_bytes() -> None:
+    text = "Name:\tpython\nPPid:\t41\nVmRSS:\t  2048 kB\nRssAnon:\t  1024 kB\n"
+    assert parse_status(text) == (41, 1024 * 1024)
+    assert parse_status("Name:\tx\nPPid:\t1\n") == (1, None)  # a kernel before 4.5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_one_read_gives_both_figures_as_the_separate_probes_do() -> None:
+    import os
+
+    import psutil
+
+    me = os.getpid()
+    held, others = held_and_others(me)
+    assert process_tree(me) == {me} | {c.pid for c in psutil.Process(me).children(recursive=True)}
+    assert abs(held - held_bytes(me)) < 16 * MIB and abs(others - anon_bytes_except(me)) < 64 * MIB
+    assert held > 0 and others > 0
+    assert held_and_others(2 ** 22 + 7)[0] == 0  # no such pid
