@@ -10,7 +10,9 @@ non-streamed requests (max_tokens 1) one after another, then ``--in-flight`` (32
 non-streamed requests released together, then 32 streams (max_tokens 64) released together.
 Figures per tree: latency p50/p99 (serial, and 32 in flight), time to first chunk and
 per-stream mean gap with 32 streams, and each proxy's CPU time (all its threads, psutil)
-per request and per streamed token chunk — the cost on the path, less blurred by load.
+per request and per streamed token chunk — the cost on the path, less blurred by load —
+and per second while both stand idle with their workers ready (``--idle-s`` a round: the
+background sampling every request competes with for the GIL).
 
 Run (from the repo root): ``python bench/proxy_ab.py --tree-a /path/to/old/python
 --tree-b python``. Traffic goes only to 127.0.0.1; each proxy is stopped by its pid.
@@ -45,7 +47,7 @@ def _cpu_s(pid: int) -> float:
 
 
 async def _rounds(proxies: dict[str, Proxy], rounds: int, serial: int, n: int, tokens: int,
-                  timeout: float) -> dict:
+                  timeout: float, idle_s: float = 0.0) -> dict:
     # idle connections dropped before the server's 5 s keep-alive closes them (no request
     # sent on a connection being closed)
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8,
@@ -54,7 +56,8 @@ async def _rounds(proxies: dict[str, Proxy], rounds: int, serial: int, n: int, t
                for k in proxies}
     keys = ("serial", "in_flight", "ttft", "mean_gap")
     ms: dict[str, dict[str, list[float]]] = {k: {q: [] for q in keys} for k in proxies}
-    cpu = {k: {"serial": 0.0, "in_flight": 0.0, "streams": 0.0, "chunks": 0} for k in proxies}
+    cpu = {k: {"serial": 0.0, "in_flight": 0.0, "streams": 0.0, "chunks": 0, "idle": 0.0}
+           for k in proxies}
     try:
         for k, p in proxies.items():
             await burst(clients[k], p.url, MODEL, n, False, 1, timeout)  # n warm connections
@@ -79,6 +82,11 @@ async def _rounds(proxies: dict[str, Proxy], rounds: int, serial: int, n: int, t
                 cpu[k]["serial"] += c1 - c0
                 cpu[k]["in_flight"] += c2 - c1
                 cpu[k]["streams"] += c3 - c2
+            if idle_s > 0:  # both proxies idle over the same window, their workers ready
+                before = {k: _cpu_s(p.proc.pid) for k, p in proxies.items()}
+                await asyncio.sleep(idle_s)
+                for k, p in proxies.items():
+                    cpu[k]["idle"] += _cpu_s(p.proc.pid) - before[k]
     finally:
         for c in clients.values():
             await c.aclose()
@@ -88,6 +96,8 @@ async def _rounds(proxies: dict[str, Proxy], rounds: int, serial: int, n: int, t
         out[k]["cpu_ms_per_serial_request"] = 1000 * cpu[k]["serial"] / (serial * rounds)
         out[k]["cpu_ms_per_in_flight_request"] = 1000 * cpu[k]["in_flight"] / (n * rounds)
         out[k]["cpu_ms_per_chunk"] = 1000 * cpu[k]["streams"] / max(cpu[k]["chunks"], 1)
+        if idle_s > 0:
+            out[k]["cpu_ms_per_idle_s"] = 1000 * cpu[k]["idle"] / (idle_s * rounds)
     return out
 
 
@@ -121,7 +131,9 @@ def markdown(res: dict) -> str:
             row(f"{n} streams: per-stream mean gap p50", "mean_gap"),
             cpu("proxy CPU per serial request", "cpu_ms_per_serial_request"),
             cpu(f"proxy CPU per request, {n} in flight", "cpu_ms_per_in_flight_request"),
-            cpu("proxy CPU per streamed token chunk", "cpu_ms_per_chunk")]), "",
+            cpu("proxy CPU per streamed token chunk", "cpu_ms_per_chunk"),
+            *([cpu("proxy CPU per second, idle, its worker ready", "cpu_ms_per_idle_s")]
+              if "cpu_ms_per_idle_s" in r["a"] else [])]), "",
         "## Host", "", report.host_line(res["host"]), ""])
 
 
@@ -137,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stream-tokens", type=int, default=64)
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--ready-timeout", type=float, default=180.0)
+    ap.add_argument("--idle-s", type=float, default=5.0, help="seconds a round both proxies "
+                    "stay idle, their workers ready, for their background CPU (0: skip)")
     report.output_args(ap, "proxy-ab")
     args = ap.parse_args(argv)
 
@@ -167,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     timed_request(client, p.url, MODEL)  # loads c
             res["figures"] = asyncio.run(_rounds(proxies, args.rounds, args.serial,
                                                  args.in_flight, args.stream_tokens,
-                                                 args.request_timeout))
+                                                 args.request_timeout, args.idle_s))
         finally:
             for p in proxies.values():
                 left = p.stop()
