@@ -24,7 +24,7 @@ RELEASE_POLL_S = 0.05
 
 
 def unaccounted_bytes(snapshot: MemorySnapshot, pid: int = 0, others: int | None = None) -> int:
-    """The in-use figure the release check compares (blocking: ~10 ms on Linux).
+    """The in-use figure the release check compares (blocking: a few ms on Linux).
 
     Where in-use is host-wide (Linux with no binding cgroup), the figure is the memory
     the kernel holds with content (:func:`plimsoll.probes.held.content_bytes`: not
