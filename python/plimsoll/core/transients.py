@@ -49,6 +49,19 @@ def paced(chunk_tokens: int, gathered_tokens: int) -> bool:
     return chunk_tokens + gathered_tokens >= PACE_FROM_TOKENS
 
 
+def decode_fits_unpaced(step_bytes: int, layers: int, budget: int | None) -> bool:
+    """May a decode step that :func:`paced` names heavy run unpaced after all? Yes where
+    every one of its ``layers`` in flight at once — ``step_bytes`` (its
+    :func:`decode_transient_bytes`, which counts :data:`LAYERS_IN_FLIGHT` layers) per
+    in-flight layer times ``layers`` — stays within ``budget``, the transient admission
+    reserved for the worker (None: not known, so pace). Pacing waits for the device at every
+    layer: a single stream at a few thousand tokens would pay that on every step although
+    the reserve, sized for the widest batch at the longest context, holds its whole forward."""
+    if budget is None:
+        return False
+    return -(-step_bytes // LAYERS_IN_FLIGHT) * layers <= budget
+
+
 def gather_transient_bytes(facts: ModelFacts, batch_tokens: int) -> int:
     """Bytes of the gather one attention call reads through: K and V of ``batch_tokens``
     slots of one layer, twice (the gather plus its cast to the queries' dtype when the pool

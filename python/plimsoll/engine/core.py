@@ -215,6 +215,9 @@ class Engine:
         self.mtp = None
         #: layers a heavy step keeps in flight (attention.Pacer, forward._pace; 0: unpaced)
         self.prefill_window = PREFILL_LAYER_WINDOW
+        #: the transient bytes admission reserved (set by the worker; None: unknown): a
+        #: decode step whose whole forward in flight fits it runs unpaced (forward._pace)
+        self.transient_budget: int | None = None
         #: speculating sequences' outcomes kept on the device (engine/chain.py)
         self.chains = Chains()
 

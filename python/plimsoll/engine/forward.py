@@ -37,7 +37,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from plimsoll.core.transients import paced
+from plimsoll.core.transients import decode_fits_unpaced, decode_transient_bytes, paced
 from plimsoll.engine import mixers, sampled_rows, state, verify
 from plimsoll.engine.attention import Batch, Pacer
 from plimsoll.engine.groups import Flat, Group, group_view
@@ -72,16 +72,25 @@ def groups_of(eng, step: Step) -> list[Group]:
 
 def _pace(eng, groups: list[Group]) -> None:
     """A heavy step (core/transients.paced) keeps at most ``eng.prefill_window`` layers in
-    flight (attention.Pacer; 0: unpaced). One group's attention is enough to pace it: in
-    one forward every group's layer ``l`` needs layer ``l - 1`` of all of them."""
+    flight (attention.Pacer; 0: unpaced), unless it is decode rows only whose whole forward
+    in flight fits ``eng.transient_budget`` (core/transients.decode_fits_unpaced). One
+    group's attention is enough to pace it: in one forward every group's layer ``l`` needs
+    layer ``l - 1`` of all of them."""
     if eng.prefill_window <= 0:
         return
     chunks = [g.works[0] for g in groups if not g.decode]
     gathered = sum(w.start + w.length for w in chunks if w.start)  # copied (or padded) a layer
+    rows = [w for g in groups if g.decode for w in g.rows]
     if eng.decode_gathers:
-        gathered += sum(w.start + 1 for g in groups if g.decode for w in g.rows)
-    if paced(sum(w.length for w in chunks), gathered):
-        groups[-1].batch.pace = Pacer(eng.prefill_window)
+        gathered += sum(w.start + 1 for w in rows)
+    if not paced(sum(w.length for w in chunks), gathered):
+        return
+    if not chunks and rows and decode_fits_unpaced(
+            decode_transient_bytes(eng.facts, len(rows), max(w.start + 1 for w in rows),
+                                   eng.block_tokens, gathered=eng.decode_gathers),
+            eng.facts.num_layers, eng.transient_budget):
+        return  # the whole forward in flight stays within the transient admission reserved
+    groups[-1].batch.pace = Pacer(eng.prefill_window)
 
 
 def verifies_as_rows(eng) -> bool:

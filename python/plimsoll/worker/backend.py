@@ -181,6 +181,7 @@ def start_scheduler(cfg: WorkerConfig, guard: SelfGuard | FootprintGuard | None,
         eng = engine.Engine.load(cfg.model_dir, block_tokens=cfg.block_tokens,
                             max_blocks=cfg.max_cache_blocks, kv_dtype=cfg.kv_dtype,
                             context=cfg.context, compile_decode=cfg.compile_decode)
+        eng.transient_budget = cfg.transient_bytes  # a decode that fits it runs unpaced
         draft = None  # a model that cannot speculate holds no draft model (the status says why)
         if cfg.draft_model is not None and not eng.speculation_refused:
             draft = load_draft(cfg, eng, engine.Engine)

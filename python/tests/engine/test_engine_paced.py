@@ -13,7 +13,11 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from plimsoll.core.transients import PREFILL_LAYER_WINDOW, prefill_transient_bytes  # noqa: E402
+from plimsoll.core.transients import (  # noqa: E402
+    PREFILL_LAYER_WINDOW,
+    decode_fits_unpaced,
+    prefill_transient_bytes,
+)
 from plimsoll.demo.model import build_demo_model  # noqa: E402
 from plimsoll.engine import Engine  # noqa: E402
 from plimsoll.engine.work import Step, Work  # noqa: E402
@@ -66,3 +70,45 @@ def test_a_paced_chunk_holds_what_admission_counts_and_not_more_as_the_context_g
         counted = prefill_transient_bytes(eng.facts, CHUNK, (k + 1) * CHUNK, BLOCK,
                                           fused=eng.fused_prefill)
         assert peak <= counted, (k, peak, counted)
+
+
+def test_a_decode_whose_whole_forward_fits_the_reserve_is_not_paced():
+    step = 3 * 1000  # decode_transient_bytes counts LAYERS_IN_FLIGHT (3) layers
+    assert decode_fits_unpaced(step, 28, 28 * 1000)
+    assert not decode_fits_unpaced(step, 28, 28 * 1000 - 1)
+    assert not decode_fits_unpaced(step, 28, None)  # the reserve unknown: paced as before
+
+
+def test_a_long_decode_runs_unpaced_within_the_reserve_and_paced_past_it(tiny_dir):
+    """One row at a 3k-token context gathers enough to be paced by the token rule; with a
+    reserve that holds its whole forward it runs unpaced (its peak on bytes measured stays
+    within that reserve), with one that does not it is paced; the tokens are the same."""
+    from plimsoll.core.transients import decode_transient_bytes
+    from plimsoll.engine import forward
+
+    eng = Engine.load(tiny_dir, block_tokens=BLOCK, max_blocks=PROMPT // BLOCK + 8)
+    table = tuple(range(PROMPT // BLOCK + 4))
+    out = eng.run(Step(prefills=(Work(0, PROMPT_IDS, 0, table, True),)))
+    step_bytes = decode_transient_bytes(eng.facts, 1, PROMPT + 1, BLOCK,
+                                        gathered=eng.decode_gathers)
+    whole = -(-step_bytes // 3) * eng.facts.num_layers
+
+    def decode(budget, token, at):
+        eng.transient_budget = budget
+        step = Step(decodes=(Work(0, (token,), at, table, True),))
+        pace = forward.groups_of(eng, step)[-1].batch.pace
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        got = eng.run(step)[0]
+        mx.synchronize()
+        return pace, got, mx.get_peak_memory() - before
+
+    assert eng.decode_gathers  # the CPU reads through a gather: the token rule paces it
+    paced_pace, paced_token, _ = decode(whole - 1, out[0], PROMPT)
+    assert paced_pace is not None
+    eng.free_state(0)
+    out = eng.run(Step(prefills=(Work(0, PROMPT_IDS, 0, table, True),)))
+    free_pace, free_token, peak = decode(whole, out[0], PROMPT)
+    assert free_pace is None and free_token == paced_token
+    assert peak <= whole, (peak, whole)
