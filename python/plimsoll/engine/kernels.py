@@ -92,6 +92,11 @@ class Selection:
         return [v.as_dict() for v in self.verdicts]
 
 
+def _padding_mask(lengths: mx.array, longest: int) -> mx.array:
+    """(rows, 1, 1, longest): True at each row's first ``lengths[row]`` positions."""
+    return (mx.arange(longest, dtype=mx.int32)[None, :] < lengths[:, None])[:, None, None, :]
+
+
 def reference_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tables: mx.array,
                      lengths: mx.array, longest: int, scale: float,
                      block_tokens: int) -> mx.array:
@@ -102,7 +107,7 @@ def reference_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
                          slots // block_tokens, slots // block_tokens)
     pool.keys, pool.values, pool.blocks = k_pool, v_pool, slots // block_tokens
     keys, values = pool.gather(Read(index=tables, length=longest))
-    mask = (mx.arange(longest, dtype=mx.int32)[None, :] < lengths[:, None])[:, None, None, :]
+    mask = _padding_mask(lengths, longest)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
@@ -189,7 +194,7 @@ def reference_decode_quantized(queries: mx.array, k_pool: tuple, v_pool: tuple,
     pool = QuantizedAttention(heads, dim, dim, k_pool[1].dtype, block_tokens, blocks, blocks,
                               bits=words * 32 // dim, group_size=dim // k_pool[1].shape[-1])
     pool.keys, pool.values, pool.blocks = k_pool, v_pool, blocks
-    mask = (mx.arange(longest, dtype=mx.int32)[None, :] < lengths[:, None])[:, None, None, :]
+    mask = _padding_mask(lengths, longest)
     # a new array object: mlx-lm's quantized attention scales its queries in place
     # (``queries *= scale``), and the check hands the kernel the same queries again
     return pool.attend_over(mx.array(queries), scale, None, Read(index=tables, length=longest),

@@ -141,7 +141,10 @@ def descendants_held_bytes(pid: int) -> int:
     process, a sharded worker's ranks). A worker's footprint is its own figure plus this:
     the file pages its descendants map (the same interpreter and libraries) are counted
     in its own already."""
-    return sum(_one_held(p) for p in process_tree(pid) - {pid})
+    if not sys.platform.startswith("linux"):
+        return sum(_one_held(p) for p in process_tree(pid) - {pid})
+    table = proc_table()
+    return _held_in(table, tree_in(table, pid) - {pid})
 
 
 def anon_bytes_except(pid: int) -> int:
@@ -160,10 +163,14 @@ def held_and_others(pid: int) -> tuple[int, int]:
         return sum(_one_held(p) for p in process_tree(pid)), 0
     table = proc_table()
     tree = tree_in(table, pid)
-    if any(table[p][1] is None for p in tree):  # a kernel before 4.5: no RssAnon
-        held = sum(_one_held(p) for p in tree)
-    else:
-        held = sum(table[p][1] or 0 for p in tree)
     others = sum(anon or 0 for p, (_parent, anon) in table.items()
                  if p not in tree and p != pid)
-    return held, others
+    return _held_in(table, tree), others
+
+
+def _held_in(table: dict[int, tuple[int | None, int | None]], pids: set[int]) -> int:
+    """What ``pids`` hold that their exit releases, from ``table`` (:func:`proc_table`) —
+    or read per process where the kernel (before 4.5) gives no RssAnon."""
+    if any(table[p][1] is None for p in pids):
+        return sum(_one_held(p) for p in pids)
+    return sum(table[p][1] or 0 for p in pids)
