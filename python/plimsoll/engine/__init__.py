@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
 
 _EXPORTS = {
-    "Engine": "core", "Pending": "core",
+    "Engine": "core", "Pending": "pending",
     "active_memory": "limits", "clear_buffer_cache": "limits", "process_limits": "limits",
     "plan_warmer": "warmup", "warm_up": "warmup",
 }
@@ -60,8 +60,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from plimsoll.engine.core import Engine, Pending
+    from plimsoll.engine.core import Engine
     from plimsoll.engine.limits import active_memory, clear_buffer_cache, process_limits
+    from plimsoll.engine.pending import Pending
     from plimsoll.engine.warmup import plan_warmer, warm_up
 
 

@@ -11,7 +11,7 @@ input is that token, then k drafts found by :func:`drafts` (the host's
 :func:`plimsoll.worker.ngram.prompt_lookup` rule as array ops over the history), at the
 position the chain says. The host plans it before reading the step before (its ``start`` is
 the highest that position can be: its table covers it) and learns its drafts with its
-verdicts (:class:`~plimsoll.engine.core.Pending`).
+verdicts (:class:`~plimsoll.engine.pending.Pending`).
 
 Batched: the chains are one ``(rows, cap)`` history, one start and one token per row, for
 the verifying lookup Works of the last step, in their order; a step with the same sequences

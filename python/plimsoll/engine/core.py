@@ -52,7 +52,7 @@ from plimsoll.engine import (
     mixers,
     pool_cuda,
     sampled_rows,
-    verify,
+    step_check,
 )
 from plimsoll.engine import state as seq_state
 from plimsoll.engine.attention import fused_prefill, route_attention
@@ -61,6 +61,7 @@ from plimsoll.engine.decode_index import DecodeReads
 from plimsoll.engine.groups import state_index
 from plimsoll.engine.limits import backend_env_defaults
 from plimsoll.engine.paged import FullAttention, RecurrentState, mx_dtype
+from plimsoll.engine.pending import Pending
 from plimsoll.engine.quantized import QuantizedAttention
 from plimsoll.engine.sampling import Keys
 from plimsoll.engine.window import Rings, WindowAttention, window_kind
@@ -70,40 +71,6 @@ from plimsoll.engine.work import Step
 # admitted pool) put the first request's peak at 2.3 x weights + KV; 256 MiB keeps the
 # excess to one slab while a 30k-token session grows in ~20 steps.
 SLAB_BYTES = 256 << 20
-
-
-class Pending:
-    """A submitted step; :meth:`result` blocks until its sampled tokens are known."""
-
-    def __init__(self, engine: Engine, outs: list[forward.Out]):
-        self._engine, self._outs = engine, outs
-        self._result: dict[int, int | tuple[int, ...]] | None = None
-
-    def _settle(self) -> dict[int, int | tuple[int, ...]]:
-        if self._result is None:
-            result: dict[int, int | tuple[int, ...]] = {}
-            for works, tokens, verified in self._outs:
-                for w, t in zip(works, [] if tokens is None else tokens.tolist(), strict=True):
-                    result[w.seq_id] = t
-                    if w.constraint is not None:
-                        w.constraint.advance(t)
-                if verified:  # the drafts read back too: a chained Work's are the engine's
-                    checks, drafts, row = verified[1].tolist(), verified[2].tolist(), 0
-                    for w in verified[0]:
-                        rows = checks[row:row + w.draft + 1]
-                        result[w.seq_id] = got = verify.accepted(drafts[row:row + w.draft],
-                                                                 rows)
-                        if w.lookup:  # its rejected drafts move its chain's reach back
-                            self._engine.chains.settled(w.seq_id, w.draft + 1 - len(got))
-                        row += w.draft + 1
-            self._result, self._outs = result, []
-        return self._result
-
-    def result(self) -> dict[int, int | tuple[int, ...]]:
-        """``{seq_id: token}`` for every Work of the step with ``sample=True``; for a
-        speculating Work (``draft`` > 0) the tuple of tokens it accepted (1 or more)."""
-        self._engine._settle_until(self)
-        return self._settle()
 
 
 class Engine:
@@ -381,7 +348,7 @@ class Engine:
         """Build ``step`` as one forward and queue it (``mx.async_eval``); see
         :mod:`plimsoll.engine.forward` and the module docstring."""
         with mx.stream(self._stream):
-            self._check(step)
+            step_check.check(self, step)
             if any(w.constraint is not None and w.tokens is None for w in step.decodes):
                 self._settle_until(None)
             if self.compiled is not None and self.mtp is None and step.decodes \
@@ -410,41 +377,3 @@ class Engine:
             if p is target:
                 return
 
-    def _check(self, step: Step) -> None:
-        seen: set[int] = set()
-        for w in (*step.decodes, *step.prefills):
-            if w.seq_id in seen:
-                raise ValueError(f"sequence {w.seq_id} appears twice in one step")
-            seen.add(w.seq_id)
-            if w.tokens is not None and not w.tokens:
-                raise ValueError(f"sequence {w.seq_id}: a Work writes at least one token")
-            if len(w.block_table) * self.block_tokens < w.start + w.length:
-                raise ValueError(f"sequence {w.seq_id}: a table of {len(w.block_table)} blocks "
-                                 f"does not cover positions up to {w.start + w.length}")
-        for w in step.decodes:
-            if w.length != 1:
-                raise ValueError(f"sequence {w.seq_id}: a decode writes exactly one token")
-            if w.tokens is None and w.seq_id not in self._last:
-                raise ValueError(f"sequence {w.seq_id}: tokens=None but nothing was sampled "
-                                 "for it in an earlier step")
-        chains = any(w.lookup for w in step.prefills) and self.chains_drafts
-        for w in step.prefills:
-            if w.tokens is None and not (w.chained and w.lookup
-                                         and self.chains.holds(w.seq_id)):
-                raise ValueError(f"sequence {w.seq_id}: a prefill names its tokens (a "
-                                 "chained one follows a verifying step that drafts by lookup)")
-            if w.tokens is None and w.start < (reach := self.chains.reach(w.seq_id)):
-                raise ValueError(f"sequence {w.seq_id}: a chained Work starts at the highest "
-                                 f"position its chain can reach ({reach}), not {w.start}")
-            if w.lookup and not (w.draft and chains):
-                raise ValueError(f"sequence {w.seq_id}: only a verifying Work on an engine "
-                                 "that chains drafts (Engine.chains_drafts) drafts by lookup")
-            if w.lookup and w.tokens is not None and w.history is None:
-                raise ValueError(f"sequence {w.seq_id}: a Work that begins a chain names "
-                                 "its history")
-            if w.draft and (why := self.speculation_refused or (
-                    "" if w.sample and w.constraint is None and w.draft == w.length - 1
-                    and (w.draft_probs is None or tuple(w.draft_probs.shape[:1]) == (w.draft,))
-                    else "only an unconstrained, sampling Work of one token and its drafts "
-                    "(and one distribution per draft, if any) is verified")):
-                raise ValueError(f"sequence {w.seq_id}: drafts not verified: {why}")

@@ -21,7 +21,7 @@ has every row sampled — its ``k + 1`` tokens decode rows of the step
 (:func:`rows_of_works`; a chunk of its own where a layer is not a plain full-attention
 pool): all such rows of a step are checked at once
 (:mod:`plimsoll.engine.verify`: greedy by the argmax, sampled by the rejection-sampling
-rule), and :class:`~plimsoll.engine.core.Pending` takes each one's accepted prefix. A
+rule), and :class:`~plimsoll.engine.pending.Pending` takes each one's accepted prefix. A
 *chained* verifying Work (``tokens`` None: :mod:`plimsoll.engine.chain`) has its rows' tokens,
 positions and pool slots made on the device from its chain, and every verifying Work that
 drafts by lookup leaves its chain for the next step. Where
