@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-from plimsoll.engine import backend, paged_cuda, pool_cuda, skinny_cuda
+from plimsoll.engine import backend, paged_cuda, paged_metal, pool_cuda, skinny_cuda
 from plimsoll.engine.paged import FullAttention, Read
 from plimsoll.engine.quantized import QuantizedAttention
 
@@ -79,6 +79,8 @@ class Verdict:
 
 REGISTRY: list[Kernel] = [
     Kernel("paged_decode_cuda", "cuda", paged_cuda.paged_decode, paged_cuda.serves),
+    # never run by this project's machines (no Mac): used only where its check passes
+    Kernel("paged_decode_metal", "metal", paged_metal.paged_decode, paged_metal.serves),
 ]
 
 

@@ -240,7 +240,7 @@ def _kernel(which: str, quantized: bool = False):
 
 
 @functools.lru_cache(maxsize=16)
-def _scale(scale: float) -> mx.array:
+def scale_input(scale: float) -> mx.array:
     """The softmax scale as the kernel's one-element input, made once per value."""
     return mx.array([scale], dtype=mx.float32)
 
@@ -278,7 +278,7 @@ def _launch(pools: list[mx.array], packing: tuple, queries: mx.array, tables: mx
     template = [("T", queries.dtype), ("D", d), ("G", hq // kvh), ("BT", block_tokens),
                 ("WARPS", WARPS), *packing]
     splits = splits_for(rows, kvh, longest, sm_count())
-    inputs = [queries.reshape(rows, hq, d), *pools, tables, lengths, _scale(scale),
+    inputs = [queries.reshape(rows, hq, d), *pools, tables, lengths, scale_input(scale),
               pool_cuda.nothing() if after is None else after]
     grid, group = (rows * 32 * WARPS, kvh, splits), (32 * WARPS, 1, 1)
     if splits == 1:

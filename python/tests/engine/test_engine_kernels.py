@@ -84,9 +84,11 @@ def test_a_correct_kernel_is_accepted(monkeypatch):
 def test_the_cpu_keeps_the_reference_path(tmp_path):
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
     assert eng.kernels.decode is None
-    verdict, write, gather, skinny = eng.kernels.report()
+    verdict, metal, write, gather, skinny = eng.kernels.report()
     assert verdict["name"] == "paged_decode_cuda" and not verdict["used"]
     assert verdict["reason"] == "not this device: the engine runs on cpu"
+    assert metal["name"] == "paged_decode_metal" and not metal["used"]
+    assert metal["reason"] == "not this device: the engine runs on cpu"
     # nor does a pool take its writes through the CUDA write kernel: MLX's scatter does
     assert write["name"] == "pool_write_cuda" and not write["used"]
     assert gather["name"] == "pool_gather_cuda" and not gather["used"]

@@ -67,9 +67,10 @@ def test_status_reports_the_kernel_self_check(worker):
     """The engine's custom kernels were checked at start (on the CPU none is used), and it
     says how it runs a step."""
     st = worker.status()
-    verdict, write, gather, skinny = st["kernels"]
+    verdict, metal, write, gather, skinny = st["kernels"]
     assert verdict["name"] == "paged_decode_cuda" and verdict["used"] is False
     assert verdict["reason"] == "not this device: the engine runs on cpu"
+    assert metal["name"] == "paged_decode_metal" and metal["used"] is False
     assert write["name"] == "pool_write_cuda" and write["used"] is False
     assert gather["name"] == "pool_gather_cuda" and gather["used"] is False
     assert skinny["name"] == "skinny_matmul_cuda" and skinny["used"] is False
