@@ -325,10 +325,10 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
 
 
 def summarise(runs: list[dict]) -> dict:
-    out = report.medians(runs, "aggregate_tps", "decode_tps", "step_ms", "ttft_max_s",
-                         "cpu_ms_per_step", "loop_cpu_ms_per_step")
-    keep = ("aggregate_tps", "decode_tps", "step_ms", "ttft_max_s", "cpu_ms_per_step",
-            "loop_cpu_ms_per_step")
+    out = report.medians(runs, "aggregate_tps", "decode_tps", "step_ms", "steady_step_ms",
+                         "ttft_max_s", "cpu_ms_per_step", "loop_cpu_ms_per_step")
+    keep = ("aggregate_tps", "decode_tps", "step_ms", "steady_step_ms", "ttft_max_s",
+            "cpu_ms_per_step", "loop_cpu_ms_per_step")
     return {k: out[k] for k in keep} | {
         "tokens_each_min": min((r.get("tokens_each_min") or 0) for r in runs),
         "completed": min(r.get("completed", 0) for r in runs),
@@ -353,6 +353,9 @@ def ratios(result: dict, streams: list[int]) -> dict:
                            ("mlx_overhead_ms", "mlx", "mlx_inproc")):
             if got[a].get("step_ms") and got[b].get("step_ms"):
                 row[name] = got[a]["step_ms"] - got[b]["step_ms"]
+        if got["plimsoll"].get("steady_step_ms") and got["engine"].get("step_ms"):
+            row["plimsoll_steady_over_engine_step"] = (got["plimsoll"]["steady_step_ms"]
+                                                       / got["engine"]["step_ms"])
         out[str(n)] = row
     return out
 
@@ -379,13 +382,16 @@ def markdown(result: dict) -> str:
     lines += step_split.split_table(result)
     lines += ["", "Over HTTP (streamed, one connection a stream): aggregate tok/s (first send "
               "to last end), decode tok/s after the first tokens, ms per step (median stream's "
-              "time between tokens)", ""]
+              "time between tokens; in brackets steady: only while every stream decodes, no "
+              "prompt prefilled beside it)", ""]
     rows = []
     for n in streams:
         p, m, r = at("plimsoll", n), at("mlx", n), result["ratios"].get(str(n), {})
         rows.append([n, f(p.get("aggregate_tps"), ".0f"), f(p.get("decode_tps"), ".0f"),
-                     f(p.get("step_ms"), ".2f"), f(m.get("aggregate_tps"), ".0f"),
-                     f(m.get("decode_tps"), ".0f"), f(m.get("step_ms"), ".2f"),
+                     f"{f(p.get('step_ms'), '.2f')} ({f(p.get('steady_step_ms'), '.2f')})",
+                     f(r.get("plimsoll_steady_over_engine_step"), ".3f"),
+                     f(m.get("aggregate_tps"), ".0f"), f(m.get("decode_tps"), ".0f"),
+                     f"{f(m.get('step_ms'), '.2f')} ({f(m.get('steady_step_ms'), '.2f')})",
                      *(f(r.get(k), ".2f") for k in ("plimsoll_over_mlx_aggregate",
                                                     "plimsoll_over_mlx_decode",
                                                     "plimsoll_overhead_ms", "mlx_overhead_ms")),
@@ -393,8 +399,9 @@ def markdown(result: dict) -> str:
                      f"({f(p.get('loop_cpu_ms_per_step'), '.2f')})",
                      f(m.get("cpu_ms_per_step"), ".2f")])
     lines += report.table(
-        ["streams", "plimsoll agg", "plimsoll decode", "plimsoll ms/step", "mlx_lm.server agg",
-         "mlx decode", "mlx ms/step", "plimsoll ÷ mlx agg", "plimsoll ÷ mlx decode",
+        ["streams", "plimsoll agg", "plimsoll decode", "plimsoll ms/step (steady)",
+         "plimsoll steady ÷ its engine's step", "mlx_lm.server agg", "mlx decode",
+         "mlx ms/step (steady)", "plimsoll ÷ mlx agg", "plimsoll ÷ mlx decode",
          "plimsoll overhead ms/step (vs its engine)", "mlx overhead ms/step (vs mlx-lm)",
          "plimsoll CPU ms/step (its HTTP loop's)", "mlx CPU ms/step"], rows)
     if ps := result.get("prefill_shapes"):

@@ -214,6 +214,23 @@ def decode_tps(result: dict) -> float | None:
     return (n - 1) / (last - first)
 
 
+def steady_step_ms(times: list[list[float]]) -> float | None:
+    """The median stream's time between tokens while every stream decodes (from the last
+    stream's first token to the first stream's last): the server's decode step with no
+    prompt being prefilled beside it (None: the streams never all decoded at once, or a
+    stream had fewer than two tokens in that window)."""
+    if not times or any(not t for t in times):
+        return None
+    lo, hi = max(t[0] for t in times), min(t[-1] for t in times)
+    steps = []
+    for t in times:
+        inside = [x for x in t if lo <= x <= hi]
+        if len(inside) < 2:
+            return None
+        steps.append((inside[-1] - inside[0]) / (len(inside) - 1))
+    return 1000 * statistics.median(steps)
+
+
 def stream_figures(results: list[dict]) -> dict:
     """Streams released together: aggregate tok/s (all completion tokens ÷ first send to last
     end, prefill included), tok/s after the first tokens, the median stream's time between
@@ -233,6 +250,7 @@ def stream_figures(results: list[dict]) -> dict:
         "completion_tokens": sum(tokens), "wall_s": wall, "aggregate_tps": sum(tokens) / wall,
         "aggregate_tps_after_first_token": (sum(tokens) - len(ok)) / span if span > 0 else None,
         "step_ms": 1000 * statistics.median(steps) if steps else None,
+        "steady_step_ms": steady_step_ms([r.get("times") or [] for r in ok]),
         "ttft_s": ttfts, "ttft_max_s": max(ttfts), "tokens_each_min": min(tokens),
         "per_stream_decode_tps": [decode_tps(r) for r in ok],
         "completion_tokens_each": [r.get("completion_tokens") for r in ok],
