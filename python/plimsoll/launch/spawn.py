@@ -103,8 +103,15 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
 
 
 #: Allocations at or above this go straight to mmap and back to the OS on free, instead of
-#: sitting in a glibc heap (setting it also stops glibc's dynamic threshold from growing).
-MALLOC_MMAP_THRESHOLD = 1 << 20
+#: sitting in a glibc heap (setting it also stops glibc's dynamic threshold from growing):
+#: a pool's slabs, the weights and a long prompt's transients. 32 MiB, glibc's own ceiling
+#: for the threshold, not less: MLX's CPU backend allocates every array with malloc, and a
+#: decode step's gathered contexts (a few MiB to tens of MiB a layer, the same sizes every
+#: step) mapped and faulted in afresh each step made qwen3-0.6b's 32-row step 1.87 s against
+#: 1.14 s (1 MiB against 32 MiB; the 32 MiB step equals glibc's defaults; maximum RSS alike;
+#: bench/results/overhead-cpu-2026-12-05-qwen3-0.6b-steady.md). On Metal and CUDA the
+#: arrays are the device allocator's: this only keeps the host's small ones honest.
+MALLOC_MMAP_THRESHOLD = 32 << 20
 
 
 def worker_env() -> dict[str, str]:
