@@ -131,14 +131,14 @@ def _attend(quantized: bool) -> str:
             .replace("__POOL__", "kq" if quantized else "kp"))
 
 
-# the partial results of a split, for _COMBINE
-_PARTIAL = r"""
+# the partial results of a split, for _COMBINE (plain C: the Metal kernel's tail too)
+PARTIAL_OUT = r"""
         part_a[o * D + d] = val;
         if (d == 0) { part_m[o] = M; part_s[o] = tot; }
     }
 """
 # one split (NS = 1, so o is the row's query head): the attention itself
-_DIRECT = r"""
+DIRECT_OUT = r"""
         out[o * D + d] = static_cast<T>(val / tot);
     }
 """
@@ -233,10 +233,10 @@ def _kernel(which: str, quantized: bool = False):
     if which == "direct":
         return mx.fast.cuda_kernel(name=f"plimsoll_paged_decode_direct{suffix}",
                                    input_names=names, output_names=["out"],
-                                   source=body + _DIRECT)
+                                   source=body + DIRECT_OUT)
     return mx.fast.cuda_kernel(name=f"plimsoll_paged_decode{suffix}", input_names=names,
                                output_names=["part_a", "part_m", "part_s"],
-                               source=body + _PARTIAL)
+                               source=body + PARTIAL_OUT)
 
 
 @functools.lru_cache(maxsize=16)
@@ -280,17 +280,28 @@ def _launch(pools: list[mx.array], packing: tuple, queries: mx.array, tables: mx
     splits = splits_for(rows, kvh, longest, sm_count())
     inputs = [queries.reshape(rows, hq, d), *pools, tables, lengths, scale_input(scale),
               pool_cuda.nothing() if after is None else after]
-    grid, group = (rows * 32 * WARPS, kvh, splits), (32 * WARPS, 1, 1)
+    return launch(lambda which: _kernel(which, quantized and which != "combine"), inputs,
+                  queries, kvh, template, splits)
+
+
+def launch(kernel_of, inputs: list[mx.array], queries: mx.array, kv_heads: int,
+           template: list, splits: int) -> mx.array:
+    """The decode kernel's launch over ``splits`` splits of every row's table (one launch
+    when 1, else the partial results and one more launch combining them), on either backend:
+    ``kernel_of(which)`` is its ``"direct"``, ``"partial"`` or ``"combine"`` kernel (this
+    module's, or :mod:`plimsoll.engine.paged_metal`'s)."""
+    rows, hq, _, d = queries.shape
+    grid, group = (rows * 32 * WARPS, kv_heads, splits), (32 * WARPS, 1, 1)
     if splits == 1:
-        return _kernel("direct", quantized)(inputs=inputs, template=template, grid=grid,
-                                            threadgroup=group, output_shapes=[(rows, hq, 1, d)],
-                                            output_dtypes=[queries.dtype])[0]
-    parts = _kernel("partial", quantized)(
+        return kernel_of("direct")(inputs=inputs, template=template, grid=grid,
+                                   threadgroup=group, output_shapes=[(rows, hq, 1, d)],
+                                   output_dtypes=[queries.dtype])[0]
+    parts = kernel_of("partial")(
         inputs=inputs, template=template, grid=grid, threadgroup=group,
         output_shapes=[(rows, hq, splits, d), (rows, hq, splits), (rows, hq, splits)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
     threads = -(-rows * hq * d // _COMBINE_THREADS) * _COMBINE_THREADS
-    return _kernel("combine")(inputs=parts, template=[("T", queries.dtype), ("D", d)],
-                              grid=(threads, 1, 1), threadgroup=(_COMBINE_THREADS, 1, 1),
-                              output_shapes=[(rows, hq, 1, d)],
-                              output_dtypes=[queries.dtype])[0]
+    return kernel_of("combine")(inputs=parts, template=[("T", queries.dtype), ("D", d)],
+                                grid=(threads, 1, 1), threadgroup=(_COMBINE_THREADS, 1, 1),
+                                output_shapes=[(rows, hq, 1, d)],
+                                output_dtypes=[queries.dtype])[0]

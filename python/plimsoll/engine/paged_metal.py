@@ -30,22 +30,28 @@ import functools
 import mlx.core as mx
 
 from plimsoll.engine import backend
-from plimsoll.engine.paged_cuda import scale_input, splits_for
+from plimsoll.engine.paged_cuda import (
+    DIRECT_OUT,
+    PARTIAL_OUT,
+    WARPS,
+    launch,
+    scale_input,
+    splits_for,
+)
 
-WARPS = 4  # simdgroups a threadgroup
 #: threadgroups the splits aim to cover: an M-series GPU has 8-80 cores, each running
 #: several threadgroups at once
 PARALLEL_GROUPS = 64
 #: threadgroup memory a kernel may declare on every Apple GPU MLX runs on
 THREADGROUP_BYTES = 32 * 1024
-_COMBINE_THREADS = 256
 
 # One threadgroup per (row, KV head, split); a split takes the tokens
 # [split × span, (split + 1) × span) of its row's table, span = ceil(table tokens / splits).
 # The CUDA kernel's body with Metal's names: threadgroup_position_in_grid for blockIdx,
 # thread_index_in_simdgroup / simdgroup_index_in_threadgroup for the lane and warp,
 # simd_sum for the warp's shuffle reduction, threadgroup arrays and threadgroup_barrier for
-# __shared__ and __syncthreads; a finite lowest score where CUDA's is -inf (Metal's fast
+# __shared__ and __syncthreads, the same tails (paged_cuda.PARTIAL_OUT / DIRECT_OUT, plain
+# C); a finite lowest score where CUDA's is -inf (Metal's fast
 # math may assume no infinities; every real score is far above it, so the result is the
 # same: an empty warp's or split's weight exp(-1e30 - M) is 0).
 _ATTEND = r"""
@@ -116,17 +122,6 @@ _ATTEND = r"""
         }
         const size_t o = ((size_t)(b * HQ + kvh * G + g)) * NS + split;
 """
-# the partial results of a split, for _COMBINE
-_PARTIAL = r"""
-        part_a[o * D + d] = val;
-        if (d == 0) { part_m[o] = M; part_s[o] = tot; }
-    }
-"""
-# one split (NS = 1, so o is the row's query head): the attention itself
-_DIRECT = r"""
-        out[o * D + d] = static_cast<T>(val / tot);
-    }
-"""
 # the splits' partial results combined, one thread per (row, query head, dim)
 _COMBINE = r"""
     const int i = (int)thread_position_in_grid.x;
@@ -176,10 +171,10 @@ def _kernel(which: str):
                                     output_names=["out"], source=_COMBINE)
     if which == "direct":
         return mx.fast.metal_kernel(name="plimsoll_paged_decode_direct", input_names=_INPUTS,
-                                    output_names=["out"], source=_ATTEND + _DIRECT)
+                                    output_names=["out"], source=_ATTEND + DIRECT_OUT)
     return mx.fast.metal_kernel(name="plimsoll_paged_decode", input_names=_INPUTS,
                                 output_names=["part_a", "part_m", "part_s"],
-                                source=_ATTEND + _PARTIAL)
+                                source=_ATTEND + PARTIAL_OUT)
 
 
 def paged_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tables: mx.array,
@@ -194,17 +189,4 @@ def paged_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tables: 
                 ("WARPS", WARPS)]
     splits = splits_for(rows, kvh, longest, PARALLEL_GROUPS)
     inputs = [queries.reshape(rows, hq, d), k_pool, v_pool, tables, lengths, scale_input(scale)]
-    grid, group = (rows * 32 * WARPS, kvh, splits), (32 * WARPS, 1, 1)
-    if splits == 1:
-        return _kernel("direct")(inputs=inputs, template=template, grid=grid,
-                                 threadgroup=group, output_shapes=[(rows, hq, 1, d)],
-                                 output_dtypes=[queries.dtype])[0]
-    parts = _kernel("partial")(
-        inputs=inputs, template=template, grid=grid, threadgroup=group,
-        output_shapes=[(rows, hq, splits, d), (rows, hq, splits), (rows, hq, splits)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
-    threads = -(-rows * hq * d // _COMBINE_THREADS) * _COMBINE_THREADS
-    return _kernel("combine")(inputs=parts, template=[("T", queries.dtype), ("D", d)],
-                              grid=(threads, 1, 1), threadgroup=(_COMBINE_THREADS, 1, 1),
-                              output_shapes=[(rows, hq, 1, d)],
-                              output_dtypes=[queries.dtype])[0]
+    return launch(_kernel, inputs, queries, kvh, template, splits)

@@ -28,8 +28,8 @@ MLX_METAL_ATTRIBUTES = {
     "threads_per_simdgroup", "threads_per_threadgroup"}
 CUDA_ONLY = ("__shfl", "__syncthreads", "__shared__", "blockIdx", "threadIdx", "blockDim",
              "gridDim", "__expf", "__int_as_float", "fmaxf", "expf(")
-SOURCES = {"attend": paged_metal._ATTEND, "partial": paged_metal._PARTIAL,
-           "direct": paged_metal._DIRECT, "combine": paged_metal._COMBINE}
+SOURCES = {"attend": paged_metal._ATTEND, "partial": paged_cuda.PARTIAL_OUT,
+           "direct": paged_cuda.DIRECT_OUT, "combine": paged_metal._COMBINE}
 
 
 @pytest.mark.parametrize("part", sorted(SOURCES))
@@ -53,19 +53,19 @@ _SPELLING = (("fmaxf(", "metal::max("), ("__expf(", "metal::exp("), ("expf(", "m
 
 @pytest.mark.parametrize(("cuda", "metal"), [
     (paged_cuda._ATTEND.split("__LOAD__")[1], paged_metal._ATTEND),
-    (paged_cuda._PARTIAL, paged_metal._PARTIAL),
-    (paged_cuda._DIRECT, paged_metal._DIRECT),
+    (paged_cuda._COMBINE, paged_metal._COMBINE),
 ])
 def test_arithmetic_is_the_cuda_kernels(cuda, metal):
     """Every statement after the CUDA kernel's load (the softmax update, the warps' merge, the
-    output's index) is in the Metal kernel, in CUDA's order, up to the two languages' names
-    for max and exp: a change to the one that has run on a GPU shows here."""
+    output's index) and of its combine is in the Metal kernel, in CUDA's order, up to the two
+    languages' names for max and exp (the tails that write the results are one text for
+    both): a change to the one that has run on a GPU shows here."""
     mine = _statements(metal)
     at = 0
     for line in _statements(cuda):
         if any(token in line for token in ("__shfl", "__shared__", "__syncthreads", "threadIdx",
-                                           "blockDim")):
-            continue  # the reduction, shared memory and barrier: Metal's own (test above)
+                                           "blockDim", "blockIdx", "__int_as_float")):
+            continue  # thread ids, the reduction, shared memory, barrier, lowest score: Metal's
         for old, new in _SPELLING:
             line = line.replace(old, new)
         assert line in mine[at:], line
@@ -115,3 +115,30 @@ def test_refused_with_the_reason_where_it_cannot_run(monkeypatch):
     assert "Metal" in verdict.reason
     cuda = {v.name: v for v in sel.verdicts}["paged_decode_cuda"]
     assert cuda.reason == "not this device: the engine runs on metal"
+
+
+def test_one_launch_for_both_backends():
+    """:func:`paged_cuda.launch` (the CUDA kernel's launch and the Metal one's): one launch of
+    the direct kernel without splits; with them the partial kernel, then the combine over its
+    three outputs — the grid, threadgroup and output shapes each kernel is handed."""
+    calls = []
+
+    def kernel_of(which):
+        def run(**kw):
+            calls.append((which, kw))
+            return [mx.zeros(s, dtype=t) for s, t in zip(kw["output_shapes"],
+                                                         kw["output_dtypes"], strict=True)]
+        return run
+
+    q = mx.zeros((3, 8, 1, 64), dtype=mx.float16)
+    out = paged_cuda.launch(kernel_of, ["inputs"], q, 2, [("T", mx.float16)], 1)
+    assert out.shape == (3, 8, 1, 64) and [c[0] for c in calls] == ["direct"]
+    assert calls[0][1]["grid"] == (3 * 32 * paged_cuda.WARPS, 2, 1)
+    assert calls[0][1]["threadgroup"] == (32 * paged_cuda.WARPS, 1, 1)
+    calls.clear()
+    out = paged_cuda.launch(kernel_of, ["inputs"], q, 2, [("T", mx.float16)], 5)
+    assert [c[0] for c in calls] == ["partial", "combine"] and out.dtype == mx.float16
+    assert calls[0][1]["grid"] == (3 * 32 * paged_cuda.WARPS, 2, 5)
+    assert calls[0][1]["output_shapes"] == [(3, 8, 5, 64), (3, 8, 5), (3, 8, 5)]
+    assert [a.shape for a in calls[1][1]["inputs"]] == [(3, 8, 5, 64), (3, 8, 5), (3, 8, 5)]
+    assert calls[1][1]["grid"][0] >= 3 * 8 * 64 and calls[1][1]["template"][1] == ("D", 64)
