@@ -41,7 +41,7 @@ class HostClock:
     inside it, and each named step's graph nodes the first time that step submits."""
 
     def __init__(self, dot_dir: Path) -> None:
-        self.inside, self.current, self.nodes = 0.0, None, {}
+        self.inside, self.inside_wall, self.current, self.nodes = 0.0, 0.0, None, {}
         self._dir, self.original = dot_dir, mx.async_eval
 
     def __call__(self, *args, **kw):
@@ -49,20 +49,23 @@ class HostClock:
             arrays = args[0] if isinstance(args[0], list | tuple) else list(args)
             path = self._dir / f"{self.current}.dot"
             mx.export_to_dot(str(path), *[a for a in arrays if isinstance(a, mx.array)])
-            self.nodes[self.current] = len(re.findall(r'label ?="[A-Za-z]', path.read_text()))
-        t = time.thread_time()
+            self.nodes[self.current] = collections.Counter(
+                re.findall(r'label ?="([A-Za-z]\w*)', path.read_text()))
+        t, w = time.thread_time(), time.perf_counter()
         out = self.original(*args, **kw)
         self.inside += time.thread_time() - t
+        self.inside_wall += time.perf_counter() - w
         return out
 
     def host_ms(self, name: str, eng: Engine, step: Step):
-        """``eng.run_async(step)`` timed; (pending, host ms)."""
-        self.current, self.inside = name, 0.0
+        """``eng.run_async(step)`` timed; (pending, (host ms, CPU ms inside ``mx.async_eval``,
+        wall ms inside it))."""
+        self.current, self.inside, self.inside_wall = name, 0.0, 0.0
         t = time.thread_time()
         pending = eng.run_async(step)
         host = time.thread_time() - t - self.inside
         self.current = None
-        return pending, 1e3 * host
+        return pending, (1e3 * host, 1e3 * self.inside, 1e3 * self.inside_wall)
 
 
 def run(args) -> dict:
@@ -113,8 +116,14 @@ def _steps(args, eng: Engine, clock: HostClock) -> dict:
         pending = nxt
     pending.result()
     skip = min(3, args.steps - 1)
-    return {name: {"host_ms_median": statistics.median(v[skip:]), "host_ms_min": min(v[skip:]),
-                   "nodes": clock.nodes.get(name)} for name, v in times.items()}
+    def median(v: list, i: int) -> float:
+        return statistics.median(x[i] for x in v[skip:])
+
+    return {name: {"host_ms_median": median(v, 0), "host_ms_min": min(x[0] for x in v[skip:]),
+                   "eval_cpu_ms_median": median(v, 1), "eval_wall_ms_median": median(v, 2),
+                   "nodes": sum(clock.nodes.get(name, {}).values()),
+                   "ops": dict(clock.nodes.get(name, {}).most_common())}
+            for name, v in times.items()}
 
 
 def markdown(result: dict) -> str:
@@ -123,10 +132,15 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
              f"Model {a['model'] or 'the tiny demo'}, prompts of {a['prompt']} tokens, k = {K}, "
              f"{a['steps']} steps each (the first three left out). Host ms: `run_async` minus "
-             "its thread time inside `mx.async_eval`.", ""]
-    lines += report.table(["step", "host ms (median)", "host ms (lowest)", "graph nodes"],
+             "its thread time inside `mx.async_eval`; `async_eval` CPU / wall ms: the thread "
+             "time and the wall time inside it (the backend's encoding, and on a GPU its "
+             "throttle's wait: wall less CPU).", ""]
+    lines += report.table(["step", "host ms (median)", "host ms (lowest)", "async_eval CPU ms",
+                           "async_eval wall ms", "graph nodes"],
                           [[name, report.num(r["host_ms_median"]), report.num(r["host_ms_min"]),
-                            r["nodes"]] for name, r in result["steps"].items()])
+                            report.num(r.get("eval_cpu_ms_median")),
+                            report.num(r.get("eval_wall_ms_median")), r["nodes"]]
+                           for name, r in result["steps"].items()])
     return "\n".join(lines) + "\n"
 
 

@@ -204,6 +204,7 @@ class Scheduler:
 
     def iterate(self) -> None:
         """One step of the loop (public for pure tests that drive it with a fake engine)."""
+        began = time.perf_counter()
         self._take_inbox()
         if self.line.due(bool(self._running)):
             self._check_trip()
@@ -232,6 +233,8 @@ class Scheduler:
         previous, self._pending = self._pending, submitted
         if previous is not None:
             self._read(*previous)
+        if submitted is not None:
+            spec.timed(self.drafter, step, time.perf_counter() - began)
         self._free_stale_states()
         self._maybe_publish()
 

@@ -20,10 +20,13 @@ them. Constrained sequences decode plainly (a row's mask needs each previous tok
   where the drafts verified so far were mostly rejected (:func:`start_length`: a proposer
   that keeps failing costs a new sequence one short retry, not ``most`` longer steps, nor a
   draft model's prefill of its whole prompt); one more after a step that
-  accepted everything (up to ``most``), one fewer after a step that accepted none or found no
-  match,
-  down to 0, where the sequence decodes plainly (and pipelined) and tries one draft again
-  every :data:`RETRY_STEPS` steps (four times as many where drafts have failed nearly
+  accepted everything (up to ``most``), one fewer after a step that found no match, and 0
+  after a step that rejected a draft where the sequence's drafts no longer pay
+  (:func:`pays`: its estimated chance that a draft is right, :meth:`Drafter.rate`, against
+  what a verifying step costs in plain steps, measured while serving, :class:`StepCosts`;
+  an unlucky step of a proposer that is right 80 % of the time does not shorten it). At 0
+  the sequence decodes plainly (and pipelined) and tries one draft again every
+  :data:`RETRY_STEPS` steps (four times as many where drafts have failed nearly
   everywhere, :func:`start_wait`; twice as many after each retry that accepted nothing, up
   to :data:`MAX_RETRY_STEPS`). Retries keep one clock (:meth:`Drafter.tick`, once a step):
   a sequence retries at the steps that are multiples of its interval, and the intervals
@@ -52,8 +55,10 @@ generate less one, so the last drafted position is below ``prompt + max_tokens``
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
 import numpy as np
@@ -71,6 +76,22 @@ MAX_RETRY_STEPS = 256
 #: many of its verifying steps in a row yielded the tokens predicted for them (drafts right
 #: in runs, as where an agent quotes a file back); a prediction that fails ends the run
 AHEAD_AFTER = 3
+#: what a verifying step costs, in plain decode steps, until :class:`StepCosts` has
+#: measured it (it is not pipelined where its drafts need the step before's tokens). Served
+#: on the H200, one stream, full acceptance: 2.2 x at k = 1, 3 and 5
+#: (speculative-h200-2026-12-04-curve), 1.8 x at k = 3 in another run; the CPU box: 2.7 x
+#: at k = 3 (speculative-cpu-2026-12-05-pays)
+VERIFY_COST = 2.0
+MAX_COST = 4.0  # a measured cost is taken up to this (an outlier of a loaded machine)
+#: :class:`StepCosts` compares the medians of each kind's last TIMED_STEPS iterations, once
+#: each kind has MIN_TIMED
+TIMED_STEPS = 32
+MIN_TIMED = 8
+#: a sequence's estimate of its drafts' chance of being right (:meth:`Drafter.rate`) weighs
+#: its own verified drafts, each older step's by DECAY less, against this many drafts at
+#: every sequence's rate so far (the figures)
+PRIOR_DRAFTS = 4
+DECAY = 0.85
 
 
 @dataclass
@@ -99,6 +120,9 @@ class Figures:
 
     proposed: int = 0
     accepted: int = 0
+    #: verifying steps that rejected a draft (a step stops at its first wrong draft: a
+    #: draft's chance of being right is accepted / (accepted + rejected))
+    rejected: int = 0
     steps: int = 0
     ahead: int = 0
     ahead_void: int = 0
@@ -111,6 +135,35 @@ class Figures:
                 if self.proposed else 0.0,
                 "accepted_per_step": round(self.accepted / self.steps, 4)
                 if self.steps else 0.0}
+
+
+def pays(right: float, k: int, cost: float = VERIFY_COST) -> bool:
+    """Whether verifying ``k`` drafts, each right with probability ``right`` (a step accepts
+    up to its first wrong one), yields at least ``cost`` tokens a step (a verifying step's
+    cost in plain steps, each of which yields one): ``1 + right + right² + … + right^k``.
+    Pure."""
+    return sum(right ** i for i in range(k + 1)) >= cost
+
+
+@dataclass
+class StepCosts:
+    """The scheduler's iterations timed (:func:`plimsoll.worker.speculate_steps.timed`):
+    those whose step verified drafts and those whose step decoded plainly, neither with a
+    prompt chunk. :meth:`ratio` is what a verifying step costs in plain ones, as served:
+    unpipelined where its drafts waited for the step before, and every batch's own mix."""
+
+    verifying: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
+    plain: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
+
+    def add(self, verifying: bool, seconds: float) -> None:
+        (self.verifying if verifying else self.plain).append(seconds)
+
+    def ratio(self) -> float:
+        """The medians' ratio, between 1 and :data:`MAX_COST`; :data:`VERIFY_COST` until
+        each kind has :data:`MIN_TIMED` iterations."""
+        if min(len(self.verifying), len(self.plain)) < MIN_TIMED:
+            return VERIFY_COST
+        return min(MAX_COST, max(1.0, median(self.verifying) / median(self.plain)))
 
 
 def start_length(most: int, figures: Figures) -> int:
@@ -152,6 +205,7 @@ class Drafter:
     #: step in flight (engine/chain.py; Engine.chains_drafts): lookahead at any acceptance
     chains: bool = False
     figures: Figures = field(default_factory=Figures)
+    costs: StepCosts = field(default_factory=StepCosts)
     clock: int = 0  # the step being planned (tick): retries happen on its multiples
     _length: dict[int, int] = field(default_factory=dict)
     _wait: dict[int, int] = field(default_factory=dict)  # its retry interval, where backed off
@@ -161,6 +215,9 @@ class Drafter:
     _history: dict[int, History] = field(default_factory=dict)  # prompt lookup's arrays
     #: seq id -> how many of its last verifying steps in a row yielded their ``expect``
     _streak: dict[int, int] = field(default_factory=dict)
+    #: seq id -> its drafts accepted and its steps that rejected one, each older step's
+    #: weighed by DECAY less (:meth:`rate`)
+    _verified: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def on(self) -> bool:
@@ -195,6 +252,15 @@ class Drafter:
     def retrying(self, seq_id: int) -> bool:
         """Whether ``seq_id`` is at draft length 0 (a draft it makes is a retry)."""
         return self._current(seq_id) == 0
+
+    def rate(self, seq_id: int) -> float:
+        """``seq_id``'s estimated chance that a draft is right: its own verified drafts
+        (decayed) and :data:`PRIOR_DRAFTS` drafts at every sequence's rate so far (one half
+        before any)."""
+        f = self.figures
+        prior = (f.accepted + 1) / (f.accepted + f.rejected + 2)
+        right, wrong = self._verified.get(seq_id, (0.0, 0.0))
+        return (right + PRIOR_DRAFTS * prior) / (right + wrong + PRIOR_DRAFTS)
 
     def _retry(self, seq_id: int) -> int:
         return self._wait.get(seq_id, start_wait(self.figures))
@@ -314,16 +380,22 @@ class Drafter:
         flight = self.pop_flight(seq_id)
         start, drafts = flight.start, flight.drafts if found is None else found
         k = self._current(seq_id)
+        rejected = int(accepted < drafts)
+        right, wrong = self._verified.get(seq_id, (0.0, 0.0))
+        self._verified[seq_id] = (DECAY * right + accepted, DECAY * wrong + rejected)
         if drafts and accepted == drafts:
             self._length[seq_id] = min(self.most, max(k, drafts) + 1)
-        elif accepted == 0:
+        elif not drafts:
             self._length[seq_id] = max(0, min(k, drafts) - 1)
+        elif not pays(self.rate(seq_id), self.most, self.costs.ratio()):
+            self._length[seq_id] = 0
         if accepted:
             self._wait.pop(seq_id, None)
         elif k == 0:  # a retry (its length stays 0 while it drafts one)
             self._back_off(seq_id)
         self.figures.proposed += drafts
         self.figures.accepted += accepted
+        self.figures.rejected += rejected
         self.figures.steps += 1
         return start, flight.drafts
 
@@ -335,6 +407,7 @@ class Drafter:
         self.inflight.pop(seq_id, None)
         self._history.pop(seq_id, None)
         self._streak.pop(seq_id, None)
+        self._verified.pop(seq_id, None)
 
     def report(self) -> dict:
         """The status's ``speculative`` figures."""
@@ -343,6 +416,7 @@ class Drafter:
         figures = self.figures.report()
         return {"enabled": True, "proposer": self.proposer, "prompt_lookup": self.longest,
                 "num_draft_tokens": self.most, **figures,
+                "verify_cost": round(self.costs.ratio(), 3),
                 "by_proposer": {self.proposer: figures},
                 "speculates": "unconstrained sequences, greedy and sampled (constrained "
                               "ones decode plainly)"}

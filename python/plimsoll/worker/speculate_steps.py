@@ -8,7 +8,8 @@ a token in flight that its drafts need: the previous step is read first — unle
 step is planned on a prediction or chained on the device), :func:`prepare` (a draft model's
 batched work), :func:`verify_work` (its drafts as the step's Work), :func:`planned_ahead`
 (whether the step before must be read after this one is submitted), and for every step
-read, :func:`settle` (its tokens, ``written`` set from them).
+read, :func:`settle` (its tokens, ``written`` set from them); :func:`timed` once the
+iteration that submitted the step is over (what a verifying step costs, measured).
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ def begin_step(drafter: Drafter | None) -> None:
     """A step begins: the retry clock ticks (first thing in the scheduler's iteration)."""
     if drafter is not None:
         drafter.tick()
+
+
+def timed(drafter: Drafter | None, step: Any, seconds: float) -> None:
+    """The scheduler's iteration that submitted ``step`` took ``seconds`` (its plan, its
+    submission, the reads it waited for): one sample of :class:`StepCosts`, unless the step
+    prefills a prompt chunk."""
+    if drafter is not None and drafter.on and all(w.draft for w in step.prefills):
+        drafter.costs.add(bool(step.prefills), seconds)
 
 
 def prepare(drafter: Drafter | None, pool: Any, running: dict[int, Run]) -> None:

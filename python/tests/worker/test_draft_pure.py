@@ -1,6 +1,8 @@
 """Speculation's pure parts beside a draft model: a retry's back-off, a new sequence's start
-length, a retry's gap in the draft KV filled once it accepts, the draft model's load-time
-checks (vocabulary, fit) and admission's refusal of a draft that leaves no room."""
+length, when an empty step shortens a sequence's drafts (their estimated rate against the
+measured cost of a verifying step), a retry's gap in the draft KV filled once it accepts,
+the draft model's load-time checks (vocabulary, fit) and admission's refusal of a draft
+that leaves no room."""
 
 from __future__ import annotations
 
@@ -10,9 +12,13 @@ from plimsoll.core.admission import AdmissionRequest, admit
 from plimsoll.worker.draft_model import DraftModel, fit_problem, vocab_problem
 from plimsoll.worker.speculate import (
     MAX_RETRY_STEPS,
+    MIN_TIMED,
     RETRY_STEPS,
+    VERIFY_COST,
     Drafter,
     Figures,
+    StepCosts,
+    pays,
     start_length,
     start_wait,
 )
@@ -86,6 +92,66 @@ def test_a_new_sequence_starts_short_where_drafts_have_mostly_failed():
     d.started(7, 2, 1)
     d.settle(7, 0)  # a retry that accepted nothing: the next waits twice as long
     assert not d.wants(7) and d._retry(7) == 2 * RETRY_STEPS
+
+
+def test_drafts_pay_where_a_step_yields_more_than_it_costs():
+    assert pays(0.85, 3) and pays(1.0, 1)
+    assert not pays(0.0, 3) and not pays(0.3, 3)
+    assert not pays(0.7, 1) and pays(0.7, 3)  # more drafts, more yield for the same step
+    # the threshold is the cost: 1 + p + ... + p^k against the plain steps a step costs
+    assert pays(VERIFY_COST - 1, 1) and not pays(VERIFY_COST - 1.01, 1)
+    assert pays(0.6, 3, cost=1.5) and not pays(0.6, 3, cost=2.7)  # the H200's, the CPU's
+
+
+def test_the_cost_of_a_verifying_step_is_measured_once_both_kinds_were_timed():
+    costs = StepCosts()
+    for _ in range(MIN_TIMED - 1):
+        costs.add(True, 0.030)
+        costs.add(False, 0.010)
+    assert costs.ratio() == VERIFY_COST  # too few yet
+    costs.add(True, 0.030)
+    costs.add(False, 0.010)
+    assert costs.ratio() == pytest.approx(3.0)
+    for _ in range(MIN_TIMED):  # a few prefill-slowed plain steps move the median little
+        costs.add(False, 0.011)
+    costs.add(False, 1.0)
+    assert 2.5 < costs.ratio() < 3.0
+    cheap = StepCosts()
+    for _ in range(MIN_TIMED):
+        cheap.add(True, 0.009)
+        cheap.add(False, 0.010)
+    assert cheap.ratio() == 1.0  # never below a plain step
+
+
+def test_one_empty_step_stops_only_drafts_that_stopped_paying():
+    """A sequence whose drafts have mostly been right keeps its length through a step that
+    accepts none (the old rule shortened it, and a proposer right 80 % of the time spent
+    its time at shorter lengths); one whose drafts mostly fail decodes plainly at once."""
+    good = Drafter(3, 3)
+    for a in (3, 2, 3, 3, 1):
+        good.started(7, 0, good.length(7))
+        good.settle(7, a)
+    assert good.rate(7) > 0.7 and good.length(7) == 3
+    good.started(7, 0, 3)
+    good.settle(7, 0)
+    # drafts right a fifth of the time so far (every sequence's): one draft of three right
+    bad = Drafter(3, 3, figures=Figures(proposed=60, accepted=12, rejected=18))
+    bad._length[7] = 3
+    bad.started(7, 0, 3)
+    bad.settle(7, 1)
+    assert bad.rate(7) < 0.5  # 1 + p + p² + p³ < 2: not worth a verifying step
+    assert good.length(7) == 3 and bad.length(7) == 0 and bad.retrying(7)
+
+
+def test_a_sequences_rate_leans_on_every_sequences_until_it_has_its_own():
+    d = Drafter(3, 3, figures=Figures(proposed=40, accepted=36, rejected=4))
+    assert d.rate(1) == pytest.approx(37 / 42)  # nothing of its own: the figures' rate
+    for _ in range(6):
+        d.started(1, 0, 3)
+        d.settle(1, 0)  # its own drafts keep failing
+    assert d.rate(1) < 0.5 and d.rate(2) > 0.75  # (every sequence's rate fell a little)
+    d.forget(1)
+    assert d.rate(1) == d.rate(2)
 
 
 def test_a_retry_that_accepts_rewinds_the_draft_to_its_gap():

@@ -181,13 +181,15 @@ def test_draft_length_adapts_to_acceptance():
     toks = [1, 2, 3, 1, 2, 3, 1, 2]
     assert d.propose(7, toks, 10) == (3, 1, 2)
     d.started(7, 7, 3)
-    assert d.settle(7, 0) == (7, 3)  # none accepted: one fewer
-    assert len(d.propose(7, toks, 10)) == 2
-    d.started(7, 7, 2)
-    d.settle(7, 0)
-    assert len(d.propose(7, toks, 10)) == 1
-    d.started(7, 7, 1)
-    d.settle(7, 0)  # down to 0: plain decoding, a retry every RETRY_STEPS steps
+    assert d.settle(7, 2) == (7, 3)  # two of three right: drafting pays, the length stays
+    assert len(d.propose(7, toks, 10)) == 3
+    d.started(7, 7, 3)
+    d.settle(7, 3)
+    assert len(d.propose(7, toks, 10)) == 3  # (at most already)
+    for _ in range(3):
+        d.started(7, 7, 3)
+        d.settle(7, 0)  # none accepted, three times: no longer worth a verifying step
+    # down to 0: plain decoding, a retry every RETRY_STEPS steps
     d.tick()
     assert not d.wants(7) and d.propose(7, toks, 10) == ()
     for _ in range(RETRY_STEPS - 2):  # every step counts towards the retry, drafting or not
@@ -199,13 +201,10 @@ def test_draft_length_adapts_to_acceptance():
     assert d.wants(7)  # its drafts in flight: its next step waits for them, at any length
     d.settle(7, 0)
     assert not d.wants(7)
-    assert d.figures.proposed == 7 and d.figures.accepted == 0
+    assert d.figures.proposed == 16 and d.figures.accepted == 5
     d.forget(7)
     d.tick()  # step 17: not a retry step
-    assert d.length(7) == 0  # none accepted so far: a new sequence waits for a retry step
-    while not d.wants(7):
-        d.tick()
-    assert d.length(7) == 1
+    assert d.length(7) == 1  # under half accepted so far: a new sequence starts short
     assert d.propose(8, toks, 1) == (3,)  # never past the request's room
 
 
