@@ -47,7 +47,9 @@ SPECULATIVE_GAUGES = (
     ("proposed", "tokens drafted."),
     ("accepted", "drafted tokens the model accepted."),
     ("acceptance_rate", "accepted / proposed."),
-    ("accepted_per_step", "accepted tokens per verifying step (a step yields one more)."))
+    ("accepted_per_step", "accepted tokens per verifying step (a step yields one more)."),
+    ("verify_cost", "what a verifying step costs in plain decode steps, as measured while "
+                    "serving (a sequence's drafts stop where they yield less)."))
 
 
 def gauges(p: Poll, trip_count: Callable[[str], int]) -> list[Metric]:
