@@ -385,10 +385,8 @@ class Drafter:
         self._verified[seq_id] = (DECAY * right + accepted, DECAY * wrong + rejected)
         if drafts and accepted == drafts:
             self._length[seq_id] = min(self.most, max(k, drafts) + 1)
-        elif not drafts:
-            self._length[seq_id] = max(0, min(k, drafts) - 1)
-        elif not pays(self.rate(seq_id), self.most, self.costs.ratio()):
-            self._length[seq_id] = 0
+        elif not drafts or not pays(self.rate(seq_id), self.most, self.costs.ratio()):
+            self._length[seq_id] = 0  # found nothing (chained), or drafts that do not pay
         if accepted:
             self._wait.pop(seq_id, None)
         elif k == 0:  # a retry (its length stays 0 while it drafts one)
