@@ -30,10 +30,10 @@ Each loop iteration (vLLM v1's token-budget step, mlx-lm's pipelining):
    EOS or a finished constraint. Their full blocks stay cached (hashes registered): no
    compaction, no moves.
 
-Speculation (``--prompt-lookup``, ``--draft-model``) is :mod:`.speculate`'s (a draft model's
-batched proposals, made before the plan: :mod:`.draft_model`): a sequence's drafts verified as
-one chunk, the previous step read before planning when a sequence that may draft has a token
-in flight (it is never pipelined), and a verified step's tokens settled when read.
+Speculation (``--prompt-lookup``, ``--draft-model``, MTP heads) is :mod:`.speculate`'s, called
+through :mod:`.speculate_steps` at the points of the loop that module names (the previous
+step read first where a sequence's drafts need its tokens, the drafts as Works, a verified
+step's tokens settled when read, each iteration timed for the cost of a verifying step).
 
 Running out is an event (``Refused``) for the HTTP edge to turn into a 503 with
 ``Retry-After`` — never a crash, never growth past the pool. This module is the thread, the
