@@ -19,22 +19,21 @@ them. Constrained sequences decode plainly (a row's mask needs each previous tok
 - :class:`Drafter` keeps each sequence's draft length: it starts at ``most``, or shorter
   where the drafts verified so far were mostly rejected (:func:`start_length`: a proposer
   that keeps failing costs a new sequence one short retry, not ``most`` longer steps, nor a
-  draft model's prefill of its whole prompt); one more after a step that
-  accepted everything (up to ``most``), one fewer after a step that found no match, and 0
-  after a step that rejected a draft where the sequence's drafts no longer pay
-  (:func:`pays`: its estimated chance that a draft is right, :meth:`Drafter.rate`, against
-  what a verifying step costs in plain steps, measured while serving, :class:`StepCosts`;
-  an unlucky step of a proposer that is right 80 % of the time does not shorten it). At 0
-  the sequence decodes plainly (and pipelined) and tries one draft again every
-  :data:`RETRY_STEPS` steps (four times as many where drafts have failed nearly
-  everywhere, :func:`start_wait`; twice as many after each retry that accepted nothing, up
-  to :data:`MAX_RETRY_STEPS`). Retries keep one clock (:meth:`Drafter.tick`, once a step):
-  a sequence retries at the steps that are multiples of its interval, and the intervals
-  are powers of two, so sequences whose drafts keep failing retry in the same step: the
-  step is unpipelined (its drafts need the previous token) once, not once per sequence.
-  A seeded sequence keeps its own clock instead (from its first decode step): which steps
-  verify drafts decides its random draws, and its seed reproduces its tokens alone or
-  batched.
+  draft model's prefill of its whole prompt); one more after a step that accepted everything
+  (up to ``most``), one fewer after a step that found no match, and 0 after a step that
+  rejected a draft where the sequence's drafts no longer pay (:func:`~.draft_costs.pays`:
+  its estimated chance that a draft is right, :meth:`Drafter.rate`, against what its drafts
+  cost in the batch as it runs, measured while serving, :mod:`.draft_costs`; an unlucky step
+  of a proposer that is right 80 % of the time does not shorten it). At 0 the sequence
+  decodes plainly (and pipelined) and tries one draft again every :data:`RETRY_STEPS` steps
+  (four times as many where drafts have failed nearly everywhere, :func:`start_wait`; twice
+  as many after each retry that accepted nothing, up to :data:`MAX_RETRY_STEPS`). Retries
+  keep one clock (:meth:`Drafter.tick`, once a step): a sequence retries at the steps that
+  are multiples of its interval, and the intervals are powers of two, so sequences whose
+  drafts keep failing retry in the same step: the step is unpipelined (its drafts need the
+  previous token) once, not once per sequence. A seeded sequence keeps its own clock instead
+  (from its first decode step): which steps verify drafts decides its random draws, and its
+  seed reproduces its tokens alone or batched.
   Its counters are the status's ``speculative`` figures.
 - The scheduler's side, as functions over the drafter and a sequence, is
   :mod:`.speculate_steps` (the previous step read before planning or not, the drafts as the
@@ -55,14 +54,13 @@ generate less one, so the last drafted position is below ``prompt + max_tokens``
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from statistics import median
 from typing import Any
 
 import numpy as np
 
+from .draft_costs import VERIFY_COST, StepCosts, pays
 from .ngram import History, prompt_lookup
 from .waiting import Run
 
@@ -76,17 +74,6 @@ MAX_RETRY_STEPS = 256
 #: many of its verifying steps in a row yielded the tokens predicted for them (drafts right
 #: in runs, as where an agent quotes a file back); a prediction that fails ends the run
 AHEAD_AFTER = 3
-#: what a verifying step costs, in plain decode steps, until :class:`StepCosts` has
-#: measured it (it is not pipelined where its drafts need the step before's tokens). Served
-#: on the H200, one stream, full acceptance: 2.2 x at k = 1, 3 and 5
-#: (speculative-h200-2026-12-04-curve), 1.8 x at k = 3 in another run; the CPU box: 2.7 x
-#: at k = 3 (speculative-cpu-2026-12-05-pays)
-VERIFY_COST = 2.0
-MAX_COST = 4.0  # a measured cost is taken up to this (an outlier of a loaded machine)
-#: :class:`StepCosts` compares the medians of each kind's last TIMED_STEPS iterations, once
-#: each kind has MIN_TIMED
-TIMED_STEPS = 32
-MIN_TIMED = 8
 #: a sequence's estimate of its drafts' chance of being right (:meth:`Drafter.rate`) weighs
 #: its own verified drafts, each older step's by DECAY less, against this many drafts at
 #: every sequence's rate so far (the figures)
@@ -135,35 +122,6 @@ class Figures:
                 if self.proposed else 0.0,
                 "accepted_per_step": round(self.accepted / self.steps, 4)
                 if self.steps else 0.0}
-
-
-def pays(right: float, k: int, cost: float = VERIFY_COST) -> bool:
-    """Whether verifying ``k`` drafts, each right with probability ``right`` (a step accepts
-    up to its first wrong one), yields at least ``cost`` tokens a step (a verifying step's
-    cost in plain steps, each of which yields one): ``1 + right + right² + … + right^k``.
-    Pure."""
-    return sum(right ** i for i in range(k + 1)) >= cost
-
-
-@dataclass
-class StepCosts:
-    """The scheduler's iterations timed (:func:`plimsoll.worker.speculate_steps.timed`):
-    those whose step verified drafts and those whose step decoded plainly, neither with a
-    prompt chunk. :meth:`ratio` is what a verifying step costs in plain ones, as served:
-    unpipelined where its drafts waited for the step before, and every batch's own mix."""
-
-    verifying: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
-    plain: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
-
-    def add(self, verifying: bool, seconds: float) -> None:
-        (self.verifying if verifying else self.plain).append(seconds)
-
-    def ratio(self) -> float:
-        """The medians' ratio, between 1 and :data:`MAX_COST`; :data:`VERIFY_COST` until
-        each kind has :data:`MIN_TIMED` iterations."""
-        if min(len(self.verifying), len(self.plain)) < MIN_TIMED:
-            return VERIFY_COST
-        return min(MAX_COST, max(1.0, median(self.verifying) / median(self.plain)))
 
 
 def start_length(most: int, figures: Figures) -> int:
@@ -261,6 +219,17 @@ class Drafter:
         prior = (f.accepted + 1) / (f.accepted + f.rejected + 2)
         right, wrong = self._verified.get(seq_id, (0.0, 0.0))
         return (right + PRIOR_DRAFTS * prior) / (right + wrong + PRIOR_DRAFTS)
+
+    def cost(self, seq_id: int | None = None) -> float:
+        """What a sequence's drafts (:attr:`most`) cost in the batch as it runs, in the
+        tokens it must yield a step (:meth:`StepCosts.cost`; a verifying row yields its
+        accepted drafts and one more, on average so far). A seeded sequence's: always
+        :data:`~.draft_costs.VERIFY_COST` (which steps verify decides its draws: its seed
+        reproduces its tokens whatever the machine's timings and the batch)."""
+        if seq_id in self._origin:
+            return VERIFY_COST
+        f = self.figures
+        return self.costs.cost(self.most, 1 + f.accepted / f.steps if f.steps else 1.0)
 
     def _retry(self, seq_id: int) -> int:
         return self._wait.get(seq_id, start_wait(self.figures))
@@ -385,7 +354,7 @@ class Drafter:
         self._verified[seq_id] = (DECAY * right + accepted, DECAY * wrong + rejected)
         if drafts and accepted == drafts:
             self._length[seq_id] = min(self.most, max(k, drafts) + 1)
-        elif not drafts or not pays(self.rate(seq_id), self.most, self.costs.ratio()):
+        elif not drafts or not pays(self.rate(seq_id), self.most, self.cost(seq_id)):
             self._length[seq_id] = 0  # found nothing (chained), or drafts that do not pay
         if accepted:
             self._wait.pop(seq_id, None)
@@ -415,6 +384,7 @@ class Drafter:
         return {"enabled": True, "proposer": self.proposer, "prompt_lookup": self.longest,
                 "num_draft_tokens": self.most, **figures,
                 "verify_cost": round(self.costs.ratio(), 3),
+                "draft_cost": round(self.cost(), 3),
                 "by_proposer": {self.proposer: figures},
                 "speculates": "unconstrained sequences, greedy and sampled (constrained "
                               "ones decode plainly)"}

@@ -30,10 +30,12 @@ def begin_step(drafter: Drafter | None) -> None:
 
 def timed(drafter: Drafter | None, step: Any, seconds: float) -> None:
     """The scheduler's iteration that submitted ``step`` took ``seconds`` (its plan, its
-    submission, the reads it waited for): one sample of :class:`StepCosts`, unless the step
-    prefills a prompt chunk."""
+    submission, the reads it waited for): one sample of
+    :class:`~.draft_costs.StepCosts`, unless the step prefills a prompt chunk."""
     if drafter is not None and drafter.on and all(w.draft for w in step.prefills):
-        drafter.costs.add(bool(step.prefills), seconds)
+        rows = len(step.decodes) + len(step.prefills)
+        drafts = sum(w.draft for w in step.prefills)
+        drafter.costs.add(rows, len(step.prefills), rows + drafts, seconds)
 
 
 def prepare(drafter: Drafter | None, pool: Any, running: dict[int, Run]) -> None:

@@ -12,13 +12,9 @@ from plimsoll.core.admission import AdmissionRequest, admit
 from plimsoll.worker.draft_model import DraftModel, fit_problem, vocab_problem
 from plimsoll.worker.speculate import (
     MAX_RETRY_STEPS,
-    MIN_TIMED,
     RETRY_STEPS,
-    VERIFY_COST,
     Drafter,
     Figures,
-    StepCosts,
-    pays,
     start_length,
     start_wait,
 )
@@ -92,35 +88,6 @@ def test_a_new_sequence_starts_short_where_drafts_have_mostly_failed():
     d.started(7, 2, 1)
     d.settle(7, 0)  # a retry that accepted nothing: the next waits twice as long
     assert not d.wants(7) and d._retry(7) == 2 * RETRY_STEPS
-
-
-def test_drafts_pay_where_a_step_yields_more_than_it_costs():
-    assert pays(0.85, 3) and pays(1.0, 1)
-    assert not pays(0.0, 3) and not pays(0.3, 3)
-    assert not pays(0.7, 1) and pays(0.7, 3)  # more drafts, more yield for the same step
-    # the threshold is the cost: 1 + p + ... + p^k against the plain steps a step costs
-    assert pays(VERIFY_COST - 1, 1) and not pays(VERIFY_COST - 1.01, 1)
-    assert pays(0.6, 3, cost=1.5) and not pays(0.6, 3, cost=2.7)  # the H200's, the CPU's
-
-
-def test_the_cost_of_a_verifying_step_is_measured_once_both_kinds_were_timed():
-    costs = StepCosts()
-    for _ in range(MIN_TIMED - 1):
-        costs.add(True, 0.030)
-        costs.add(False, 0.010)
-    assert costs.ratio() == VERIFY_COST  # too few yet
-    costs.add(True, 0.030)
-    costs.add(False, 0.010)
-    assert costs.ratio() == pytest.approx(3.0)
-    for _ in range(MIN_TIMED):  # a few prefill-slowed plain steps move the median little
-        costs.add(False, 0.011)
-    costs.add(False, 1.0)
-    assert 2.5 < costs.ratio() < 3.0
-    cheap = StepCosts()
-    for _ in range(MIN_TIMED):
-        cheap.add(True, 0.009)
-        cheap.add(False, 0.010)
-    assert cheap.ratio() == 1.0  # never below a plain step
 
 
 def test_one_empty_step_stops_only_drafts_that_stopped_paying():

@@ -1,0 +1,116 @@
+"""What drafts cost, measured while serving (pure): whether a sequence's drafts pay.
+
+A sequence's ``k`` drafts, each right with probability ``p`` (a step accepts up to its first
+wrong one), yield ``1 + p + … + p^k`` tokens a step where a plain step yields one
+(:func:`pays`). What they cost depends on the batch they ride in:
+
+- where they alone make the step a verifying one (one stream; or every other sequence
+  decodes plainly), the step costs what a verifying step costs in plain ones, as served
+  (:meth:`StepCosts.ratio`): unpipelined where its drafts wait for the step before;
+- where other sequences verify drafts in the same step anyway, only their tokens' share of
+  the step: ``k`` tokens at the step's cost per token (the slope of the verifying steps'
+  time against their tokens, :meth:`StepCosts.slope`), paid by every token the batch makes
+  in that time (:meth:`StepCosts.cost`). On a GPU, where a few more rows of a batch cost
+  nearly nothing, drafts right a third of the time pay; on a CPU, where a batch's time is
+  its tokens' arithmetic, only drafts that are mostly right do. Unless the batch as a
+  whole makes its tokens slower than decoding plainly would (:meth:`StepCosts.batch_pays`):
+  then each sequence's drafts cost a whole verifying step, and the batch falls back to
+  plain decoding rather than each sequence staying because the others do.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import StatisticsError, fmean, linear_regression, median
+
+#: what a verifying step costs, in plain decode steps, until :class:`StepCosts` has
+#: measured it (it is not pipelined where its drafts need the step before's tokens). Served
+#: on the H200, one stream, full acceptance: 2.2 x at k = 1, 3 and 5
+#: (speculative-h200-2026-12-04-curve), 1.8 x at k = 3 in another run; the CPU box: 2.7 x
+#: at k = 3 (speculative-cpu-2026-12-05-pays)
+VERIFY_COST = 2.0
+MAX_COST = 4.0  # a measured cost is taken up to this (an outlier of a loaded machine)
+#: :class:`StepCosts` keeps each kind's last TIMED_STEPS iterations and measures once a
+#: kind has MIN_TIMED
+TIMED_STEPS = 32
+MIN_TIMED = 8
+#: the verifying steps' tokens must spread this much (their standard deviation) for their
+#: times to give a cost per token (a batch whose every row drafts ``k`` gives none)
+MIN_SPREAD = 1.0
+
+
+def pays(right: float, k: int, cost: float = VERIFY_COST) -> bool:
+    """Whether verifying ``k`` drafts, each right with probability ``right`` (a step accepts
+    up to its first wrong one), yields at least ``cost`` tokens a step (what the drafts
+    cost, in the tokens a plain step yields, one): ``1 + right + right² + … + right^k``."""
+    return sum(right ** i for i in range(k + 1)) >= cost
+
+
+@dataclass
+class StepCosts:
+    """The scheduler's iterations timed (:func:`plimsoll.worker.speculate_steps.timed`):
+    those whose step verified drafts (with their tokens) and those whose step decoded
+    plainly, neither with a prompt chunk; and the last one's rows."""
+
+    verifying: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))  # (tokens, s)
+    plain: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))      # seconds
+    rows: int = 1       # the last timed iteration's sequences
+    verifiers: int = 0  # of which verified drafts
+
+    def add(self, rows: int, verifiers: int, tokens: int, seconds: float) -> None:
+        """An iteration of ``rows`` sequences, ``verifiers`` of them verifying drafts,
+        ``tokens`` query tokens in all, took ``seconds``."""
+        self.rows, self.verifiers = rows, verifiers
+        if verifiers:
+            self.verifying.append((tokens, seconds))
+        else:
+            self.plain.append(seconds)
+
+    def ratio(self) -> float:
+        """What a verifying step costs in plain ones: the medians' ratio, between 1 and
+        :data:`MAX_COST`; :data:`VERIFY_COST` until each kind has :data:`MIN_TIMED`."""
+        if min(len(self.verifying), len(self.plain)) < MIN_TIMED:
+            return VERIFY_COST
+        verifying = median(s for _, s in self.verifying)
+        return min(MAX_COST, max(1.0, verifying / median(self.plain)))
+
+    def slope(self) -> float | None:
+        """Seconds per query token of a verifying step (least squares over the verifying
+        iterations, between 0 and their mean time per token); None until there are
+        :data:`MIN_TIMED` whose tokens spread :data:`MIN_SPREAD`."""
+        if len(self.verifying) < MIN_TIMED:
+            return None
+        tokens, seconds = zip(*self.verifying, strict=True)
+        mean = fmean(tokens)
+        if fmean((t - mean) ** 2 for t in tokens) < MIN_SPREAD ** 2:
+            return None
+        try:
+            slope = linear_regression(tokens, seconds).slope
+        except StatisticsError:
+            return None
+        return min(max(slope, 0.0), fmean(seconds) / mean)
+
+    def cost(self, k: int, yields: float) -> float:
+        """What ``k`` more drafts in a step cost, in tokens the drafting sequence must
+        yield (:func:`pays`' ``cost``). Where other sequences verify in the same step
+        (the last iteration's) and a cost per token is known: 1 + the tokens the batch
+        yields a step (``yields`` per verifying row, one per plain row) over the step's
+        time, times the ``k`` tokens' time. Otherwise what a verifying step costs
+        (:meth:`ratio`)."""
+        slope = self.slope()
+        made = self.rows + self.verifiers * (yields - 1)
+        if self.verifiers < 2 or slope is None or not self.batch_pays(made):
+            return self.ratio()
+        step = median(s for _, s in self.verifying)
+        return min(MAX_COST, 1.0 + made * slope * k / step)
+
+    def batch_pays(self, made: float) -> bool:
+        """Whether the last iteration's batch, yielding ``made`` tokens a verifying step,
+        makes them faster than its rows decoding plainly would (:meth:`ratio`; True until
+        both kinds are measured). Where it does not, its drafts cost each sequence a whole
+        verifying step: each alone would see its share of the step nearly free, and all
+        would keep the batch verifying (the CPU's 8 streams)."""
+        if min(len(self.verifying), len(self.plain)) < MIN_TIMED:
+            return True
+        return made >= self.rows * self.ratio()
