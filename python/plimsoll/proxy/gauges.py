@@ -49,7 +49,9 @@ SPECULATIVE_GAUGES = (
     ("acceptance_rate", "accepted / proposed."),
     ("accepted_per_step", "accepted tokens per verifying step (a step yields one more)."),
     ("verify_cost", "what a verifying step costs in plain decode steps, as measured while "
-                    "serving (a sequence's drafts stop where they yield less)."))
+                    "serving."),
+    ("draft_cost", "what a sequence's drafts cost in the batch as it runs, in tokens they "
+                   "must yield a step (its drafts stop where they yield less)."))
 
 
 def gauges(p: Poll, trip_count: Callable[[str], int]) -> list[Metric]:

@@ -238,4 +238,5 @@ def test_metrics_carry_the_acceptance_per_model():
     assert 'plimsoll_speculative_acceptance_rate{model="m"} 0.6667' in text
     assert 'plimsoll_speculative_accepted_per_step{model="m"} 2.0' in text
     assert 'plimsoll_speculative_verify_cost{model="m"} 2.0' in text  # nothing timed yet
+    assert 'plimsoll_speculative_draft_cost{model="m"} 2.0' in text
     assert 'model="n"' not in "\n".join(x for x in text.splitlines() if "speculative" in x)
