@@ -5,11 +5,12 @@ wrong one), yield ``1 + p + … + p^k`` tokens a step where a plain step yields 
 (:func:`pays`). What they cost depends on the batch they ride in:
 
 - where they alone make the step a verifying one (one stream; or every other sequence
-  decodes plainly), the step costs what a verifying step costs in plain ones, as served
-  (:meth:`StepCosts.ratio`): unpipelined where its drafts wait for the step before;
+  decodes plainly), the step costs what a verifying step costs in plain ones, row for row,
+  as served (:meth:`StepCosts.ratio`): unpipelined where its drafts wait for the step
+  before;
 - where other sequences verify drafts in the same step anyway, only their tokens' share of
   the step: ``k`` tokens at the step's cost per token (the slope of the verifying steps'
-  time against their tokens, :meth:`StepCosts.slope`), paid by every token the batch makes
+  time against their tokens, :meth:`StepCosts.line`), paid by every token the batch makes
   in that time (:meth:`StepCosts.cost`). On a GPU, where a few more rows of a batch cost
   nearly nothing, drafts right a third of the time pay; on a CPU, where a batch's time is
   its tokens' arithmetic, only drafts that are mostly right do. Unless the batch as a
@@ -50,11 +51,13 @@ def pays(right: float, k: int, cost: float = VERIFY_COST) -> bool:
 @dataclass
 class StepCosts:
     """The scheduler's iterations timed (:func:`plimsoll.worker.speculate_steps.timed`):
-    those whose step verified drafts (with their tokens) and those whose step decoded
-    plainly, neither with a prompt chunk; and the last one's rows."""
+    those whose step verified drafts and those whose step decoded plainly, neither with a
+    prompt chunk; and the last one's rows."""
 
-    verifying: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))  # (tokens, s)
-    plain: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))      # seconds
+    #: (rows, query tokens, seconds) of the last verifying iterations; (rows, seconds) of
+    #: the last plain ones
+    verifying: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
+    plain: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
     rows: int = 1       # the last timed iteration's sequences
     verifiers: int = 0  # of which verified drafts
 
@@ -63,25 +66,17 @@ class StepCosts:
         ``tokens`` query tokens in all, took ``seconds``."""
         self.rows, self.verifiers = rows, verifiers
         if verifiers:
-            self.verifying.append((tokens, seconds))
+            self.verifying.append((rows, tokens, seconds))
         else:
-            self.plain.append(seconds)
+            self.plain.append((rows, seconds))
 
-    def ratio(self) -> float:
-        """What a verifying step costs in plain ones: the medians' ratio, between 1 and
-        :data:`MAX_COST`; :data:`VERIFY_COST` until each kind has :data:`MIN_TIMED`."""
-        if min(len(self.verifying), len(self.plain)) < MIN_TIMED:
-            return VERIFY_COST
-        verifying = median(s for _, s in self.verifying)
-        return min(MAX_COST, max(1.0, verifying / median(self.plain)))
-
-    def slope(self) -> float | None:
-        """Seconds per query token of a verifying step (least squares over the verifying
-        iterations, between 0 and their mean time per token); None until there are
-        :data:`MIN_TIMED` whose tokens spread :data:`MIN_SPREAD`."""
+    def line(self) -> tuple[float, float] | None:
+        """A verifying step's seconds as ``fixed + per_token × tokens`` (least squares over
+        the verifying iterations; ``per_token`` between 0 and their mean time per token);
+        None until there are :data:`MIN_TIMED` whose tokens spread :data:`MIN_SPREAD`."""
         if len(self.verifying) < MIN_TIMED:
             return None
-        tokens, seconds = zip(*self.verifying, strict=True)
+        _, tokens, seconds = zip(*self.verifying, strict=True)
         mean = fmean(tokens)
         if fmean((t - mean) ** 2 for t in tokens) < MIN_SPREAD ** 2:
             return None
@@ -89,28 +84,45 @@ class StepCosts:
             slope = linear_regression(tokens, seconds).slope
         except StatisticsError:
             return None
-        return min(max(slope, 0.0), fmean(seconds) / mean)
+        slope = min(max(slope, 0.0), fmean(seconds) / mean)
+        return fmean(seconds) - slope * mean, slope
+
+    def ratio(self) -> float:
+        """What a verifying step costs in plain ones, row for row, between 1 and
+        :data:`MAX_COST`: the ratio of each kind's median time per row where each has
+        :data:`MIN_TIMED` iterations; else, where plain steps are rare (every row drafts),
+        a plain step is taken as the verifying steps' :meth:`line` at one token a row;
+        else :data:`VERIFY_COST`."""
+        line = self.line()
+        if len(self.verifying) >= MIN_TIMED and len(self.plain) >= MIN_TIMED:
+            ratio = median(s / r for r, _, s in self.verifying) / \
+                median(s / r for r, s in self.plain)
+        elif line is not None:
+            fixed, slope = line
+            rows, tokens, _ = (median(x) for x in zip(*self.verifying, strict=True))
+            ratio = (fixed + slope * tokens) / max(fixed + slope * rows, 1e-9)
+        else:
+            return VERIFY_COST
+        return min(MAX_COST, max(1.0, ratio))
 
     def cost(self, k: int, yields: float) -> float:
         """What ``k`` more drafts in a step cost, in tokens the drafting sequence must
         yield (:func:`pays`' ``cost``). Where other sequences verify in the same step
-        (the last iteration's) and a cost per token is known: 1 + the tokens the batch
-        yields a step (``yields`` per verifying row, one per plain row) over the step's
-        time, times the ``k`` tokens' time. Otherwise what a verifying step costs
-        (:meth:`ratio`)."""
-        slope = self.slope()
+        (the last iteration's), a cost per token is known and the batch's drafting pays
+        (:meth:`batch_pays`): 1 + the tokens the batch yields a step (``yields`` per
+        verifying row, one per plain row) over the step's time, times the ``k`` tokens'
+        time. Otherwise what a verifying step costs (:meth:`ratio`)."""
+        line = self.line()
         made = self.rows + self.verifiers * (yields - 1)
-        if self.verifiers < 2 or slope is None or not self.batch_pays(made):
+        if self.verifiers < 2 or line is None or not self.batch_pays(made):
             return self.ratio()
-        step = median(s for _, s in self.verifying)
-        return min(MAX_COST, 1.0 + made * slope * k / step)
+        step = median(s for _, _, s in self.verifying)
+        return min(MAX_COST, 1.0 + made * line[1] * k / step)
 
     def batch_pays(self, made: float) -> bool:
         """Whether the last iteration's batch, yielding ``made`` tokens a verifying step,
-        makes them faster than its rows decoding plainly would (:meth:`ratio`; True until
-        both kinds are measured). Where it does not, its drafts cost each sequence a whole
-        verifying step: each alone would see its share of the step nearly free, and all
-        would keep the batch verifying (the CPU's 8 streams)."""
-        if min(len(self.verifying), len(self.plain)) < MIN_TIMED:
-            return True
+        makes them faster than its rows decoding plainly would (:meth:`ratio`). Where it
+        does not, its drafts cost each sequence a whole verifying step: each alone would
+        see its share of the step nearly free, and all would keep the batch verifying (the
+        CPU's 8 streams)."""
         return made >= self.rows * self.ratio()

@@ -42,6 +42,11 @@ def test_the_cost_of_a_verifying_step_is_measured_once_both_kinds_were_timed():
         cheap.add(1, 1, 4, 0.009)
         cheap.add(1, 0, 1, 0.010)
     assert cheap.ratio() == 1.0  # never below a plain step
+    rows = StepCosts()  # row for row: 8 rows plain against 1 row verifying
+    for _ in range(MIN_TIMED):
+        rows.add(8, 0, 8, 0.016)
+        rows.add(1, 1, 4, 0.004)
+    assert rows.ratio() == pytest.approx(2.0)
 
 
 def batch(per_token: float, fixed: float = 0.010, rows: int = 8) -> StepCosts:
@@ -58,15 +63,28 @@ def batch(per_token: float, fixed: float = 0.010, rows: int = 8) -> StepCosts:
 
 def test_the_cost_per_token_is_the_verifying_steps_slope():
     gpu, cpu = batch(0.00002), batch(0.001, fixed=0.001)
-    assert gpu.slope() == pytest.approx(0.00002) and cpu.slope() == pytest.approx(0.001)
+    assert gpu.line() == pytest.approx((0.010, 0.00002))
+    assert cpu.line() == pytest.approx((0.001, 0.001))
     same = StepCosts()
     for _ in range(MIN_TIMED):
         same.add(8, 8, 32, 0.02)  # every row drafts 3: no spread, no slope
-    assert same.slope() is None
+    assert same.line() is None
     noisy = StepCosts()
     for i in range(MIN_TIMED):
         noisy.add(8, 8, 16 + 8 * (i % 3), 0.02 - 0.001 * (i % 3))  # faster with more tokens
-    assert noisy.slope() == 0.0
+    assert noisy.line()[1] == 0.0
+
+
+def test_where_plain_steps_are_rare_the_line_stands_in_for_them():
+    """Every row drafting: a plain step of 8 rows is the verifying steps' line at 8 tokens
+    — nearly a verifying step's on a GPU, a quarter of one on a CPU."""
+    gpu, cpu = StepCosts(), StepCosts()
+    for i in range(MIN_TIMED):
+        tokens = 8 + 8 * (1 + i % 3)
+        gpu.add(8, 8, tokens, 0.010 + 0.00002 * tokens)
+        cpu.add(8, 8, tokens, 0.001 + 0.001 * tokens)
+    assert gpu.ratio() < 1.1
+    assert cpu.ratio() == pytest.approx((0.001 + 0.024) / (0.001 + 0.008))
 
 
 def test_drafts_in_a_verifying_batch_cost_their_tokens_share():
