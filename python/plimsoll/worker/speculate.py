@@ -19,12 +19,13 @@ them. Constrained sequences decode plainly (a row's mask needs each previous tok
 - :class:`Drafter` keeps each sequence's draft length: it starts at ``most``, or shorter
   where the drafts verified so far were mostly rejected (:func:`start_length`: a proposer
   that keeps failing costs a new sequence one short retry, not ``most`` longer steps, nor a
-  draft model's prefill of its whole prompt); one more after a step that accepted everything
-  (up to ``most``), one fewer after a step that found no match, and 0 after a step that
-  rejected a draft where the sequence's drafts no longer pay (:func:`~.draft_costs.pays`:
+  draft model's prefill of its whole prompt); one fewer after a step that found no match; 0
+  after a verifying step where the sequence's drafts no longer pay (:func:`~.draft_costs.pays`:
   its estimated chance that a draft is right, :meth:`Drafter.rate`, against what its drafts
   cost in the batch as it runs, measured while serving, :mod:`.draft_costs`; an unlucky step
-  of a proposer that is right 80 % of the time does not shorten it). At 0 the sequence
+  of a proposer that is right 80 % of the time does not shorten it; a retry's outcome is
+  judged hopefully, its rate one standard error up); else one more after a step that
+  accepted everything (up to ``most``). At 0 the sequence
   decodes plainly (and pipelined) and tries one draft again every :data:`RETRY_STEPS` steps
   (four times as many where drafts have failed nearly everywhere, :func:`start_wait`; twice
   as many after each retry that accepted nothing, up to :data:`MAX_RETRY_STEPS`). Retries
@@ -211,14 +212,17 @@ class Drafter:
         """Whether ``seq_id`` is at draft length 0 (a draft it makes is a retry)."""
         return self._current(seq_id) == 0
 
-    def rate(self, seq_id: int) -> float:
+    def rate(self, seq_id: int, hopeful: bool = False) -> float:
         """``seq_id``'s estimated chance that a draft is right: its own verified drafts
         (decayed) and :data:`PRIOR_DRAFTS` drafts at every sequence's rate so far (one half
-        before any)."""
+        before any). ``hopeful``: one standard error higher (a retry's outcome is judged
+        on what the drafts may be: it is how a sequence at 0 finds out)."""
         f = self.figures
         prior = (f.accepted + 1) / (f.accepted + f.rejected + 2)
         right, wrong = self._verified.get(seq_id, (0.0, 0.0))
-        return (right + PRIOR_DRAFTS * prior) / (right + wrong + PRIOR_DRAFTS)
+        weight = right + wrong + PRIOR_DRAFTS
+        rate = (right + PRIOR_DRAFTS * prior) / weight
+        return min(1.0, rate + (rate * (1 - rate) / weight) ** 0.5) if hopeful else rate
 
     def cost(self, seq_id: int | None = None) -> float:
         """What a sequence's drafts (:attr:`most`) cost in the batch as it runs, in the
@@ -352,10 +356,11 @@ class Drafter:
         rejected = int(accepted < drafts)
         right, wrong = self._verified.get(seq_id, (0.0, 0.0))
         self._verified[seq_id] = (DECAY * right + accepted, DECAY * wrong + rejected)
-        if drafts and accepted == drafts:
-            self._length[seq_id] = min(self.most, max(k, drafts) + 1)
-        elif not drafts or not pays(self.rate(seq_id), self.most, self.cost(seq_id)):
+        right = self.rate(seq_id, hopeful=k == 0)
+        if not drafts or not pays(right, self.most, self.cost(seq_id)):
             self._length[seq_id] = 0  # found nothing (chained), or drafts that do not pay
+        elif accepted == drafts:
+            self._length[seq_id] = min(self.most, max(k, drafts) + 1)
         if accepted:
             self._wait.pop(seq_id, None)
         elif k == 0:  # a retry (its length stays 0 while it drafts one)

@@ -45,13 +45,27 @@ def test_retries_back_off_while_they_accept_nothing():
     # to the next multiple of 32
     assert steps == [RETRY_STEPS, 32, 64, 128, MAX_RETRY_STEPS, 2 * MAX_RETRY_STEPS,
                      3 * MAX_RETRY_STEPS]
-    retry(1)  # accepted: its length is back up, its wait reset
-    d.tick()
-    assert d.wants(7) and d.propose(7, toks, 10) == (1,)
-    d.started(7, 5, 1)
-    d.settle(7, 0)
+    retry(1)  # accepted: its wait reset; its length stays 0 (one right in nine: no pay)
+    assert d.retrying(7) and d._retry(7) == RETRY_STEPS
     at = d.clock
     assert retry(0) == (at // RETRY_STEPS + 1) * RETRY_STEPS
+
+
+def test_a_retry_that_accepts_drafts_again_where_its_drafts_may_pay():
+    """A retry is judged hopefully (its rate one standard error up): a sequence of a
+    proposer right 70 % of the time, at 0 after an unlucky run, drafts again once a retry
+    accepts; where a verifying step costs four plain ones, it stays at 0."""
+    for cost, back in ((2.0, 2), (4.0, 0)):
+        d = Drafter(3, 3, figures=Figures(proposed=100, accepted=70, rejected=30))
+        d.costs.verifying.extend([(1, 4, cost)] * 8)
+        d.costs.plain.extend([(1, 1.0)] * 8)
+        for _ in range(3):
+            d.started(7, 0, 3)
+            d.settle(7, 0)
+        assert d.retrying(7) and d.rate(7) < 0.5 < d.rate(7, hopeful=True)
+        d.started(7, 0, 1)
+        d.settle(7, 1)
+        assert d.length(7) == back
 
 
 def test_sequences_whose_drafts_fail_retry_in_the_same_step():
