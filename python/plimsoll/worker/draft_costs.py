@@ -60,6 +60,8 @@ class StepCosts:
     plain: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
     rows: int = 1       # the last timed iteration's sequences
     verifiers: int = 0  # of which verified drafts
+    #: line() and ratio() since the last add (settle asks once per verifying row a step)
+    _memo: dict = field(default_factory=dict, repr=False)
 
     def add(self, rows: int, verifiers: int, tokens: int, seconds: float) -> None:
         """An iteration of ``rows`` sequences, ``verifiers`` of them verifying drafts,
@@ -69,11 +71,17 @@ class StepCosts:
             self.verifying.append((rows, tokens, seconds))
         else:
             self.plain.append((rows, seconds))
+        self._memo.clear()
 
     def line(self) -> tuple[float, float] | None:
         """A verifying step's seconds as ``fixed + per_token × tokens`` (least squares over
         the verifying iterations; ``per_token`` between 0 and their mean time per token);
         None until there are :data:`MIN_TIMED` whose tokens spread :data:`MIN_SPREAD`."""
+        if "line" not in self._memo:
+            self._memo["line"] = self._line()
+        return self._memo["line"]
+
+    def _line(self) -> tuple[float, float] | None:
         if len(self.verifying) < MIN_TIMED:
             return None
         _, tokens, seconds = zip(*self.verifying, strict=True)
@@ -93,6 +101,11 @@ class StepCosts:
         :data:`MIN_TIMED` iterations; else, where plain steps are rare (every row drafts),
         a plain step is taken as the verifying steps' :meth:`line` at one token a row;
         else :data:`VERIFY_COST`."""
+        if "ratio" not in self._memo:
+            self._memo["ratio"] = self._ratio()
+        return self._memo["ratio"]
+
+    def _ratio(self) -> float:
         line = self.line()
         if len(self.verifying) >= MIN_TIMED and len(self.plain) >= MIN_TIMED:
             ratio = median(s / r for r, _, s in self.verifying) / \
@@ -102,7 +115,7 @@ class StepCosts:
             rows, tokens, _ = (median(x) for x in zip(*self.verifying, strict=True))
             ratio = (fixed + slope * tokens) / max(fixed + slope * rows, 1e-9)
         else:
-            return VERIFY_COST
+            ratio = VERIFY_COST
         return min(MAX_COST, max(1.0, ratio))
 
     def cost(self, k: int, yields: float) -> float:

@@ -20,21 +20,21 @@ them. Constrained sequences decode plainly (a row's mask needs each previous tok
   where the drafts verified so far were mostly rejected (:func:`start_length`: a proposer
   that keeps failing costs a new sequence one short retry, not ``most`` longer steps, nor a
   draft model's prefill of its whole prompt); one fewer after a step that found no match; 0
-  after a verifying step where the sequence's drafts no longer pay (:func:`~.draft_costs.pays`:
-  its estimated chance that a draft is right, :meth:`Drafter.rate`, against what its drafts
-  cost in the batch as it runs, measured while serving, :mod:`.draft_costs`; an unlucky step
-  of a proposer that is right 80 % of the time does not shorten it; a retry's outcome is
-  judged hopefully, its rate one standard error up); else one more after a step that
-  accepted everything (up to ``most``). At 0 the sequence
-  decodes plainly (and pipelined) and tries one draft again every :data:`RETRY_STEPS` steps
-  (four times as many where drafts have failed nearly everywhere, :func:`start_wait`; twice
-  as many after each retry that accepted nothing, up to :data:`MAX_RETRY_STEPS`). Retries
-  keep one clock (:meth:`Drafter.tick`, once a step): a sequence retries at the steps that
-  are multiples of its interval, and the intervals are powers of two, so sequences whose
-  drafts keep failing retry in the same step: the step is unpipelined (its drafts need the
-  previous token) once, not once per sequence. A seeded sequence keeps its own clock instead
-  (from its first decode step): which steps verify drafts decides its random draws, and its
-  seed reproduces its tokens alone or batched.
+  after a verifying step where the sequence's drafts no longer pay
+  (:func:`~.draft_costs.pays`: its estimated chance that a draft is right,
+  :meth:`Drafter.rate`, against what its drafts cost in the batch as it runs, measured while
+  serving, :mod:`.draft_costs`; an unlucky step of a proposer that is right 80 % of the time
+  does not shorten it; a retry's outcome is judged hopefully, its rate one standard error
+  up); else one more after a step that accepted everything (up to ``most``). At 0 the
+  sequence decodes plainly (and pipelined) and tries one draft again every
+  :data:`RETRY_STEPS` steps (four times as many where drafts have failed nearly everywhere,
+  :func:`start_wait`; twice as many after each retry that accepted nothing, up to
+  :data:`MAX_RETRY_STEPS`). Retries keep one clock (:meth:`Drafter.tick`, once a step): a
+  sequence retries at the steps that are multiples of its interval, and the intervals are
+  powers of two, so sequences whose drafts keep failing retry in the same step: the step is
+  unpipelined (its drafts need the previous token) once, not once per sequence. A seeded
+  sequence keeps its own clock instead (from its first decode step): which steps verify
+  drafts decides its random draws, and its seed reproduces its tokens alone or batched.
   Its counters are the status's ``speculative`` figures.
 - The scheduler's side, as functions over the drafter and a sequence, is
   :mod:`.speculate_steps` (the previous step read before planning or not, the drafts as the
@@ -356,8 +356,8 @@ class Drafter:
         rejected = int(accepted < drafts)
         right, wrong = self._verified.get(seq_id, (0.0, 0.0))
         self._verified[seq_id] = (DECAY * right + accepted, DECAY * wrong + rejected)
-        right = self.rate(seq_id, hopeful=k == 0)
-        if not drafts or not pays(right, self.most, self.cost(seq_id)):
+        rate = self.rate(seq_id, hopeful=k == 0)
+        if not drafts or not pays(rate, self.most, self.cost(seq_id)):
             self._length[seq_id] = 0  # found nothing (chained), or drafts that do not pay
         elif accepted == drafts:
             self._length[seq_id] = min(self.most, max(k, drafts) + 1)
