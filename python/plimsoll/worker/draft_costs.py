@@ -22,8 +22,10 @@ wrong one), yield ``1 + p + … + p^k`` tokens a step where a plain step yields 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import StatisticsError, fmean, linear_regression, median
+from typing import Any
 
 #: what a verifying step costs, in plain decode steps, until :class:`StepCosts` has
 #: measured it (it is not pipelined where its drafts need the step before's tokens). Served
@@ -60,7 +62,8 @@ class StepCosts:
     plain: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
     rows: int = 1       # the last timed iteration's sequences
     verifiers: int = 0  # of which verified drafts
-    #: line() and ratio() since the last add (settle asks once per verifying row a step)
+    #: what line(), ratio() and cost() derive, since the last add (settle asks once per
+    #: verifying row a step)
     _memo: dict = field(default_factory=dict, repr=False)
 
     def add(self, rows: int, verifiers: int, tokens: int, seconds: float) -> None:
@@ -73,13 +76,16 @@ class StepCosts:
             self.plain.append((rows, seconds))
         self._memo.clear()
 
+    def _once(self, name: str, derive: Callable[[], Any]) -> Any:
+        if name not in self._memo:
+            self._memo[name] = derive()
+        return self._memo[name]
+
     def line(self) -> tuple[float, float] | None:
         """A verifying step's seconds as ``fixed + per_token × tokens`` (least squares over
         the verifying iterations; ``per_token`` between 0 and their mean time per token);
         None until there are :data:`MIN_TIMED` whose tokens spread :data:`MIN_SPREAD`."""
-        if "line" not in self._memo:
-            self._memo["line"] = self._line()
-        return self._memo["line"]
+        return self._once("line", self._line)
 
     def _line(self) -> tuple[float, float] | None:
         if len(self.verifying) < MIN_TIMED:
@@ -101,16 +107,13 @@ class StepCosts:
         :data:`MIN_TIMED` iterations; else, where plain steps are rare (every row drafts),
         a plain step is taken as the verifying steps' :meth:`line` at one token a row;
         else :data:`VERIFY_COST`."""
-        if "ratio" not in self._memo:
-            self._memo["ratio"] = self._ratio()
-        return self._memo["ratio"]
+        return self._once("ratio", self._ratio)
 
     def _ratio(self) -> float:
-        line = self.line()
         if len(self.verifying) >= MIN_TIMED and len(self.plain) >= MIN_TIMED:
             ratio = median(s / r for r, _, s in self.verifying) / \
                 median(s / r for r, s in self.plain)
-        elif line is not None:
+        elif (line := self.line()) is not None:
             fixed, slope = line
             rows, tokens, _ = (median(x) for x in zip(*self.verifying, strict=True))
             ratio = (fixed + slope * tokens) / max(fixed + slope * rows, 1e-9)
@@ -129,7 +132,7 @@ class StepCosts:
         made = self.rows + self.verifiers * (yields - 1)
         if self.verifiers < 2 or line is None or not self.batch_pays(made):
             return self.ratio()
-        step = median(s for _, _, s in self.verifying)
+        step = self._once("step", lambda: median(s for _, _, s in self.verifying))
         return min(MAX_COST, 1.0 + made * line[1] * k / step)
 
     def batch_pays(self, made: float) -> bool:
