@@ -25,7 +25,7 @@ let
     starlette = "0.50.0"; uvicorn = "0.38.0"; httpx = "0.28.1"; prometheus-client = "0.23.1";
     pytestCheckHook = "8.4.2"; hypothesis = "6.142.4"; numpy = "2.3.4"; transformers = "5.7.0";
     sentencepiece = "0.2.1"; protobuf = "6.32.1"; pyyaml = "6.0.3"; jinja2 = "3.1.6";
-    mlx = "0.31.1"; mlx-lm = "0.29.1"; httpcore = "1.0.9"; llguidance = "1.3.0"; msgpack = "1.1.2";
+    mlx = "0.31.1"; mlx-lm = "0.29.1"; httptools = "0.6.4"; llguidance = "1.3.0"; msgpack = "1.1.2";
     huggingface-hub = "1.1.4";
   };
 
