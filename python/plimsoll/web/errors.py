@@ -27,7 +27,7 @@ OLLAMA_PREFIX = "/api/"
 
 def is_anthropic(request: Request) -> bool:
     """True on the Anthropic routes (``/v1/messages``, ``/v1/messages/count_tokens``)."""
-    return request.url.path.startswith("/v1/messages")
+    return request.scope["path"].startswith("/v1/messages")  # no URL object built per request
 
 
 def is_ollama_path(path: str) -> bool:
