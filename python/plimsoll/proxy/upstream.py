@@ -8,7 +8,7 @@ redirects, cookies, cancel scopes, an h11 state machine per event): :meth:`Upstr
 writes the request in one ``write`` on an asyncio connection of the pool, and the answer is
 parsed as it arrives by ``httptools`` (the C parser uvicorn uses; it handles chunked and
 sized bodies), its body handed out as it comes (:class:`Answer`). On the 2-core box this cut
-the client side of a relayed request from ~370 µs of CPU (httpcore) to ~85 µs.
+the client side of a relayed request from ~370 µs of CPU (httpcore) to ~75 µs.
 
 A connection goes back to the pool only when its answer was read to its end and both sides
 keep it alive; an answer left half-read (its client went away) closes its connection. An

@@ -139,6 +139,22 @@ def test_a_connection_that_breaks_mid_answer_raises_connection_lost():
     run(main())
 
 
+def test_bytes_that_are_not_http_are_a_bad_answer_and_close_the_connection():
+    async def main():
+        async with Server(lambda req: [b"SSH-2.0-OpenSSH\r\n\r\n"]) as s:
+            up = Upstream()
+            with pytest.raises(upstream.BadAnswer, match="not HTTP"):
+                await up.post("127.0.0.1", s.port, "/x", {}, b"{}")
+            s.answer = lambda req: sized(b"{}")
+            a = await up.post("127.0.0.1", s.port, "/x", {}, b"{}")  # a new connection
+            assert await a.aread() == b"{}"
+            await a.aclose()
+            await up.aclose()
+        assert s.connections == 2
+
+    run(main())
+
+
 def test_a_refused_connection_is_connect_failed():
     async def main():
         async with Server(lambda req: []) as s:
