@@ -148,8 +148,8 @@ async def relay(upstream: upstream_mod.Answer, lease: Lease, *, anthropic: bool 
     chunks = upstream.aiter_raw()
     try:
         while True:
-            # Read in place: a client that leaves cancels this read (httpcore then closes
-            # the upstream connection), a shutdown's drain time running out too.
+            # Read in place: a client that leaves cancels this read (the half-read answer then
+            # closes its upstream connection below), a shutdown's drain time running out too.
             try:
                 chunk = await until_drained(anext(chunks), drain)
             except StopAsyncIteration:
