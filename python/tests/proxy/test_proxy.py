@@ -26,7 +26,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from serve_process import Served
+from serve_process import Served, worker_headers
 
 MSG = [{"role": "user", "content": "hello there"}]
 
@@ -210,6 +210,28 @@ def test_kill_9_mid_stream_is_a_reasoned_error_and_the_next_request_restarts(pro
     assert ("crash", "b") in kinds
     assert chat(client, "b").model == "b"
     assert proxy.worker("b")["pid"] != pid
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request_on_the_worker(proxy):
+    """The proxy closes the half-read answer's connection; the worker sees its client go and
+    frees the request (its status, read directly with the worker's secret)."""
+    chat(proxy.client(), "b")
+    w = proxy.worker("b")
+    status = lambda: httpx.get(w["url"] + "/v1/plimsoll/status",  # noqa: E731
+                               headers=worker_headers(w["pid"]), timeout=10).json()
+    cancelled = status()["counters"].get("cancelled", 0)
+    body = {"model": "b", "messages": MSG, "max_tokens": 1000, "temperature": 0,
+            "stream": True}
+    with httpx.Client(timeout=60) as h, h.stream(
+            "POST", proxy.url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert status()["running"] == 1
+    wait_for(lambda: status()["running"] == 0, 10, "the worker to end the left request")
+    assert status()["counters"].get("cancelled", 0) == cancelled + 1
+    wait_for(lambda: proxy.worker("b")["inflight"] == 0, 10, "the proxy's lease released")
 
 
 def test_a_small_model_stays_co_resident_and_is_unloaded_when_idle(proxy):
