@@ -70,8 +70,9 @@ def _readable(sock: Any) -> bool:
 class _Connection(asyncio.Protocol):
     """One connection to a worker and the answer being read on it (httptools' callbacks)."""
 
+    transport: asyncio.Transport  # set by connection_made, before create_connection returns
+
     def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.lost: UpstreamError | None = None
         self.idle_since = 0.0
@@ -118,7 +119,7 @@ class _Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
         self.held += len(body)
-        if self.held > HIGH_WATER and not self.paused and self.transport is not None:
+        if self.held > HIGH_WATER and not self.paused:
             self.paused = True
             self.transport.pause_reading()
         self._wake()
@@ -146,7 +147,7 @@ class _Connection(asyncio.Protocol):
             return None
         chunk = self.chunks.popleft()
         self.held -= len(chunk)
-        if self.paused and self.held <= LOW_WATER and self.transport is not None:
+        if self.paused and self.held <= LOW_WATER:
             self.paused = False
             self.transport.resume_reading()
         return chunk
@@ -159,13 +160,12 @@ class _Connection(asyncio.Protocol):
             self.waiter = None
 
     def reusable(self, now: float) -> bool:
-        return (self.lost is None and self.transport is not None
-                and not self.transport.is_closing() and now - self.idle_since < KEEPALIVE_S
+        return (self.lost is None and not self.transport.is_closing()
+                and now - self.idle_since < KEEPALIVE_S
                 and not _readable(self.transport.get_extra_info("socket")))
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        self.transport.close()
 
 
 class Answer:
@@ -229,7 +229,7 @@ class Upstream:
         conn: _Connection | None = None
         try:
             conn = await self._connection(key)
-            conn.transport.write(request)  # type: ignore[union-attr]
+            conn.transport.write(request)
             await conn.head
             return Answer(self, key, conn)
         except BaseException:
