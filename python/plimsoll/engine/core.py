@@ -59,7 +59,7 @@ from plimsoll.engine.attention import fused_prefill, route_attention
 from plimsoll.engine.chain import Chains
 from plimsoll.engine.decode_index import DecodeReads
 from plimsoll.engine.groups import state_index
-from plimsoll.engine.limits import backend_env_defaults
+from plimsoll.engine.limits import backend_env_defaults, clear_buffer_cache
 from plimsoll.engine.paged import FullAttention, RecurrentState, mx_dtype
 from plimsoll.engine.pending import Pending
 from plimsoll.engine.quantized import QuantizedAttention
@@ -296,7 +296,8 @@ class Engine:
         return out
 
     def clear_cache(self) -> None:
-        mx.clear_cache()
+        """The trip's clear of what the process holds freed: :func:`limits.clear_buffer_cache`."""
+        clear_buffer_cache()
 
     # ------------------------------------------------------------------ sequences
 

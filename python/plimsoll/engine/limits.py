@@ -6,6 +6,9 @@ Imports mlx; the worker enters :func:`process_limits` once, on its engine thread
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import os
 
 import mlx.core as mx
@@ -49,9 +52,28 @@ def active_memory() -> int:
     return mx.get_active_memory()
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
+    libc = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(libc).malloc_trim if libc else None
+    except (OSError, AttributeError):
+        return None
+
+
 def clear_buffer_cache() -> None:
-    """Return MLX's cached (freed but kept) buffers to the OS: part of the trip's clear."""
+    """Return MLX's cached (freed but kept) buffers to the OS: part of the trip's clear.
+
+    Then glibc's ``malloc_trim(0)``: MLX's CPU backend mallocs every array, and one under the
+    worker's mmap threshold (``plimsoll.launch.spawn.MALLOC_MMAP_THRESHOLD``, 32 MiB) goes
+    back to a glibc heap when freed, still resident — a prefill burst's activations held
+    ~16 MiB over a guard's soft line after the clear until the heap was trimmed. On Metal and
+    CUDA it returns the host's small allocations only."""
     mx.clear_cache()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @contextlib.contextmanager

@@ -205,9 +205,9 @@ class Scheduler:
     def iterate(self) -> None:
         """One step of the loop (public for pure tests that drive it with a fake engine)."""
         began = time.perf_counter()
+        if self.line.due(bool(self._running)):  # before intake: a trip is judged on memory
+            self._check_trip()  # now, not refused on a reading from before memory came back
         self._take_inbox()
-        if self.line.due(bool(self._running)):
-            self._check_trip()
         self._end_cancelled()
         spec.begin_step(self.drafter)  # the retry clock
         if self._pending is not None and spec.drafting_waits(self.drafter, self._running):

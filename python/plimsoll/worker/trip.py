@@ -2,9 +2,10 @@
 the emergency clear (docs/DESIGN.md, "The invariants": the trip).
 
 :class:`MemoryLine` is held by the scheduler and runs on its thread. Over a line, the clear
-comes first (cached blocks and state snapshots dropped, MLX's buffer cache emptied); still
-over after it, the scheduler sheds work: every waiting request, then the newest running one,
-one per iteration (:func:`shed` picks them; the scheduler refuses and ends them).
+comes first (cached blocks and state snapshots dropped, MLX's buffer cache emptied, the C
+heap trimmed); still over after it, the scheduler sheds work: every waiting request, then the
+newest running one, one per iteration (:func:`shed` picks them; the scheduler refuses and
+ends them).
 """
 
 from __future__ import annotations
@@ -69,19 +70,26 @@ class MemoryLine:
         return ""
 
     def check(self, trip_bytes: int, pool: Any, engine: Any, counters: Counter[str]) -> bool:
-        """Probe; over a line with cached blocks, the emergency clear, then probe again.
+        """Probe; over a line, the emergency clear, then probe again.
         Sets :attr:`tripped` to why memory is still over ("" when it is not) and returns
-        whether that changed or is still set (a reader of the status must see it)."""
+        whether that changed or is still set (a reader of the status must see it).
+
+        The clear is cached blocks and snapshots dropped (a trip, counted and logged, when
+        there were any) and, every time memory is over, the engine's freed memory handed
+        back (MLX's buffer cache, the C heap): a step in flight at the first clear frees its
+        buffers after it, and without a clear at each probe they kept the worker over its
+        line with nothing left to drop."""
         self.probed_at = time.monotonic()
         was = self.tripped
         over = self.over(trip_bytes)
-        if over and pool.cached:
-            pool.drop_cached()
-            for key in pool.take_dropped_snapshots():
-                engine.drop_snapshot(key)
+        if over:
+            if pool.cached:
+                pool.drop_cached()
+                for key in pool.take_dropped_snapshots():
+                    engine.drop_snapshot(key)
+                counters["trips"] += 1
+                log.warning("trip: %s; dropped cached blocks", over)
             engine.clear_cache()
-            counters["trips"] += 1
-            log.warning("trip: %s; dropped cached blocks", over)
             over = self.over(trip_bytes)
         if over and not self.tripped:
             log.error("trip: %s after the emergency clear; refusing new work", over)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 
 import pytest
 from hypothesis import given
@@ -20,7 +21,7 @@ from plimsoll.worker import prefix
 from plimsoll.worker.events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
 from plimsoll.worker.pool import BlockPool
 from plimsoll.worker.scheduler import Scheduler
-from plimsoll.worker.trip import PROBE_INTERVAL_S
+from plimsoll.worker.trip import PROBE_INTERVAL_S, MemoryLine
 
 pytestmark = pytest.mark.pure
 
@@ -345,6 +346,51 @@ def test_over_the_trip_the_cache_goes_first_then_the_waiters_then_the_newest_run
     _, later = request(s, range(500, 510), 4)
     drain(s)
     assert again[0].cached_tokens == 0 and later[-1] == Finished("length", 4)
+
+
+def test_over_a_line_with_nothing_cached_the_engine_still_hands_back_freed_memory():
+    """A step in flight at the first clear frees its buffers after it: every probe over a
+    line clears the engine's freed memory again (not only while blocks are cached), and
+    memory that comes back under the line lifts the trip; no trip is counted without blocks
+    to drop."""
+    reading = {"mlx_active": 5000}
+    cleared = []
+
+    class Engine:
+        def clear_cache(self):
+            cleared.append(reading["mlx_active"])
+            reading["mlx_active"] = 500  # the freed buffers went back
+
+        def drop_snapshot(self, key):
+            raise AssertionError(key)
+
+    line, counters = MemoryLine(lambda: dict(reading)), Counter()
+    pool = BlockPool(total=8, block_tokens=4, cache_cap_blocks=8)
+    assert line.check(1000, pool, Engine(), counters) is False  # under again after the clear
+    assert cleared == [5000] and not line.tripped and counters["trips"] == 0
+    line.check(1000, pool, Engine(), counters)  # under the line: nothing to clear
+    assert cleared == [5000]
+
+
+def test_the_first_request_after_memory_came_back_is_served():
+    """An idle tripped worker judges a new request on memory read now: the probe comes
+    before intake, so the request that arrives once memory is back is not refused on the
+    reading from before."""
+    reading = {"mlx_active": 5000}
+    pool = BlockPool(total=64, block_tokens=4, cache_cap_blocks=64)
+    eng = FakeEngine(pool)
+    limits = SchedulerLimits(max_num_seqs=1, max_queue=16, max_wait_s=30.0, trip_bytes=1000,
+                             max_batch=8, prefill_tokens=8)
+    s = Scheduler(lambda stack: (eng, pool), limits, lambda: dict(reading))
+    s.engine, s.pool, s.eos_ids = eng, pool, {EOS}
+    _, refused = request(s, range(100, 110), 4)
+    s.iterate()
+    assert [e.code for e in refused if isinstance(e, Refused)] == ["memory_trip"]
+    assert s.tripped
+    reading["mlx_active"] = 0
+    _, served = request(s, range(200, 210), 4)
+    drain(s)
+    assert not s.tripped and served[-1] == Finished("length", 4)
 
 
 def test_chunks_after_a_prefix_hit_end_on_the_alignment():
