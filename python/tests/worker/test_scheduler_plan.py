@@ -310,18 +310,24 @@ def test_fail_all_releases_everything():
     assert pool.held == 0 and pool.committed == 0 and not s._running
 
 
-def test_over_the_trip_the_cache_goes_first_then_the_waiters_then_the_newest_running():
-    """The trip (worker.trip.MemoryLine, acted on by the scheduler): over the line, cached
-    blocks are dropped and memory probed again; still over, every waiter and then the
-    newest running request are refused ``memory_trip``, one running request an iteration;
-    back under, the worker takes work again."""
-    reading = {"mlx_active": 0}
+def _tripping(reading: dict) -> tuple[Scheduler, BlockPool]:
+    """A scheduler whose memory probe reads ``reading``, its trip at 1,000 B."""
     pool = BlockPool(total=64, block_tokens=4, cache_cap_blocks=64)
     eng = FakeEngine(pool)
     limits = SchedulerLimits(max_num_seqs=1, max_queue=16, max_wait_s=30.0, trip_bytes=1000,
                              max_batch=8, prefill_tokens=8)
     s = Scheduler(lambda stack: (eng, pool), limits, lambda: dict(reading))
     s.engine, s.pool, s.eos_ids = eng, pool, {EOS}
+    return s, pool
+
+
+def test_over_the_trip_the_cache_goes_first_then_the_waiters_then_the_newest_running():
+    """The trip (worker.trip.MemoryLine, acted on by the scheduler): over the line, cached
+    blocks are dropped and memory probed again; still over, every waiter and then the
+    newest running request are refused ``memory_trip``, one running request an iteration;
+    back under, the worker takes work again."""
+    reading = {"mlx_active": 0}
+    s, pool = _tripping(reading)
     request(s, range(100, 110), 6)
     drain(s)
     assert pool.cached == 3 and not s.tripped
@@ -377,12 +383,7 @@ def test_the_first_request_after_memory_came_back_is_served():
     before intake, so the request that arrives once memory is back is not refused on the
     reading from before."""
     reading = {"mlx_active": 5000}
-    pool = BlockPool(total=64, block_tokens=4, cache_cap_blocks=64)
-    eng = FakeEngine(pool)
-    limits = SchedulerLimits(max_num_seqs=1, max_queue=16, max_wait_s=30.0, trip_bytes=1000,
-                             max_batch=8, prefill_tokens=8)
-    s = Scheduler(lambda stack: (eng, pool), limits, lambda: dict(reading))
-    s.engine, s.pool, s.eos_ids = eng, pool, {EOS}
+    s, _pool = _tripping(reading)
     _, refused = request(s, range(100, 110), 4)
     s.iterate()
     assert [e.code for e in refused if isinstance(e, Refused)] == ["memory_trip"]
