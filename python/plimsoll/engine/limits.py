@@ -67,9 +67,10 @@ def clear_buffer_cache() -> None:
 
     Then glibc's ``malloc_trim(0)``: MLX's CPU backend mallocs every array, and one under the
     worker's mmap threshold (``plimsoll.launch.spawn.MALLOC_MMAP_THRESHOLD``, 32 MiB) goes
-    back to a glibc heap when freed, still resident — a prefill burst's activations held
-    ~16 MiB over a guard's soft line after the clear until the heap was trimmed. On Metal and
-    CUDA it returns the host's small allocations only."""
+    back to a glibc heap when freed, still resident while a live allocation sits above it
+    (python/tests/engine/test_limits.py: 255 MiB of freed 1 MiB arrays resident after
+    ``mx.clear_cache()``, returned by the trim). On Metal and CUDA it returns the host's
+    small allocations only."""
     mx.clear_cache()
     trim = _malloc_trim()
     if trim is not None:
