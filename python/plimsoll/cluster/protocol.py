@@ -137,8 +137,11 @@ class Leader:
         return self.stage.kv_bytes_held()
 
     def clear_cache(self) -> None:
-        """Return rank 0's freed MLX buffers (local: no op crosses the ring)."""
-        self.stage.mx.clear_cache()
+        """The trip's clear on rank 0 (local: no op crosses the ring): the engine's
+        :func:`~plimsoll.engine.limits.clear_buffer_cache`."""
+        from plimsoll.engine import clear_buffer_cache  # mlx is loaded by now
+
+        clear_buffer_cache()
 
     def memory(self) -> dict[str, int]:
         return self.stage.memory()
