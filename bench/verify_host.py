@@ -8,7 +8,9 @@ demo built under ``--dir``), prefills three sequences of ``--prompt`` random tok
 is the backend's encoding and its throttle), and counts the nodes of each kind's graph once
 (``mx.export_to_dot``; on the CPU MLX's fast ops are their fallback graphs). The question it
 answers: is a verifying step's extra cost on a GPU Python's, or inside ``mx.async_eval``?
-Greedy, k = 3::
+With ``--ab`` the same steps run ``--rounds`` times with the model's linear layers plain
+(mlx's ``nn.Linear``) and held (:mod:`plimsoll.engine.linear`, what the engine serves with),
+interleaved. Greedy, k = 3::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
       PYTHONPATH=python python bench/verify_host.py --model /tmp/deep2
@@ -28,7 +30,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from plimsoll.demo.model import build_demo_model
-from plimsoll.engine import Engine, forward
+from plimsoll.engine import Engine, forward, linear
 from plimsoll.engine.work import Step, Work
 
 from lib import report
@@ -75,13 +77,25 @@ def run(args) -> dict:
     clock = HostClock(Path(tempfile.mkdtemp()))
     forward.mx.async_eval = clock  # (forward's mx is mlx.core: every caller is timed)
     try:
-        return _steps(args, eng, clock)
+        if not args.ab:
+            return _steps(args, eng, clock)
+        out: dict = {}
+        for _ in range(args.rounds):
+            for mode, swap in (("plain", linear.release), ("held", linear.hold)):
+                swap(eng.model)
+                for name, r in _steps(args, eng, clock, f" ({mode})").items():
+                    out.setdefault(name, []).append(r)
+        return {name: {**rs[0], **{k: statistics.median(r[k] for r in rs) for k in rs[0]
+                                   if k.endswith("_median")},
+                       "host_ms_min": min(r["host_ms_min"] for r in rs), "rounds": len(rs)}
+                for name, rs in out.items()}
     finally:
         forward.mx.async_eval = clock.original
 
 
-def _steps(args, eng: Engine, clock: HostClock) -> dict:
-    """The three kinds of step, ``args.steps`` each; their host ms and graph nodes."""
+def _steps(args, eng: Engine, clock: HostClock, suffix: str = "") -> dict:
+    """The three kinds of step, ``args.steps`` each (named with ``suffix``); their host ms
+    and graph nodes. The sequences are freed after."""
     rng = np.random.default_rng(0)
     prompt = tuple(int(x) for x in rng.integers(5, 4000, args.prompt))
 
@@ -93,15 +107,15 @@ def _steps(args, eng: Engine, clock: HostClock) -> dict:
     hist = {s: [*prompt, first[s]] for s in (0, 1, 2)}
     times = collections.defaultdict(list)
     for _ in range(args.steps):
-        pending, ms = clock.host_ms("decode", eng, Step(decodes=(
+        pending, ms = clock.host_ms("decode" + suffix, eng, Step(decodes=(
             Work(0, (hist[0][-1],), pos[0], table(0), True),)))
-        times["decode"].append(ms)
+        times["decode" + suffix].append(ms)
         hist[0].append(pending.result()[0])
         pos[0] += 1
         drafts = tuple(hist[1][-K:])
-        pending, ms = clock.host_ms("verify", eng, Step(prefills=(
+        pending, ms = clock.host_ms("verify" + suffix, eng, Step(prefills=(
             Work(1, (hist[1][-1], *drafts), pos[1], table(1), True, draft=K),)))
-        times["verify"].append(ms)
+        times["verify" + suffix].append(ms)
         got = pending.result()[1]
         hist[1] += got
         pos[1] += len(got)
@@ -109,12 +123,14 @@ def _steps(args, eng: Engine, clock: HostClock) -> dict:
         2, (hist[2][-1], *hist[2][-K:]), pos[2], table(2), True, draft=K, lookup=K,
         history=np.asarray(hist[2], dtype=np.int32)),)))
     for _ in range(args.steps):
-        nxt, ms = clock.host_ms("chained", eng, Step(prefills=(
+        nxt, ms = clock.host_ms("chained" + suffix, eng, Step(prefills=(
             Work(2, None, pos[2] + K + 1, table(2), True, draft=K, lookup=K),)))
-        times["chained"].append(ms)
+        times["chained" + suffix].append(ms)
         pos[2] += len(pending.result()[2])
         pending = nxt
     pending.result()
+    for s in (0, 1, 2):
+        eng.free_state(s)
     skip = min(3, args.steps - 1)
     def median(v: list, i: int) -> float:
         return statistics.median(x[i] for x in v[skip:])
@@ -150,6 +166,9 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=report.OUT / "verify_host")
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--ab", action="store_true",
+                    help="plain against held linear layers, interleaved (medians of rounds)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of --ab")
     report.output_args(ap, "verify-host")
     args = ap.parse_args()
     return report.measure_and_write(args, "verify-host", run, markdown, key="steps")

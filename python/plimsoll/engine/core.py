@@ -49,6 +49,7 @@ from plimsoll.engine import (
     composite,
     forward,
     kernels,
+    linear,
     mixers,
     pool_cuda,
     sampled_rows,
@@ -90,6 +91,7 @@ class Engine:
         backend_env_defaults()  # before the stream: its encoder reads the graph cache's
         self._stream = mx.new_stream(mx.default_device())
         route_attention()
+        linear.hold(model)  # projections as one graph node where mlx's make four
         self.kv_bits = kv_bits  # 8 / 4: quantized KV pools (engine/quantized.py)
         self.layers = self._kinds(model, kv_dtype, slab_blocks or max_blocks)
         composite.check_bytes(type(model).__module__, self.layers, facts, block_tokens)

@@ -40,6 +40,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from plimsoll.engine.linear import HeldEmbedding, HeldLinear, modules, plain
+
 NAME = "skinny_matmul_cuda"
 MAX_ROWS = 8  # rows of x the kernel takes (its accumulators are registers)
 ROWS_PER_WARP = 2
@@ -141,8 +143,9 @@ def _through(fn: Callable[[mx.array, mx.array], mx.array], x: mx.array, w: mx.ar
     return fn(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
 
 
-class SkinnyLinear(nn.Linear):
-    """An ``nn.Linear`` whose call of 2-8 rows goes through :attr:`matmul`."""
+class SkinnyLinear(HeldLinear):
+    """An ``nn.Linear`` whose call of 2-8 rows goes through :attr:`matmul` (other calls
+    through its held view: :mod:`plimsoll.engine.linear`)."""
 
     matmul: Callable[[mx.array, mx.array], mx.array] = staticmethod(skinny)
 
@@ -153,7 +156,7 @@ class SkinnyLinear(nn.Linear):
         return out + self["bias"] if "bias" in self else out
 
 
-class SkinnyEmbedding(nn.Embedding):
+class SkinnyEmbedding(HeldEmbedding):
     """An ``nn.Embedding`` whose ``as_linear`` (a tied lm head) of 2-8 rows goes through
     :attr:`matmul`."""
 
@@ -175,9 +178,9 @@ def install(model, matmul: Callable[[mx.array, mx.array], mx.array] = skinny,
     ``(n, k, dtype)`` is in ``shapes``, if given) the subclass that takes 2-8 rows through
     ``matmul`` (the weights stay the module's own); how many."""
     swapped = 0
-    for module in _modules(model):
-        for plain, skinny_type in ((nn.Linear, SkinnyLinear), (nn.Embedding, SkinnyEmbedding)):
-            if type(module) is plain and (shapes is None or shape_key(module.weight) in shapes):
+    for module in modules(model):
+        for kind, skinny_type in ((nn.Linear, SkinnyLinear), (nn.Embedding, SkinnyEmbedding)):
+            if plain(module, kind) and (shapes is None or shape_key(module.weight) in shapes):
                 module.__class__ = skinny_type
                 if matmul is not skinny:
                     module.matmul = matmul
@@ -185,18 +188,12 @@ def install(model, matmul: Callable[[mx.array, mx.array], mx.array] = skinny,
     return swapped
 
 
-def _modules(model) -> list:
-    """``model``'s modules: none for an object that is not an ``nn.Module`` (a cluster
-    rank's stage wraps its layers)."""
-    return [m for _, m in model.named_modules()] if isinstance(model, nn.Module) else []
-
-
 def weights(model) -> list[mx.array]:
     """One weight of every distinct (shape, dtype) among ``model``'s plain linear layers and
     embeddings that the kernel could take."""
     seen: dict[tuple, mx.array] = {}
-    for m in _modules(model):
-        w = m.get("weight") if type(m) in (nn.Linear, nn.Embedding) else None
+    for m in modules(model):
+        w = m.get("weight") if plain(m, nn.Linear) or plain(m, nn.Embedding) else None
         if w is not None and w.ndim == 2 and w.dtype in DTYPES and w.shape[1] % 8 == 0:
             seen.setdefault(shape_key(w), w)
     return list(seen.values())
