@@ -233,9 +233,10 @@ def slots_of(table: tuple[int, ...], start: int, stop: int, block_tokens: int) -
 
 
 def rows_of(a: mx.array) -> mx.array:
-    """(batch, heads, tokens, dim) as the (heads, batch × tokens, dim) rows a write stores."""
+    """(batch, heads, tokens, dim) as the (heads, batch × tokens, dim) rows a write stores
+    (one batch row: a view, where ``a[0]`` would be a gather and a copy each layer)."""
     b, h, n, d = a.shape
-    return a[0] if b == 1 else a.transpose(1, 0, 2, 3).reshape(h, b * n, d)
+    return a.squeeze(0) if b == 1 else a.transpose(1, 0, 2, 3).reshape(h, b * n, d)
 
 
 @functools.lru_cache(maxsize=256)
@@ -246,7 +247,14 @@ def _run(first: int, blocks: int) -> mx.array:
 
 def _slots(slots: mx.array | tuple[int, int]) -> mx.array:
     """A write's slots as an index array (``(lo, hi)``: the consecutive run)."""
-    return mx.arange(slots[0], slots[1], dtype=mx.int32) if isinstance(slots, tuple) else slots
+    return _consecutive(*slots) if isinstance(slots, tuple) else slots
+
+
+@functools.lru_cache(maxsize=64)
+def _consecutive(lo: int, hi: int) -> mx.array:
+    """The slots ``lo .. hi - 1``: one array for every layer's write of a step (a step's
+    layers write the same slots), not one each."""
+    return mx.arange(lo, hi, dtype=mx.int32)
 
 
 def write_of(slots: np.ndarray) -> mx.array | tuple[int, int]:

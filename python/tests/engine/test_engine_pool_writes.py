@@ -108,3 +108,30 @@ def test_a_step_of_several_groups_writes_each_layer_once(tiny_dir, monkeypatch):
                  prefills=(Work(1, tuple(range(7, 17)), len(prompt), t1, True),
                            Work(2, prompt[:20], 0, t2, True))))
     assert sorted(map(id, writes)) == sorted(map(id, eng._pools)), len(writes)
+
+
+def test_a_decode_row_is_written_as_a_view_not_gathered_each_layer(tiny_dir, tmp_path):
+    """A one-row step's new K/V go to the pools as views of the model's arrays: the graph
+    the host builds and the backend encodes has no per-layer gather for them (``a[0]`` of a
+    (1, heads, 1, dim) array was a Gather and a copy for K and for V in every layer)."""
+    eng = Engine.load(tiny_dir, block_tokens=BLOCK, max_blocks=64)
+    table = tuple(range(16))
+    first = eng.run(Step(prefills=(Work(0, tuple(range(5, 5 + PROMPT)), 0, table, True),)))
+    graphs = []
+    submit = mx.async_eval
+
+    def capture(arrays):
+        path = tmp_path / f"{len(graphs)}.dot"
+        mx.export_to_dot(str(path), *[a for a in arrays if isinstance(a, mx.array)])
+        graphs.append(path.read_text())
+        return submit(arrays)
+
+    mx.async_eval = capture
+    try:
+        eng.run(Step(decodes=(Work(0, (first[0],), PROMPT, table, True),)))
+    finally:
+        mx.async_eval = submit
+    layers = len(eng.layers)
+    assert layers >= 2 and graphs
+    assert graphs[-1].count('label ="Gather"') < layers  # was 2 a layer and 1
+    assert graphs[-1].count('label ="SliceUpdate"') == 2 * layers  # each layer's K and V
