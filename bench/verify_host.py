@@ -10,7 +10,8 @@ is the backend's encoding and its throttle), and counts the nodes of each kind's
 answers: is a verifying step's extra cost on a GPU Python's, or inside ``mx.async_eval``?
 With ``--ab`` the same steps run ``--rounds`` times with the model's linear layers plain
 (mlx's ``nn.Linear``) and held (:mod:`plimsoll.engine.linear`, what the engine serves with),
-interleaved. Greedy, k = 3::
+interleaved; the layers the few-row CUDA kernel took (``engine/skinny_cuda``) stay held.
+Greedy, k = 3::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
       PYTHONPATH=python python bench/verify_host.py --model /tmp/deep2

@@ -3,10 +3,11 @@
 Why: mlx's ``nn.Linear`` computes ``x @ weight.T`` at every call, and mlx's ``matmul`` folds a
 3-D input's batch into rows around a 2-D weight. So each projection of a step is four graph
 nodes — ``Transpose``, ``Flatten``, ``Matmul``, ``Unflatten`` — where the product is one, and a
-GPU backend encodes every node at the step's submission: on the H200 a decode step of the
-Qwen3-4B-shaped model was 2,027 nodes, ~1,000 of them these, at ~2 µs each of encoding on top
-of Python's 2.5 ms (bench/results/verify-host-h200-2026-12-05.md). A single stream there is
-host-bound (6.5 ms of host work a step against ~2 ms for its weights' bytes).
+GPU backend encodes every node at the step's submission: on the H200 a one-row decode step of
+the Qwen3-4B-shaped model was 2,027 nodes, 759 of them these views (253 projections), at ~2 µs
+each of encoding on top of Python's 2.5 ms (bench/results/verify-host-h200-2026-12-05.md). A
+single stream there is host-bound (6.5 ms of host work a step against ~2 ms for its weights'
+bytes).
 
 What it does: :func:`hold` gives every plain ``nn.Linear`` and ``nn.Embedding`` of a model a
 subclass (:class:`HeldLinear`, :class:`HeldEmbedding`: the embedding's ``as_linear``, a tied lm
@@ -22,9 +23,11 @@ call against the kept view (no ``Transpose``). A replaced weight (another array 
 is given.
 
 Measured on the H200 (``bench/verify_host.py --ab``, in process, interleaved;
-bench/results/verify-host-h200-2026-12-05-held.md): a one-row decode step of the Qwen3-4B-shaped
-model 1,703 → 1,268 nodes, ``mx.async_eval``'s encoding 6.42 → 5.58 ms of CPU, Python's
-building 4.38 → 3.97 ms (medians of three rounds). The same products in the same kernels:
+bench/results/verify-host-h200-2026-12-05-held.md): a one-row decode step 1,268 nodes, against
+1,703 with 145 of its projections plain (the 108 the few-row kernel had taken,
+:mod:`.skinny_cuda`, stayed held in that run) and 2,027 with all plain before;
+``mx.async_eval``'s encoding 6.42 → 5.58 ms of CPU, Python's building 4.38 → 3.97 ms (medians
+of three rounds) for those 145. The same products in the same kernels:
 outputs are equal to ``nn.Linear``'s bit for bit (tested on the CPU for every input shape).
 Quantized layers are not touched: their ``quantized_matmul`` takes the weight as it is stored
 and a 3-D input as it comes.
