@@ -27,15 +27,13 @@ bench/results/verify-host-h200-2026-12-05-held.md): a one-row decode step 1,268 
 1,703 with 145 of its projections plain (the 108 the few-row kernel had taken,
 :mod:`.skinny_cuda`, stayed held in that run) and 2,027 with all plain before;
 ``mx.async_eval``'s encoding 6.42 → 5.58 ms of CPU, Python's building 4.38 → 3.97 ms (medians
-of three rounds) for those 145. The same products in the same kernels:
-outputs are equal to ``nn.Linear``'s bit for bit (tested on the CPU for every input shape).
-Quantized layers are not touched: their ``quantized_matmul`` takes the weight as it is stored
-and a 3-D input as it comes.
+of three rounds) for those 145. The same products in the same kernels: outputs are equal to
+``nn.Linear``'s bit for bit (tested on the CPU for every input shape). Quantized layers are not
+touched: their ``quantized_matmul`` takes the weight as it is stored and a 3-D input as it
+comes.
 """
 
 from __future__ import annotations
-
-import functools
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,13 +41,6 @@ import mlx.nn as nn
 from plimsoll.engine import backend
 
 _HELD = "_plimsoll_held"  # the instance attribute (not a parameter) holding the views
-
-
-@functools.cache
-def _folds() -> bool:
-    """Whether this backend folds a batch that shares its weight into one product's rows
-    (MLX's CUDA and Metal ``matmul`` do; its CPU one multiplies batch by batch)."""
-    return backend.gpu()
 
 
 def _views(module: nn.Module, weight: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -64,8 +55,10 @@ def _views(module: nn.Module, weight: mx.array) -> tuple[mx.array, mx.array, mx.
 
 
 def product(x: mx.array, t: mx.array, t3: mx.array) -> mx.array:
-    """``x @ t`` in the fewest graph nodes (``t3`` is ``t[None]``)."""
-    if x.ndim == 3 and (x.shape[0] == 1 or _folds()):
+    """``x @ t`` in the fewest graph nodes (``t3`` is ``t[None]``). Several batch rows take
+    ``t3`` only on a GPU: MLX's CUDA and Metal ``matmul`` fold a batch that shares its weight
+    into one product's rows, its CPU one multiplies batch by batch."""
+    if x.ndim == 3 and (x.shape[0] == 1 or backend.gpu()):
         return x @ t3
     return x @ t
 
