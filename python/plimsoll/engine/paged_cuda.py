@@ -80,7 +80,6 @@ _ATTEND = r"""
     // softmax rescale for the U of them
     for (int t0 = lo + warp * U; t0 < hi; t0 += WARPS * U) {
         float kr[U][DPL], vr[U][DPL];
-#pragma unroll
         for (int u = 0; u < U; ++u) {
             float* kf = kr[u];
             float* vf = vr[u];
@@ -94,23 +93,19 @@ __LOAD__
         }
         for (int g = 0; g < G; ++g) {
             float dot[U];
-#pragma unroll
             for (int u = 0; u < U; ++u) {
                 dot[u] = 0.f;
                 for (int i = 0; i < DPL; ++i) dot[u] += qr[g][i] * kr[u][i];
             }
-#pragma unroll
             for (int o = 16; o > 0; o >>= 1)  // the warp's sums (Metal: simd_sum): __shfl_xor
                 for (int u = 0; u < U; ++u) dot[u] += __shfl_xor_sync(0xffffffff, dot[u], o);
             float mn = m[g];
-#pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (t0 + u < hi) mn = fmaxf(mn, dot[u]);
             }
             const float c = __expf(m[g] - mn);
             s[g] *= c;
             for (int i = 0; i < DPL; ++i) acc[g][i] *= c;
-#pragma unroll
             for (int u = 0; u < U; ++u) {
                 const float p = t0 + u < hi ? __expf(dot[u] - mn) : 0.f;
                 s[g] += p;
