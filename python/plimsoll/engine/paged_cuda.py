@@ -7,16 +7,11 @@ streams of ~500 tokens (36 layers) — most of a step. This kernel reads each ro
 straight from the pool through its block table, so there is no transient and no mask.
 
 Shape of the work (flash-decoding): one thread block per (row, KV head, split of the row's
-table); its warps take the split's tokens in turn, :func:`unroll_for` consecutive tokens at
-a time (all their K/V loads issued before the first is used), and keep an online softmax
-(running max, sum and V accumulator) for every query head of the KV head's group, so each
-K/V row is read once per group. The splits come from the grid the step needs
-(:func:`splits_for`): none when rows × KV heads already give every SM :data:`OCCUPANCY`
-blocks, else enough to, never more than one per :data:`CHUNK` tokens of the longest row.
-Why both: a warp that loaded one token at a time waited a memory latency per token, and one
-block an SM kept a handful of loads in flight — at 7 rows of 17k tokens on an H100 a step
-took 43 ms where its K/V and weights need ~9 ms of bandwidth (bench/decode_kernel.py).
-Without splits the kernel writes the
+table); its warps take the split's tokens in turn and keep an online softmax (running max,
+sum and V accumulator) for every query head of the KV head's group, so each K/V row is read
+once per group. The splits come from the grid the step needs (:func:`splits_for`): none when
+rows × KV heads already give every SM a block, else enough to cover the SMs, never more than
+one per :data:`CHUNK` tokens of the longest row. Without splits the kernel writes the
 attention itself; with them it writes partial results (max, sum, accumulator) and one more
 kernel combines them (:data:`_COMBINE`, the math of :func:`combine`): at most two launches a
 layer. Accumulation in float32.
@@ -39,12 +34,6 @@ from plimsoll.engine import backend, pool_cuda
 
 CHUNK = DECODE_KERNEL_SPLIT  # the fewest tokens a split takes (admission counts its partials)
 WARPS = 4
-#: thread blocks the splits aim for per SM (4 of 128 threads fit beside each other's
-#: registers): a warp's next loads wait on memory, so an SM needs several blocks in flight
-OCCUPANCY = 4
-#: the most tokens a warp loads before it uses them (fewer for bigger query-head groups,
-#: whose scores take registers too): :func:`unroll_for`
-UNROLL = 8
 #: SMs assumed where MLX's device info names none (an H100/H200's 132)
 FALLBACK_SMS = 132
 _COMBINE_THREADS = 256
@@ -75,42 +64,18 @@ _ATTEND = r"""
     const int span = (MB * BT + NS - 1) / NS;
     const int lo = split * span;
     const int hi = min(len, lo + span);
-    // each warp takes U consecutive tokens at a time: all their loads are issued before any
-    // is used (one token at a time, the loop waits a memory latency per token), then one
-    // softmax rescale for the U of them
-    for (int t0 = lo + warp * U; t0 < hi; t0 += WARPS * U) {
-        float kr[U][DPL], vr[U][DPL];
-        for (int u = 0; u < U; ++u) {
-            float* kf = kr[u];
-            float* vf = vr[u];
-            const int t = t0 + u;
-            if (t < hi) {
-                const int slot = tables[b * MB + t / BT] * BT + t % BT;
+    for (int t = lo + warp; t < hi; t += WARPS) {
+        const int slot = tables[b * MB + t / BT] * BT + t % BT;
+        float kf[DPL], vf[DPL];
 __LOAD__
-            } else {
-                for (int i = 0; i < DPL; ++i) { kf[i] = 0.f; vf[i] = 0.f; }
-            }
-        }
         for (int g = 0; g < G; ++g) {
-            float dot[U];
-            for (int u = 0; u < U; ++u) {
-                dot[u] = 0.f;
-                for (int i = 0; i < DPL; ++i) dot[u] += qr[g][i] * kr[u][i];
-            }
-            for (int o = 16; o > 0; o >>= 1)  // the warp's sums (Metal: simd_sum): __shfl_xor
-                for (int u = 0; u < U; ++u) dot[u] += __shfl_xor_sync(0xffffffff, dot[u], o);
-            float mn = m[g];
-            for (int u = 0; u < U; ++u) {
-                if (t0 + u < hi) mn = fmaxf(mn, dot[u]);
-            }
-            const float c = __expf(m[g] - mn);
-            s[g] *= c;
-            for (int i = 0; i < DPL; ++i) acc[g][i] *= c;
-            for (int u = 0; u < U; ++u) {
-                const float p = t0 + u < hi ? __expf(dot[u] - mn) : 0.f;
-                s[g] += p;
-                for (int i = 0; i < DPL; ++i) acc[g][i] += p * vr[u][i];
-            }
+            float dot = 0.f;
+            for (int i = 0; i < DPL; ++i) dot += qr[g][i] * kf[i];
+            for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, o);
+            const float mn = fmaxf(m[g], dot);
+            const float c = __expf(m[g] - mn), p = __expf(dot - mn);
+            s[g] = s[g] * c + p;
+            for (int i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * c + p * vf[i];
             m[g] = mn;
         }
     }
@@ -229,16 +194,6 @@ def splits_for(rows: int, kv_heads: int, longest: int, sms: int, chunk: int = CH
     return max(1, min(most, -(-sms // blocks)))
 
 
-def unroll_for(group: int, dim: int) -> int:
-    """Tokens a warp loads at once (pure): :data:`UNROLL` for a group of up to four query
-    heads of dim 128, halved as the group's scores and the loaded rows (``group × U`` and
-    ``2 × U × dim / 32`` floats a lane) would crowd the registers; at least 1."""
-    u = UNROLL
-    while u > 1 and (u * group > 32 or 2 * u * dim // 32 > 64):
-        u //= 2
-    return u
-
-
 def sms_of(info: dict) -> int:
     """The SM count in MLX's device info (``mx.device_info()``), or :data:`FALLBACK_SMS`."""
     for key in ("multi_processor_count", "multiprocessor_count", "sm_count",
@@ -321,8 +276,8 @@ def _launch(pools: list[mx.array], packing: tuple, queries: mx.array, tables: mx
     rows, hq, _, d = queries.shape
     kvh, quantized = pools[0].shape[0], bool(packing)
     template = [("T", queries.dtype), ("D", d), ("G", hq // kvh), ("BT", block_tokens),
-                ("WARPS", WARPS), ("U", unroll_for(hq // kvh, d)), *packing]
-    splits = splits_for(rows, kvh, longest, sm_count() * OCCUPANCY)
+                ("WARPS", WARPS), *packing]
+    splits = splits_for(rows, kvh, longest, sm_count())
     inputs = [queries.reshape(rows, hq, d), *pools, tables, lengths, scale_input(scale),
               pool_cuda.nothing() if after is None else after]
     return launch(lambda which: _kernel(which, quantized and which != "combine"), inputs,

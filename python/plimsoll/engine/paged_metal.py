@@ -9,8 +9,7 @@ once. This kernel reads each row's K/V straight from the pool through its block 
 The same flash-decoding kernel as :mod:`plimsoll.engine.paged_cuda` (which has run and
 checked itself on an H200), written in the Metal Shading Language line for line: one
 threadgroup per (row, KV head, split of the row's table), its simdgroups (32 threads on
-every Apple GPU, as a CUDA warp) taking the split's tokens in turn, a few consecutive tokens
-at a time (:func:`~plimsoll.engine.paged_cuda.unroll_for`), with an online softmax
+every Apple GPU, as a CUDA warp) taking the split's tokens in turn with an online softmax
 for every query head of the KV head's group; one split writes the attention, several write
 partial results that a second kernel combines. The splits follow
 :func:`~plimsoll.engine.paged_cuda.splits_for` with :data:`PARALLEL_GROUPS` in place of a
@@ -38,7 +37,6 @@ from plimsoll.engine.paged_cuda import (
     launch,
     scale_input,
     splits_for,
-    unroll_for,
 )
 
 #: threadgroups the splits aim to cover: an M-series GPU has 8-80 cores, each running
@@ -87,42 +85,22 @@ _ATTEND = r"""
     const int span = (MB * BT + NS - 1) / NS;
     const int lo = split * span;
     const int hi = metal::min(len, lo + span);
-    for (int t0 = lo + warp * U; t0 < hi; t0 += WARPS * U) {
-        float kr[U][DPL], vr[U][DPL];
-        for (int u = 0; u < U; ++u) {
-            thread float* kf = kr[u];
-            thread float* vf = vr[u];
-            const int t = t0 + u;
-            if (t < hi) {
-                const int slot = tables[b * MB + t / BT] * BT + t % BT;
-                const size_t row = ((size_t)kvh * S + slot) * D + lane * DPL;
-                for (int i = 0; i < DPL; ++i) {
-                    kf[i] = static_cast<float>(kp[row + i]);
-                    vf[i] = static_cast<float>(vp[row + i]);
-                }
-            } else {
-                for (int i = 0; i < DPL; ++i) { kf[i] = 0.0f; vf[i] = 0.0f; }
-            }
+    for (int t = lo + warp; t < hi; t += WARPS) {
+        const int slot = tables[b * MB + t / BT] * BT + t % BT;
+        const size_t row = ((size_t)kvh * S + slot) * D + lane * DPL;
+        float kf[DPL], vf[DPL];
+        for (int i = 0; i < DPL; ++i) {
+            kf[i] = static_cast<float>(kp[row + i]);
+            vf[i] = static_cast<float>(vp[row + i]);
         }
         for (int g = 0; g < G; ++g) {
-            float dot[U];
-            for (int u = 0; u < U; ++u) {
-                dot[u] = 0.0f;
-                for (int i = 0; i < DPL; ++i) dot[u] += qr[g][i] * kr[u][i];
-            }
-            for (int u = 0; u < U; ++u) dot[u] = metal::simd_sum(dot[u]);
-            float mn = m[g];
-            for (int u = 0; u < U; ++u) {
-                if (t0 + u < hi) mn = metal::max(mn, dot[u]);
-            }
-            const float c = metal::exp(m[g] - mn);
-            s[g] *= c;
-            for (int i = 0; i < DPL; ++i) acc[g][i] *= c;
-            for (int u = 0; u < U; ++u) {
-                const float p = t0 + u < hi ? metal::exp(dot[u] - mn) : 0.0f;
-                s[g] += p;
-                for (int i = 0; i < DPL; ++i) acc[g][i] += p * vr[u][i];
-            }
+            float dot = 0.0f;
+            for (int i = 0; i < DPL; ++i) dot += qr[g][i] * kf[i];
+            dot = metal::simd_sum(dot);
+            const float mn = metal::max(m[g], dot);
+            const float c = metal::exp(m[g] - mn), p = metal::exp(dot - mn);
+            s[g] = s[g] * c + p;
+            for (int i = 0; i < DPL; ++i) acc[g][i] = acc[g][i] * c + p * vf[i];
             m[g] = mn;
         }
     }
@@ -208,7 +186,7 @@ def paged_decode(queries: mx.array, k_pool: mx.array, v_pool: mx.array, tables: 
     rows, hq, _, d = queries.shape
     kvh = k_pool.shape[0]
     template = [("T", queries.dtype), ("D", d), ("G", hq // kvh), ("BT", block_tokens),
-                ("WARPS", WARPS), ("U", unroll_for(hq // kvh, d))]
+                ("WARPS", WARPS)]
     splits = splits_for(rows, kvh, longest, PARALLEL_GROUPS)
     inputs = [queries.reshape(rows, hq, d), k_pool, v_pool, tables, lengths, scale_input(scale)]
     return launch(_kernel, inputs, queries, kvh, template, splits)
