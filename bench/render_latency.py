@@ -5,7 +5,8 @@ parsed, rendered through the chat template and tokenized in the API process befo
 handed to the engine (the access line's ``submit_s``; ``parse_s`` / ``render_s`` split it
 where the code logs them). This sends, each round: one request alone with a new shared
 prefix (``--prefix-words`` random words as the system prompt), then ``--requests`` at once
-with the same prefix and their own ``--task-words`` task (released together, one thread and
+with the same prefix (``--cold``: another new one, which none of them has tokenized) and their
+own ``--task-words`` task (released together, one thread and
 connection each), to a real ``plimsoll launch`` on ``--model`` (default: the tiny demo,
 built once under ``--dir``). Each client gives up after ``--wait-s`` (the prefills are
 not what is measured here; a client that leaves is cancelled), and the figures are read
@@ -97,6 +98,8 @@ def run(args) -> dict:
                 system = words(rng, args.prefix_words)
                 send(s.base_url, names[label], system, words(rng, args.task_words), args.wait_s)
                 time.sleep(0.5)
+                if args.cold:  # the ones at once share a system prompt nobody has sent
+                    system = words(rng, args.prefix_words)
                 barrier = threading.Barrier(args.requests)
                 tasks = [words(rng, args.task_words) for _ in range(args.requests)]
                 with ThreadPoolExecutor(args.requests) as pool:
@@ -138,7 +141,8 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
              f"Each round: one request alone with a new {a['prefix_words']}-word system prompt "
              f"(~{result.get('prompt_tokens', '?')} tokens with its task), then "
-             f"{a['requests']} at once with the same system prompt and their own "
+             f"{a['requests']} at once with "
+             f"{'another new' if a.get('cold') else 'the same'} system prompt and their own "
              f"{a['task_words']}-word task; {a['rounds']} rounds, medians (max) over every "
              "request. From the worker's access lines: `parse_s` body read and parsed, "
              "`render_s` the template rendered and the prompt tokenized, `submit_s` handed to "
@@ -167,6 +171,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--wait-s", type=float, default=4.0)
+    ap.add_argument("--cold", action="store_true",
+                    help="the requests at once share a new system prompt, not the alone one's "
+                         "(sub-agents started together)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--before-code", type=Path, default=None)
     ap.add_argument("--preload", default=servers.OPENBLAS if os.path.exists(servers.OPENBLAS)

@@ -13,7 +13,11 @@ prompt's ids are its pieces' ids, one after the other, with each added token's i
 :class:`PieceEncoder` splits a rendered prompt at the added tokens that split it first (not
 normalized, no whitespace stripping, not single-word), keeps the ids of long pieces (LRU,
 at most :data:`CACHE_BYTES` of text and ids) and tokenizes only the pieces it has not seen,
-all of them in one ``encode_batch`` (which releases the GIL, so other requests go on).
+all of them in one ``encode_batch`` (which releases the GIL, so other requests go on). A long
+piece another request is tokenizing at that moment is waited for, not tokenized again: eight
+sub-agents sent at once with one new 16k-token system prompt tokenize it once (on an H100
+host the eight spent 0.24-0.38 s each in rendering and tokenizing, one alone 0.05 s:
+bench/results/serving-h100-2026-12-05k-subagents-access.log).
 
 Exact, and checked rather than assumed: at start :func:`checked` encodes sample prompts
 (the model's own chat template over awkward text: whitespace and newlines at the piece
@@ -44,7 +48,9 @@ class PieceEncoder:
     """A rendered prompt's ids, piece by piece between added tokens, long pieces cached.
 
     ``rust`` is the ``tokenizers.Tokenizer`` behind the fast tokenizer. Thread-safe: the
-    cache is taken under a lock, tokenizing happens outside it."""
+    cache is taken under a lock, tokenizing happens outside it, and a long piece is
+    tokenized by one thread at a time: prompts that arrive together with the same new
+    system prompt wait for the first one's ids instead of each tokenizing it."""
 
     def __init__(self, rust: Any) -> None:
         self._rust = rust
@@ -57,29 +63,50 @@ class PieceEncoder:
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        #: long pieces a thread is tokenizing now: another prompt that needs one waits for
+        #: it (then reads the cache) rather than tokenizing the same text again
+        self._inflight: dict[str, threading.Event] = {}
+        self.hits = self.misses = self.waited = 0
 
     def encode(self, text: str) -> list[int]:
         parts = self._split.split(text) if self._split is not None else [text]
         found: dict[int, array | int] = {}
-        missing: list[int] = []
+        missing: list[int] = []  # this call tokenizes them
+        mine: list[str] = []  # long pieces this call now tokenizes for everyone
+        others: dict[int, threading.Event] = {}  # long pieces another call is tokenizing
         with self._lock:
             for i, part in enumerate(parts):
                 if i % 2:  # the split's captures: an added token
                     found[i] = self._ids[part]
-                elif len(part) >= MIN_CACHED_CHARS and (ids := self._cache.get(part)) is not None:
+                elif len(part) < MIN_CACHED_CHARS:
+                    if part:
+                        missing.append(i)
+                elif (ids := self._cache.get(part)) is not None:
                     self._cache.move_to_end(part)
                     found[i] = ids
                     self.hits += 1
-                elif part:
+                elif (event := self._inflight.get(part)) is not None:
+                    others[i] = event
+                else:  # (the same piece again in this prompt: the branch above, then)
+                    self._inflight[part] = threading.Event()
+                    mine.append(part)
                     missing.append(i)
-        if missing:
-            encoded = self._rust.encode_batch([parts[i] for i in missing],
-                                              add_special_tokens=False)
-            for i, enc in zip(missing, encoded, strict=True):
-                found[i] = ids = array("i", enc.ids)
-                if len(parts[i]) >= MIN_CACHED_CHARS:
-                    self._keep(parts[i], ids)
+        try:
+            self._tokenize(parts, missing, found)
+        finally:  # waiters are let go whatever happened; they tokenize it if it is not cached
+            with self._lock:
+                for part in mine:
+                    self._inflight.pop(part).set()
+        if others:
+            for event in others.values():
+                event.wait()
+            with self._lock:
+                for i in list(others):
+                    if (ids := self._cache.get(parts[i])) is not None:
+                        found[i] = ids
+                        del others[i]
+                        self.waited += 1
+            self._tokenize(parts, list(others), found)  # not cached after all (too big)
         out: list[int] = []
         for i in range(len(parts)):
             got = found.get(i)
@@ -88,6 +115,17 @@ class PieceEncoder:
             elif got is not None:
                 out.extend(got)
         return out
+
+    def _tokenize(self, parts: list[str], which: list[int], found: dict) -> None:
+        """``parts[i]`` for each ``i`` of ``which`` tokenized in one batch into ``found``;
+        the long ones kept."""
+        if not which:
+            return
+        encoded = self._rust.encode_batch([parts[i] for i in which], add_special_tokens=False)
+        for i, enc in zip(which, encoded, strict=True):
+            found[i] = ids = array("i", enc.ids)
+            if len(parts[i]) >= MIN_CACHED_CHARS:
+                self._keep(parts[i], ids)
 
     def _keep(self, piece: str, ids: array) -> None:
         size = _size(piece, ids)
@@ -106,7 +144,8 @@ class PieceEncoder:
     def figures(self) -> dict[str, int]:
         with self._lock:
             return {"pieces": len(self._cache), "bytes": self._bytes,
-                    "cap_bytes": CACHE_BYTES, "hits": self.hits, "misses": self.misses}
+                    "cap_bytes": CACHE_BYTES, "hits": self.hits, "misses": self.misses,
+                    "waited": self.waited}
 
 
 def _size(piece: str, ids: array) -> int:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
+import time
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -90,6 +93,84 @@ def test_the_cache_keeps_to_its_bound(demo, monkeypatch):
         tracemalloc.stop()
     assert 0 < enc.figures()["pieces"] < 60  # the oldest went
     assert held <= 64 << 10, held
+
+
+class CountingTokenizer:
+    """A real ``tokenizers.Tokenizer`` that records every piece it is asked to tokenize and
+    can hold or fail a call (to line up threads), delegating everything else."""
+
+    def __init__(self, rust, hold_s: float = 0.0, fail_first: bool = False):
+        self._rust, self.hold_s, self.fail_first = rust, hold_s, fail_first
+        self.pieces: list[str] = []
+        self.inside = threading.Event()  # set once a call has begun tokenizing
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self._rust, name)
+
+    def encode_batch(self, pieces, **kwargs):
+        with self._lock:
+            self.pieces += pieces
+            first = len(self.pieces) == len(pieces)
+        self.inside.set()
+        time.sleep(self.hold_s)
+        if self.fail_first and first:
+            raise RuntimeError("the first tokenizing fails")
+        return self._rust.encode_batch(pieces, **kwargs)
+
+
+def _sub_agent_prompts(demo, n: int) -> tuple[str, list[str]]:
+    system = "A new system prompt every sub-agent shares, with its tools. " * 120
+    return system, [demo.apply_chat_template([{"role": "system", "content": system},
+                                              {"role": "user", "content": f"task {i}"}],
+                                             tokenize=False, add_generation_prompt=True)
+                    for i in range(n)]
+
+
+def test_prompts_that_arrive_together_tokenize_their_shared_piece_once(demo):
+    """Eight prompts with one new long system prompt, on eight threads at once: the piece is
+    tokenized by one of them, the others wait for its ids; every prompt's ids are the
+    tokenizer's own. (The code before tokenized it eight times.)"""
+    system, prompts = _sub_agent_prompts(demo, 8)
+    rust = CountingTokenizer(demo.backend_tokenizer, hold_s=0.2)
+    enc = PieceEncoder(rust)
+    barrier = threading.Barrier(len(prompts))
+
+    def one(prompt):
+        barrier.wait(timeout=10)
+        return enc.encode(prompt)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(one, prompts))
+    for prompt, ids in zip(prompts, got, strict=True):
+        assert ids == demo.encode(prompt, add_special_tokens=False)
+    assert sum(system in piece for piece in rust.pieces) == 1, len(rust.pieces)
+    figures = enc.figures()
+    assert figures["waited"] == 7 and figures["misses"] >= 1
+
+
+def test_a_piece_twice_in_one_prompt_is_tokenized_once(demo):
+    piece = "the same long instructions, repeated in the prompt " * 20
+    text = f"{piece}<|im_start|>{piece}<|im_end|>"
+    rust = CountingTokenizer(demo.backend_tokenizer)
+    assert PieceEncoder(rust).encode(text) == demo.encode(text, add_special_tokens=False)
+    assert rust.pieces.count(piece) == 1
+
+
+def test_a_failed_tokenizing_lets_its_waiters_go_on(demo):
+    """The thread tokenizing a shared piece fails: the one waiting for it is let go and
+    tokenizes the piece itself, with the right ids; the failure stays the first one's."""
+    _, prompts = _sub_agent_prompts(demo, 2)
+    rust = CountingTokenizer(demo.backend_tokenizer, hold_s=0.3, fail_first=True)
+    enc = PieceEncoder(rust)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(enc.encode, prompts[0])
+        assert rust.inside.wait(timeout=10)  # the first is tokenizing: the second waits on it
+        second = pool.submit(enc.encode, prompts[1])
+        assert second.result(timeout=30) == demo.encode(prompts[1], add_special_tokens=False)
+        with pytest.raises(RuntimeError, match="first tokenizing fails"):
+            first.result(timeout=30)
+    assert enc.figures()["waited"] == 0
 
 
 def test_a_tokenizer_whose_pieces_are_not_independent_is_refused(tmp_path_factory):
