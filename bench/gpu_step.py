@@ -45,7 +45,7 @@ def _shapes(cfg: dict) -> list[tuple[int, int]]:
             (h, inter)]
 
 
-def matmuls(cfg: dict, reps: int) -> dict:
+def matmuls(cfg: dict, reps: int, row_counts: list[int] = ROWS) -> dict:
     layers = cfg["num_hidden_layers"]
     shapes = _shapes(cfg)
     ws = [[mx.random.normal((o, i)).astype(mx.bfloat16) * 0.02 for o, i in shapes]
@@ -65,7 +65,7 @@ def matmuls(cfg: dict, reps: int) -> dict:
         out[name] = round(1e3 * statistics.median(times), 3)
         print(f"matmul {name:>16}: {out[name]:.3f} ms", flush=True)
 
-    for rows in ROWS:
+    for rows in row_counts:
         x = {i: mx.random.normal((rows, i)).astype(mx.bfloat16) for _, i in shapes}
         mx.eval(x)
 
@@ -177,6 +177,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 32])
+    ap.add_argument("--matmul-rows", type=lambda s: [int(x) for x in s.split(",")],
+                    default=ROWS, help="rows of the matmul part (default 1,2,4,8,16,32; the "
+                    "few-row kernel is timed beside cuBLAS at 2-8)")
     ap.add_argument("--compile", type=lambda s: s.split(","), default=["on"],
                     help="engines to load: on (compile_decode, scatter writes), off (in-place "
                     "writes where the CUDA kernel passed its check), or on,off")
@@ -191,7 +194,7 @@ def main() -> int:
                  "mlx_env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
     parts = args.parts.split(",")
     if "matmul" in parts:
-        res["matmul"] = matmuls(cfg, args.reps)
+        res["matmul"] = matmuls(cfg, args.reps, args.matmul_rows)
     if "engine" in parts:
         res["engine"] = {}
         for flag in args.compile:
