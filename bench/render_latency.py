@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import os
 import random
-import re
 import shlex
 import statistics
 import sys
@@ -34,14 +33,13 @@ from pathlib import Path
 
 import httpx
 
-from lib import report, servers
+from lib import access, report, servers
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "file",
          "reader", "returns", "every", "value", "of", "each", "class", "import", "function",
          "module", "test", "case"]
 LAUNCH = ("{python} -m plimsoll.cli launch {model} --host {host} --port {port} "
           "--concurrency 8 --context 40960 --max-tokens 8")
-FIELD = re.compile(r"\b(prompt|parse_s|render_s|submit_s)=([0-9.]+)")
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -62,9 +60,8 @@ def send(url: str, model: str, system: str, task: str, wait_s: float,
 
 def access_figures(log: Path, skip: int) -> tuple[list[dict], int]:
     """The access lines' times after the first ``skip`` lines, and the count of lines."""
-    lines = [x for x in log.read_text(errors="replace").splitlines()
-             if "access route=\"POST /v1/chat/completions\"" in x]
-    return [{k: float(v) for k, v in FIELD.findall(x)} for x in lines[skip:]], len(lines)
+    got = access.lines(log)
+    return got[skip:], len(got)
 
 
 def run(args) -> dict:

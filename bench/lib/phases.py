@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from lib import status
+from lib import access, status
 from lib.report import medians
 from lib.samplers import Sampler, memory_figure
 from lib.servers import ServerProcess
@@ -314,23 +314,30 @@ def subagents(ctx: Ctx) -> dict:
             return list(pool.map(lambda t: one(system, t, barrier), tasks))
 
     out = ctx.partial  # filled as it goes: a run cut short keeps the finished parts
+    log = ctx.server.log_path  # the server's own TTFTs (its access lines) beside the client's
     before = ctx.snapshot()
     ctx.mark()
+    n = access.count(log)
     alone = one(sub["alone"][0], sub["alone"][1][0])
-    out["alone"] = _strip(alone) | ctx.peaks()
+    out["alone"] = _strip(alone) | ctx.peaks() | {"server_ttft_s": access.ttfts(log, n, 1)}
     ctx.say(f"sub-agents: alone prompt {alone.get('prompt_tokens')} TTFT {_f(alone['ttft_s'])} s")
 
     system, tasks = sub["staggered"]
     ctx.mark()
+    n = access.count(log)
     s0 = one(system, tasks[0])
+    server_first = access.ttfts(log, n, 1)
     before_s = ctx.snapshot()
+    n = access.count(log)
     rest = many(system, tasks[1:])
+    server_rest = access.ttfts(log, n, len(rest))
     ttfts = [r["ttft_s"] for r in rest if r.get("ttft_s") is not None]
     out["staggered"] = {
         "first": _strip(s0), "rest": [_strip(r) for r in rest],
         "first_ttft_s": s0.get("ttft_s"),
         "rest_ttft_median_s": statistics.median(ttfts) if ttfts else None,
         "rest_ttft_max_s": max(ttfts) if ttfts else None,
+        "server_first_ttft_s": server_first, "server_rest_ttft_s": server_rest,
         "errors": [r["error"] for r in [s0, *rest] if r.get("error")],
         "status_deltas_rest": status.counter_deltas(before_s, ctx.snapshot())} | ctx.peaks()
     ctx.say(f"sub-agents staggered: first {_f(s0.get('ttft_s'))} s, other "
@@ -340,10 +347,12 @@ def subagents(ctx: Ctx) -> dict:
     system, tasks = sub["together"]
     before_t = ctx.snapshot()
     ctx.mark()
+    n = access.count(log)
     together = many(system, tasks)
     ttfts = [r["ttft_s"] for r in together if r.get("ttft_s") is not None]
     out["together"] = {
         "requests": [_strip(r) for r in together],
+        "server_ttft_s": access.ttfts(log, n, len(together)),
         "ttft_max_s": max(ttfts) if ttfts else None,
         "ttft_median_s": statistics.median(ttfts) if ttfts else None,
         "errors": [r["error"] for r in together if r.get("error")],

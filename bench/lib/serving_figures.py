@@ -144,6 +144,10 @@ def summarise(result: dict) -> dict:
     return out
 
 
+def _most(xs: list[float] | None) -> float | None:
+    return max(xs) if xs else None
+
+
 def _sub_figures(per, kvpt: dict[str, int]) -> dict:
     def ideal(r: dict, label: str) -> float | None:
         reqs = _dig(r, "together", "requests") or []
@@ -184,6 +188,13 @@ def _sub_figures(per, kvpt: dict[str, int]) -> dict:
         "sub_together_ttft_max_s": per("subagents", at("together", "ttft_max_s")),
         "sub_together_ratio": per("subagents", lambda r, _: _ratio(
             _dig(r, "together", "ttft_max_s"), _dig(r, "alone", "ttft_s"))),
+        # the server's clock (its access lines): the client's adds its own work
+        "sub_staggered_server_ratio": per("subagents", lambda r, _: _ratio(
+            _most(_dig(r, "staggered", "server_rest_ttft_s")),
+            _most(_dig(r, "staggered", "server_first_ttft_s")))),
+        "sub_together_server_ratio": per("subagents", lambda r, _: _ratio(
+            _most(_dig(r, "together", "server_ttft_s")),
+            _most(_dig(r, "alone", "server_ttft_s")))),
         "sub_together_mem_peak": per("subagents", at("together", "mem_peak")),
         "sub_kv_ideal_bytes": per("subagents", ideal),
         "sub_kv_one_copy_bytes": per("subagents", one_copy),
