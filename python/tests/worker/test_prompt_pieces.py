@@ -3,7 +3,8 @@
 cache too; the cache keeps to its bound; a tokenizer whose pieces are not independent is
 refused at the start-time check and tokenizes whole; and through a real worker, prompts that
 share a long system prompt reuse its ids (the status counts the hits) with the usage's
-prompt tokens unchanged. Not in the pure tier: transformers' encoding imports mlx where it
+prompt tokens unchanged; prompts that arrive together with a new long piece tokenize it once
+(the others wait for its ids), in process and through a real worker. Not in the pure tier: transformers' encoding imports mlx where it
 is installed (its array checks)."""
 
 from __future__ import annotations
@@ -233,3 +234,40 @@ def test_a_worker_reuses_a_shared_system_prompts_ids(tiny_model, tmp_path):
         w.stop()
     assert figures["enabled"] is True, json.dumps(figures)
     assert figures["hits"] >= 2
+
+
+def test_a_worker_tokenizes_a_new_shared_system_prompt_once_for_requests_sent_together(
+        tiny_model, tmp_path):
+    """Eight chat requests sent at once (clients made first, released together) with one
+    system prompt the worker has not seen: its piece is tokenized by one of them; each other
+    either found its ids cached or waited for them (``hits + waited`` = 7, where tokenizing it
+    again would leave it short), and every prompt's token count is the template's."""
+    from conftest import Worker
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_model))
+    system = "New shared instructions for eight sub-agents started together. " * 80
+    w = Worker(tiny_model, log=tmp_path / "w.log")
+    try:
+        before = w.status()["prompt_pieces"]
+        barrier = threading.Barrier(8)
+
+        def one(i: int) -> tuple[int, int]:
+            messages = [{"role": "system", "content": system},
+                        {"role": "user", "content": f"sub-task {i}"}]
+            with httpx.Client() as client:
+                barrier.wait(timeout=30)
+                r = client.post(w.url + "/v1/chat/completions", timeout=300, json={
+                    "model": "tiny", "messages": messages, "max_tokens": 1, "temperature": 0})
+            assert r.status_code == 200, r.text
+            want = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                          return_dict=False)
+            return r.json()["usage"]["prompt_tokens"], len(want)
+
+        with ThreadPoolExecutor(8) as pool:
+            counts = list(pool.map(one, range(8)))
+        after = w.status()["prompt_pieces"]
+    finally:
+        w.stop()
+    assert all(got == want for got, want in counts), counts
+    assert (after["hits"] - before["hits"]) + (after["waited"] - before["waited"]) == 7, after
