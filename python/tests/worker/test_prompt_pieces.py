@@ -4,8 +4,8 @@ cache too; the cache keeps to its bound; a tokenizer whose pieces are not indepe
 refused at the start-time check and tokenizes whole; and through a real worker, prompts that
 share a long system prompt reuse its ids (the status counts the hits) with the usage's
 prompt tokens unchanged; prompts that arrive together with a new long piece tokenize it once
-(the others wait for its ids), in process and through a real worker. Not in the pure tier: transformers' encoding imports mlx where it
-is installed (its array checks)."""
+(the others wait for its ids), in process and through a real worker. Not in the pure tier:
+transformers' encoding imports mlx where it is installed (its array checks)."""
 
 from __future__ import annotations
 
