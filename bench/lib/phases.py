@@ -314,7 +314,8 @@ def subagents(ctx: Ctx) -> dict:
             return list(pool.map(lambda t: one(system, t, barrier), tasks))
 
     out = ctx.partial  # filled as it goes: a run cut short keeps the finished parts
-    log = ctx.server.log_path  # the server's own TTFTs (its access lines) beside the client's
+    # the server's own TTFTs (its access lines) beside the client's; mlx_lm.server has none
+    log = ctx.server.log_path if ctx.status is not None else None
     before = ctx.snapshot()
     ctx.mark()
     n = access.count(log)
