@@ -45,7 +45,7 @@ class Batch:
     """What every layer of one forward shares: where to write, what to read, mask, offset."""
 
     __slots__ = ("attended", "kernel", "lengths", "mask", "offset", "pace", "read", "tail",
-                 "write")
+                 "write", "writes_in_read")
 
     def __init__(self, write: mx.array, read: Read | None, mask, offset,
                  lengths: mx.array | None = None, tail: Read | None = None, kernel=None):
@@ -59,6 +59,10 @@ class Batch:
         self.attended = 0
         #: a :class:`Pacer` for a long chunk's layers (set by the engine), or None
         self.pace: Pacer | None = None
+        #: decode rows, each one sequence's one new token, alone in their step: a pool
+        #: written in place stores them by the decode kernel's own launch
+        #: (:attr:`~plimsoll.engine.kernels.Kernel.decode_writing`; set by the engine)
+        self.writes_in_read = False
 
 
 class Pacer:
@@ -123,6 +127,7 @@ class PagedView(PoolCache):
         self.pool, self.batch = pool, batch
         self.offset = batch.offset
         self._fresh: tuple[mx.array, mx.array] | None = None
+        self._unwritten = False  # the fresh K/V are not in the pool yet
         self.capturing = False
         #: the K/V the capture took, written since with the step's other groups
         self.written: tuple[mx.array, mx.array] | None = None
@@ -134,6 +139,8 @@ class PagedView(PoolCache):
         if self.written is not None:  # the step's one write of this layer took them
             keys, values = self.written
             self.written = None
+        elif self.batch.writes_in_read and self.pool.inplace is not None:
+            self._unwritten = True  # attend() stores them: by the kernel, or before it
         else:
             self.pool.write(self.batch.write, keys, values)
         if self.batch.read is None:  # attends to itself: the write must not wait till the end
@@ -148,13 +155,23 @@ class PagedView(PoolCache):
         read, pool, fresh, self._fresh = self.batch.read, self.pool, self._fresh, None
         if hasattr(pool, "attend_read"):  # a kind that reads its own pool (quantized KV)
             return self._paced(pool.attend_read(queries, scale, sinks, self.batch, fresh))
-        kernel = self.batch.kernel
+        kernel, unwritten, self._unwritten = self.batch.kernel, self._unwritten, False
         if (kernel is not None and read is not None and read.index is not None
                 and self.batch.lengths is not None and sinks is None
                 and kernel.serves(queries, pool.k_dim, pool.v_dim, pool.kv_heads)):
+            if unwritten and kernel.decode_writing is not None and fresh[0].dtype == pool.dtype:
+                out, pool.token = kernel.decode_writing(
+                    queries, pool.keys, pool.values, *fresh, read.index, self.batch.lengths,
+                    read.length, scale, pool.block_tokens, after=pool.token)
+                pool.keys, pool.values = mx.depends([pool.keys, pool.values], [pool.token])
+                return out
+            if unwritten:
+                pool.write(self.batch.write, *fresh)
             return kernel.decode(queries, pool.keys, pool.values, read.index,
                                  self.batch.lengths, read.length, scale, pool.block_tokens,
                                  after=pool.token)
+        if unwritten:
+            pool.write(self.batch.write, *fresh)
         if self.batch.read is None:
             keys, values = fresh
         else:

@@ -140,17 +140,20 @@ class Engine:
             self.select_rows = sampled_rows.rows_selectable(model)
             #: the custom decode kernels checked on this device (used only if they agree
             #: with the reference and are not slower; the verdicts go to the status)
-            self.kernels = kernels.select(
-                self._compute_dtype, facts.num_attention_heads,
-                sorted({(p.kv_heads, p.k_dim, p.v_dim) for p in self._pools
-                        if type(p) is FullAttention}))
+            plain = [p for p in self._pools if type(p) is FullAttention]
+            shapes = sorted({(p.kv_heads, p.k_dim, p.v_dim) for p in plain})
+            self.kernels = kernels.select(self._compute_dtype, facts.num_attention_heads,
+                                          shapes)
             #: pool writes stored in place and contexts gathered by the CUDA kernels that
             #: passed their check (engine/pool_cuda.py: a scatter after a read still in
             #: flight copies the layer's arrays, MLX's gather is slow); verdicts as above
-            plain = [p for p in self._pools if type(p) is FullAttention]
             gather = kernels.check_gather(plain)
             write = kernels.check_write(plain, compile_decode, gather)
-            self.kernels.verdicts += [write, gather, kernels.check_skinny(model)]
+            writing = kernels.check_writing(self.kernels.decode, self._compute_dtype,
+                                            facts.num_attention_heads, shapes, write)
+            #: decode-only steps store their new K/V by the decode kernel's launch
+            self.decode_writes = writing.used
+            self.kernels.verdicts += [write, gather, kernels.check_skinny(model), writing]
             #: quantized pools read by their own decode kernel where it passed its check
             #: (it reads through the block index: a decode's read is never a slice then)
             quantized = [p for p in self._pools if type(p) is QuantizedAttention]

@@ -66,6 +66,9 @@ def groups_of(eng, step: Step) -> list[Group]:
         top = max(top, max(w.block_table[:(w.start + w.length - 1) // eng.block_tokens + 1]))
     for p in eng._pools:
         p.ensure(top)
+    if len(groups) == 1 and groups[0].decode and len(groups[0].rows) == len(groups[0].works):
+        # each row one sequence's one token, nothing else writing the pools this step
+        groups[0].batch.writes_in_read = eng.decode_writes and groups[0].inputs is None
     _pace(eng, groups)
     return groups
 

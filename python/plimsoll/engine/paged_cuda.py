@@ -106,6 +106,32 @@ _LOAD_FLOAT = r"""
             vf[i] = static_cast<float>(vp[row + i]);
         }
 """
+# the same, in a step whose one new token a row is written here too (:func:`paged_decode_writing`):
+# its last position's K/V come from ``kn``/``vn`` (rows, kv_heads, 1, D), which the warp that
+# reads that position also stores into the pool's slot (one block a row and KV head holds it)
+_LOAD_FLOAT_WRITING = r"""
+        const size_t row = ((size_t)kvh * S + slot) * D + lane * DPL;
+        if (t == len - 1) {
+            const size_t nr = ((size_t)b * kp_shape[0] + kvh) * D + lane * DPL;
+            T* kw = const_cast<T*>(kp);
+            T* vw = const_cast<T*>(vp);
+            for (int i = 0; i < DPL; ++i) {
+                kf[i] = static_cast<float>(kn[nr + i]);
+                vf[i] = static_cast<float>(vn[nr + i]);
+                kw[row + i] = kn[nr + i];
+                vw[row + i] = vn[nr + i];
+            }
+        } else {
+            for (int i = 0; i < DPL; ++i) {
+                kf[i] = static_cast<float>(kp[row + i]);
+                vf[i] = static_cast<float>(vp[row + i]);
+            }
+        }
+"""
+# the token every later read of the pools takes as its ``after`` (engine/pool_cuda.py)
+_DONE = r"""
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) done[0] = 1;
+"""
 # a quantized pool's (engine/quantized.py, mx.quantize's format): packed values (kv_heads,
 # slots, D * BITS / 32) uint32, element e at bits [e * BITS % 32, +BITS) of word e * BITS / 32;
 # scales and biases (kv_heads, slots, D / GS); an element is scale * value + bias
@@ -125,10 +151,12 @@ _LOAD_QUANT = r"""
 """
 
 
-def _attend(quantized: bool) -> str:
-    """The attention kernel's body for a float or a quantized pool."""
-    return (_ATTEND.replace("__LOAD__", _LOAD_QUANT if quantized else _LOAD_FLOAT)
-            .replace("__POOL__", "kq" if quantized else "kp"))
+def _attend(quantized: bool, writing: bool = False) -> str:
+    """The attention kernel's body for a float or a quantized pool (``writing``: a float
+    pool's, storing each row's new token as it reads it)."""
+    load = _LOAD_QUANT if quantized else _LOAD_FLOAT_WRITING if writing else _LOAD_FLOAT
+    body = _ATTEND.replace("__LOAD__", load).replace("__POOL__", "kq" if quantized else "kp")
+    return _DONE + body if writing else body
 
 
 # the partial results of a split, for _COMBINE (plain C: the Metal kernel's tail too)
@@ -164,6 +192,7 @@ _COMBINE = r"""
 _INPUTS = ["q", "kp", "vp", "tables", "lengths", "scale_arr", "after"]
 _INPUTS_QUANT = ["q", "kq", "ks", "kb", "vq", "vs", "vb", "tables", "lengths", "scale_arr",
                  "after"]
+_INPUTS_WRITING = ["q", "kp", "vp", "kn", "vn", "tables", "lengths", "scale_arr", "after"]
 
 
 def available() -> bool:
@@ -223,19 +252,20 @@ def combine(part_a: mx.array, part_m: mx.array, part_s: mx.array) -> mx.array:
 
 
 @functools.cache
-def _kernel(which: str, quantized: bool = False):
+def _kernel(which: str, quantized: bool = False, writing: bool = False):
     if which == "combine":
         return mx.fast.cuda_kernel(name="plimsoll_paged_combine",
                                    input_names=["part_a", "part_m", "part_s"],
                                    output_names=["out"], source=_COMBINE)
-    body, names = _attend(quantized), _INPUTS_QUANT if quantized else _INPUTS
-    suffix = "_q" if quantized else ""
+    body = _attend(quantized, writing)
+    names = _INPUTS_QUANT if quantized else _INPUTS_WRITING if writing else _INPUTS
+    suffix, done = ("_q" if quantized else "_w" if writing else ""), ["done"] if writing else []
     if which == "direct":
         return mx.fast.cuda_kernel(name=f"plimsoll_paged_decode_direct{suffix}",
-                                   input_names=names, output_names=["out"],
+                                   input_names=names, output_names=["out", *done],
                                    source=body + DIRECT_OUT)
     return mx.fast.cuda_kernel(name=f"plimsoll_paged_decode{suffix}", input_names=names,
-                               output_names=["part_a", "part_m", "part_s"],
+                               output_names=["part_a", "part_m", "part_s", *done],
                                source=body + PARTIAL_OUT)
 
 
@@ -268,40 +298,60 @@ def paged_decode_quantized(queries: mx.array, k_pool: tuple, v_pool: tuple, tabl
                    block_tokens, after)
 
 
+def paged_decode_writing(queries: mx.array, k_pool: mx.array, v_pool: mx.array,
+                         k_new: mx.array, v_new: mx.array, tables: mx.array, lengths: mx.array,
+                         longest: int, scale: float, block_tokens: int,
+                         after: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """:func:`paged_decode` of a step whose rows are each one sequence's one new token, that
+    token's K/V (``k_new``, ``v_new``: (rows, kv_heads, 1, dim), the pools' dtype) stored in
+    place at position ``lengths[row] − 1`` of its table by the same launch — the step's
+    separate write (:func:`plimsoll.engine.pool_cuda.write`, two launches a layer) is not
+    made. Returns the attention and the token every later read of the pools takes."""
+    return _launch([k_pool, v_pool], (), queries, tables, lengths, longest, scale,
+                   block_tokens, after, new=(k_new, v_new))
+
+
 def _launch(pools: list[mx.array], packing: tuple, queries: mx.array, tables: mx.array,
             lengths: mx.array, longest: int, scale: float, block_tokens: int,
-            after: mx.array | None) -> mx.array:
+            after: mx.array | None, new: tuple = ()):
     """One decode launch (two with splits) over float pools, or quantized ones where
-    ``packing`` names their bits and group size."""
+    ``packing`` names their bits and group size; ``new``: each row's new K and V, stored by
+    the launch (:func:`paged_decode_writing`), which then returns the write's token too."""
     rows, hq, _, d = queries.shape
-    kvh, quantized = pools[0].shape[0], bool(packing)
+    kvh, quantized, writing = pools[0].shape[0], bool(packing), bool(new)
     template = [("T", queries.dtype), ("D", d), ("G", hq // kvh), ("BT", block_tokens),
                 ("WARPS", WARPS), *packing]
     splits = splits_for(rows, kvh, longest, sm_count())
-    inputs = [queries.reshape(rows, hq, d), *pools, tables, lengths, scale_input(scale),
+    # (rows, q_heads, 1, dim) is (rows, q_heads, dim) in memory: the kernel reads q_shape[1]
+    inputs = [queries, *pools, *new, tables, lengths, scale_input(scale),
               pool_cuda.nothing() if after is None else after]
-    return launch(lambda which: _kernel(which, quantized and which != "combine"), inputs,
-                  queries, kvh, template, splits)
+    return launch(lambda which: _kernel(which, quantized and which != "combine",
+                                        writing and which != "combine"),
+                  inputs, queries, kvh, template, splits, token=writing)
 
 
 def launch(kernel_of, inputs: list[mx.array], queries: mx.array, kv_heads: int,
-           template: list, splits: int) -> mx.array:
+           template: list, splits: int, token: bool = False):
     """The decode kernel's launch over ``splits`` splits of every row's table (one launch
     when 1, else the partial results and one more launch combining them), on either backend:
     ``kernel_of(which)`` is its ``"direct"``, ``"partial"`` or ``"combine"`` kernel (this
-    module's, or :mod:`plimsoll.engine.paged_metal`'s)."""
+    module's, or :mod:`plimsoll.engine.paged_metal`'s). ``token``: the kernel also outputs
+    a write's token (:func:`paged_decode_writing`); returns (attention, token) then."""
     rows, hq, _, d = queries.shape
     grid, group = (rows * 32 * WARPS, kv_heads, splits), (32 * WARPS, 1, 1)
+    done = ([(1,)], [mx.int32]) if token else ([], [])
     if splits == 1:
-        return kernel_of("direct")(inputs=inputs, template=template, grid=grid,
-                                   threadgroup=group, output_shapes=[(rows, hq, 1, d)],
-                                   output_dtypes=[queries.dtype])[0]
+        out = kernel_of("direct")(inputs=inputs, template=template, grid=grid,
+                                  threadgroup=group, output_shapes=[(rows, hq, 1, d), *done[0]],
+                                  output_dtypes=[queries.dtype, *done[1]])
+        return (out[0], out[1]) if token else out[0]
     parts = kernel_of("partial")(
         inputs=inputs, template=template, grid=grid, threadgroup=group,
-        output_shapes=[(rows, hq, splits, d), (rows, hq, splits), (rows, hq, splits)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
+        output_shapes=[(rows, hq, splits, d), (rows, hq, splits), (rows, hq, splits), *done[0]],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, *done[1]])
     threads = -(-rows * hq * d // _COMBINE_THREADS) * _COMBINE_THREADS
-    return kernel_of("combine")(inputs=parts, template=[("T", queries.dtype), ("D", d)],
-                                grid=(threads, 1, 1), threadgroup=(_COMBINE_THREADS, 1, 1),
-                                output_shapes=[(rows, hq, 1, d)],
-                                output_dtypes=[queries.dtype])[0]
+    out = kernel_of("combine")(inputs=parts[:3], template=[("T", queries.dtype), ("D", d)],
+                               grid=(threads, 1, 1), threadgroup=(_COMBINE_THREADS, 1, 1),
+                               output_shapes=[(rows, hq, 1, d)],
+                               output_dtypes=[queries.dtype])[0]
+    return (out, parts[3]) if token else out

@@ -84,7 +84,7 @@ def test_a_correct_kernel_is_accepted(monkeypatch):
 def test_the_cpu_keeps_the_reference_path(tmp_path):
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
     assert eng.kernels.decode is None
-    verdict, metal, write, gather, skinny = eng.kernels.report()
+    verdict, metal, write, gather, skinny, writing = eng.kernels.report()
     assert verdict["name"] == "paged_decode_cuda" and not verdict["used"]
     assert verdict["reason"] == "not this device: the engine runs on cpu"
     assert metal["name"] == "paged_decode_metal" and not metal["used"]
@@ -93,6 +93,7 @@ def test_the_cpu_keeps_the_reference_path(tmp_path):
     assert write["name"] == "pool_write_cuda" and not write["used"]
     assert gather["name"] == "pool_gather_cuda" and not gather["used"]
     assert skinny["name"] == "skinny_matmul_cuda" and not skinny["used"]
+    assert writing["name"] == "paged_decode_writing_cuda" and not writing["used"]
     assert all(p.inplace is None and p.fast_gather is None for p in eng._pools)
     assert eng.decode_gathers  # admission charges the decode's gather
 

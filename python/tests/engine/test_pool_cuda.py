@@ -40,3 +40,24 @@ def test_an_engine_on_cuda_writes_and_gathers_through_them_with_mlx_lm_tokens(tm
     prompts = [text(eng.tokenizer, n, salt=n) for n in (20, 45, 70)]
     got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=True)), chunk=32)
     assert got == [reference(eng.model, p, 6) for p in prompts]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_the_decode_kernel_stores_its_rows_as_the_write_then_the_decode_do(dtype):
+    from plimsoll.engine import kernels
+
+    used = kernels.Verdict(kernels.WRITE_KERNEL, "cuda", True, "checked")
+    verdict = kernels.check_writing(kernels.REGISTRY[0], dtype, 32, [(8, 128, 128)], used)
+    assert verdict.used, verdict.reason
+
+
+@cuda
+def test_an_engine_on_cuda_stores_decode_tokens_by_its_decode_kernel(tmp_path):
+    eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
+    sharpen(eng.model)
+    assert eng.decode_writes, eng.kernels.report()
+    prompts = [text(eng.tokenizer, n, salt=n) for n in (20, 45, 70)]
+    got = drive(eng, seqs_for(prompts, 8, 16, Blocks(64, shuffle=True)), chunk=32,
+                pipelined=True)
+    assert got == [reference(eng.model, p, 8) for p in prompts]
