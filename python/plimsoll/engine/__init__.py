@@ -9,9 +9,11 @@ next verifying step drafted from the one in flight), :mod:`.mtp_head` (a checkpo
 drafting from the target's hidden states), :mod:`.compiled` (decode-only steps compiled per
 shape bucket), :mod:`.groups` (a step's groups and their views), :mod:`.mixers` (the model's
 token-mixing modules regrouped inside that forward), :mod:`.linear` (the model's linear layers
-multiplying by a transposed view of their weight kept across steps), :mod:`.sampled_rows`
+multiplying by a transposed view of their weight kept across steps), :mod:`.fused` (sibling
+projections of one input as one product for a single row), :mod:`.sampled_rows`
 (logits only at the rows that sample), :mod:`.kernels` (custom attention kernels, each checked
-on its device before use), :mod:`.pool_cuda` (a pool's in-place writes and its gathers as CUDA
+on its device before use), :mod:`.decode_write` (decode steps storing their K/V by the decode
+kernel's launch, checked), :mod:`.pool_cuda` (a pool's in-place writes and its gathers as CUDA
 kernels), :mod:`.backend` (the one backend probe), :mod:`.paged` (the physical pools, one kind
 per cache layer), :mod:`.attention` (the cache views mlx-lm's models see and the routed
 attention), :mod:`.latent` (MLA's latent + rope-key blocks and view), :mod:`.composite` (mlx-lm
@@ -23,8 +25,9 @@ in-process driver for tests and benchmarks). Which block holds what is the sched
 pool (:mod:`plimsoll.worker.pool`); the engine writes where a table says.
 
 May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, forward, compiled, groups, mixers,
-sampled_rows, linear, kernels, pool_cuda, backend, paged, attention, latent, composite, window,
-sampling, verify, chain, mtp_head, state, limits, warmup, threads and drive only).
+sampled_rows, linear, fused, kernels, decode_write, pool_cuda, backend, paged, attention,
+latent, composite, window, sampling, verify, chain, mtp_head, state, limits, warmup, threads
+and drive only).
 
 The names below are loaded on first use (PEP 562), so ``plimsoll.engine.work`` imports without
 mlx; ``from plimsoll.engine import Engine`` loads the mlx edge.

@@ -47,6 +47,7 @@ from plimsoll.engine import (
     backend,
     compiled,
     composite,
+    decode_write,
     forward,
     fused,
     kernels,
@@ -150,8 +151,8 @@ class Engine:
             #: flight copies the layer's arrays, MLX's gather is slow); verdicts as above
             gather = kernels.check_gather(plain)
             write = kernels.check_write(plain, compile_decode, gather)
-            writing = kernels.check_writing(self.kernels.decode, self._compute_dtype,
-                                            facts.num_attention_heads, shapes, write)
+            writing = decode_write.check_writing(self.kernels.decode, self._compute_dtype,
+                                                 facts.num_attention_heads, shapes, write)
             #: decode-only steps store their new K/V by the decode kernel's launch
             self.decode_writes = writing.used
             self.kernels.verdicts += [write, gather, kernels.check_skinny(model), writing]

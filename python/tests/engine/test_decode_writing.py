@@ -1,4 +1,4 @@
-"""Decode steps that store their new K/V by the decode kernel's own launch (engine/kernels.py
+"""Decode steps that store their new K/V by the decode kernel's own launch (engine/decode_write.py
 ``check_writing``, attention.PagedView), on the CPU with stand-ins for the CUDA kernels.
 
 Real MLX (CPU, float32), real engine: the check accepts a stand-in that stores each row's new
@@ -19,7 +19,7 @@ mx = pytest.importorskip("mlx.core")
 import numpy as np  # noqa: E402
 
 from plimsoll.demo.model import build_demo_model  # noqa: E402
-from plimsoll.engine import Engine, backend, kernels, paged_cuda  # noqa: E402
+from plimsoll.engine import Engine, backend, decode_write, kernels, paged_cuda  # noqa: E402
 from plimsoll.engine.drive import Blocks, drive, reference, seqs_for, sharpen, text  # noqa: E402
 
 on_cpu = pytest.mark.skipif(backend.name() != "cpu", reason="the CPU's stand-in kernels")
@@ -61,22 +61,22 @@ def _kernel(off: int = 0, calls: list | None = None) -> kernels.Kernel:
 
 
 def test_the_check_takes_a_kernel_that_writes_what_the_scatter_writes():
-    verdict = kernels.check_writing(_kernel(), mx.float32, 8, SHAPES, USED)
+    verdict = decode_write.check_writing(_kernel(), mx.float32, 8, SHAPES, USED)
     assert verdict.used, verdict.reason
     assert verdict.name == "paged_decode_writing_cuda"
 
 
 def test_the_check_refuses_a_kernel_writing_a_position_off():
-    verdict = kernels.check_writing(_kernel(off=1), mx.float32, 8, SHAPES, USED)
+    verdict = decode_write.check_writing(_kernel(off=1), mx.float32, 8, SHAPES, USED)
     assert not verdict.used and "bit for bit" in verdict.reason
 
 
 def test_the_check_needs_a_writing_kernel_and_pools_written_in_place():
-    assert not kernels.check_writing(None, mx.float32, 8, SHAPES, USED).used
+    assert not decode_write.check_writing(None, mx.float32, 8, SHAPES, USED).used
     plain = kernels.Kernel("stand-in", "cpu", kernels.reference_decode, paged_cuda.serves)
-    assert not kernels.check_writing(plain, mx.float32, 8, SHAPES, USED).used
+    assert not decode_write.check_writing(plain, mx.float32, 8, SHAPES, USED).used
     unused = kernels.Verdict(kernels.WRITE_KERNEL, "cpu", False, "not this device")
-    verdict = kernels.check_writing(_kernel(), mx.float32, 8, SHAPES, unused)
+    verdict = decode_write.check_writing(_kernel(), mx.float32, 8, SHAPES, unused)
     assert not verdict.used and "not written in place" in verdict.reason
 
 

@@ -45,10 +45,10 @@ def test_an_engine_on_cuda_writes_and_gathers_through_them_with_mlx_lm_tokens(tm
 @cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_the_decode_kernel_stores_its_rows_as_the_write_then_the_decode_do(dtype):
-    from plimsoll.engine import kernels
+    from plimsoll.engine import decode_write, kernels
 
     used = kernels.Verdict(kernels.WRITE_KERNEL, "cuda", True, "checked")
-    verdict = kernels.check_writing(kernels.REGISTRY[0], dtype, 32, [(8, 128, 128)], used)
+    verdict = decode_write.check_writing(kernels.REGISTRY[0], dtype, 32, [(8, 128, 128)], used)
     assert verdict.used, verdict.reason
 
 
