@@ -9,18 +9,19 @@ same input by three (two) weights: three products where one would do.
 What it does: :func:`fuse` concatenates each such group's weights into one array ``W`` (rows:
 the members' in order) and gives every member a view of its rows of ``W`` as its ``weight``
 (no bytes of their own: the model holds the same bytes as before, once) and a subclass of its
-own type (:class:`FusedLinear`). Called with one row (``x.size == in_features``), a member
+own type (:class:`Fused`). Called with one row (``x.size == in_features``), a member
 computes ``x @ W.T`` once for the group — kept for its siblings while they are called with
 the very same input array (identity, not equality), dropped once each took its part — and
 returns its columns: one ``Matmul`` and views. Called with more rows it is the member it was
 (held view, the few-row kernel, ``nn.Linear``), so a chunk or a batch of rows runs exactly as
 before, with no copies of strided parts.
 
-Only plain layers (:func:`plimsoll.engine.linear.plain` types and the few-row kernel's
-subclass) without biases, of one dtype and input width, are fused; quantized layers and
-layers shared between groups are left alone. The product is the same sum per output as the
-separate ones; a backend may order it differently for another width (tokens equal to
-mlx-lm's are tested on the CPU).
+Plain layers (:func:`plimsoll.engine.linear.plain` types and the few-row kernel's subclass)
+of one dtype and input width are fused, and quantized ones (``nn.QuantizedLinear``) of one
+format — their packed weights, scales and biases each concatenated, one
+``quantized_matmul`` for the row; none with a bias, none shared between groups. The product
+is the same sum per output as the separate ones; a backend may order it differently for
+another width (tokens equal to mlx-lm's are tested on the CPU).
 """
 
 from __future__ import annotations
@@ -28,22 +29,28 @@ from __future__ import annotations
 import itertools
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from plimsoll.engine.linear import HeldLinear, _views, modules, product
 
 #: the members of a group, by attribute name, in order
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _GROUP = "_plimsoll_fused"  # the instance attribute (not a parameter) holding the group
+#: a quantized member's arrays, all cut along their rows (the output features)
+_QUANTIZED = ("weight", "scales", "biases")
 
 
 class Group:
-    """One group's members, their fused weight and its views, and the last single-row
-    product."""
+    """One group's members, their concatenated arrays and the views of them, and the last
+    single-row product."""
 
-    __slots__ = ("bounds", "left", "members", "outs", "t", "t3", "views", "x")
+    __slots__ = ("arrays", "bounds", "left", "members", "names", "outs", "quantized", "t",
+                 "t3", "views", "x")
 
     def __init__(self, members: list):
         self.members = members
+        self.quantized = isinstance(members[0], nn.QuantizedLinear)
+        self.names = [n for n in _QUANTIZED if n in members[0]] if self.quantized else ["weight"]
         widths = [m["weight"].shape[0] for m in members]
         self.bounds = list(itertools.pairwise(itertools.accumulate(widths, initial=0)))
         self.x: mx.array | None = None
@@ -52,24 +59,37 @@ class Group:
         self.bind()
 
     def bind(self) -> None:
-        """Concatenate the members' weights into one array and give each member the view
-        of its rows (and its held views of that), all evaluated: the old arrays go."""
-        weight = mx.concatenate([m["weight"] for m in self.members], axis=0)
-        mx.eval(weight)
-        self.t = weight.T
+        """Concatenate the members' arrays and give each member the views of its rows (and a
+        held member its held views of them), all evaluated: the old arrays go."""
+        self.arrays = [mx.concatenate([m[n] for m in self.members], axis=0) for n in self.names]
+        mx.eval(self.arrays)
+        self.t = self.arrays[0].T
         self.t3 = self.t[None]
         made = [self.t, self.t3]
         for m, (a, b) in zip(self.members, self.bounds, strict=True):
-            m["weight"] = weight[a:b]
-            made += [m["weight"], *_views(m, m["weight"])[1:]]
+            for n, whole in zip(self.names, self.arrays, strict=True):
+                m[n] = whole[a:b]
+                made.append(m[n])
+            if isinstance(m, HeldLinear):
+                made += _views(m, m["weight"])[1:]
         mx.eval(made)
-        self.views = [m["weight"] for m in self.members]
+        self.views = [[m[n] for n in self.names] for m in self.members]
 
     def bound(self) -> bool:
-        """Whether every member's weight is still the view :meth:`bind` gave it (not when the
-        model's weights were replaced since, nor inside ``mx.compile``'s trace, whose
+        """Whether every member's arrays are still the views :meth:`bind` gave it (not when
+        the model's weights were replaced since, nor inside ``mx.compile``'s trace, whose
         weights are its inputs)."""
-        return all(m["weight"] is v for m, v in zip(self.members, self.views, strict=True))
+        return all(m[n] is v for m, vs in zip(self.members, self.views, strict=True)
+                   for n, v in zip(self.names, vs, strict=True))
+
+    def _product(self, x: mx.array) -> mx.array:
+        if not self.quantized:
+            return product(x, self.t, self.t3)
+        m = self.members[0]
+        scales, biases = self.arrays[1], (self.arrays[2] if len(self.arrays) > 2 else None)
+        return mx.quantized_matmul(x, self.arrays[0], scales=scales, biases=biases,
+                                   transpose=True, group_size=m.group_size, bits=m.bits,
+                                   mode=m.mode)
 
     def part(self, index: int, x: mx.array) -> mx.array | None:
         """Member ``index``'s output for the single row ``x``; None where the group is not
@@ -77,7 +97,7 @@ class Group:
         if self.x is not x:
             if not self.bound():
                 return None
-            y = product(x, self.t, self.t3)
+            y = self._product(x)
             self.x, self.outs, self.left = x, [y[..., a:b] for a, b in self.bounds], 0
         out = self.outs[index]
         self.left |= 1 << index
@@ -86,8 +106,9 @@ class Group:
         return out
 
 
-class FusedLinear(HeldLinear):
-    """A group member: one row through the group's one product, more rows as before."""
+class Fused:
+    """A group member (mixed in before its own type): one row through the group's one
+    product, more rows as its own type computes them."""
 
     def __call__(self, x: mx.array) -> mx.array:
         group, index = self.__dict__[_GROUP]
@@ -100,18 +121,25 @@ _SUBCLASSES: dict[type, type] = {}
 
 
 def _fused_type(base: type) -> type:
-    """``base``'s fused subclass (made once per base: the held type or the few-row one)."""
+    """``base``'s fused subclass (made once per base: the held, few-row or quantized type)."""
     if base not in _SUBCLASSES:
-        _SUBCLASSES[base] = type(f"Fused{base.__name__}", (FusedLinear, base), {})
+        _SUBCLASSES[base] = type(f"Fused{base.__name__}", (Fused, base), {})
     return _SUBCLASSES[base]
 
 
 def _fusable(members: list) -> bool:
-    if not all(isinstance(m, HeldLinear) and not isinstance(m, FusedLinear)
-               and "bias" not in m for m in members):
+    """Plain (held) layers of one dtype and input width, or quantized ones of one format;
+    none with a bias, none fused already."""
+    if any(isinstance(m, Fused) or "bias" in m for m in members):
         return False
     ws = [m["weight"] for m in members]
-    return len({(w.dtype, w.shape[1]) for w in ws}) == 1 and all(w.ndim == 2 for w in ws)
+    if len({(w.dtype, w.shape[1], w.ndim) for w in ws}) != 1 or ws[0].ndim != 2:
+        return False
+    if all(isinstance(m, HeldLinear) for m in members):
+        return True
+    return (all(type(m) is nn.QuantizedLinear for m in members)
+            and len({(m.group_size, m.bits, m.mode, tuple(n for n in _QUANTIZED if n in m))
+                     for m in members}) == 1)
 
 
 def fuse(model) -> int:
@@ -137,7 +165,7 @@ def fuse(model) -> int:
 
 def rebind(model) -> int:
     """Fuse again every group whose weights were replaced (``model.update``); how many."""
-    groups = {id(g): g for m in modules(model) if isinstance(m, FusedLinear)
+    groups = {id(g): g for m in modules(model) if isinstance(m, Fused)
               for g in [m.__dict__[_GROUP][0]] if not g.bound()}
     for g in groups.values():
         g.bind()
@@ -149,8 +177,8 @@ def unfuse(model) -> int:
     how many members. A benchmark's A/B."""
     back = 0
     for m in modules(model):
-        if isinstance(m, FusedLinear):
-            m.__class__ = type(m).__mro__[2]  # (Fused<base>, FusedLinear, base, ...)
+        if isinstance(m, Fused):
+            m.__class__ = type(m).__mro__[2]  # (Fused<base>, Fused, base, ...)
             m.__dict__.pop(_GROUP, None)
             back += 1
     return back
@@ -158,4 +186,4 @@ def unfuse(model) -> int:
 
 def fused_members(model) -> int:
     """How many of ``model``'s layers are group members now."""
-    return sum(isinstance(m, FusedLinear) for m in modules(model))
+    return sum(isinstance(m, Fused) for m in modules(model))

@@ -109,3 +109,23 @@ def test_layers_with_biases_are_left_alone():
     module = Attention()
     linear.hold(module)
     assert fused.fuse(module) == 0 and fused.fused_members(module) == 0
+
+
+def test_quantized_members_give_their_own_products(tmp_path):
+    model, _ = load(str(build_demo_model(tmp_path, "tiny")))
+    nn.quantize(model, group_size=32, bits=4)
+    layer = model.model.layers[0]
+    width = layer.self_attn.q_proj.scales.shape[1] * 32
+    xs = [mx.random.normal((1, 1, width), key=mx.random.key(5)),
+          mx.random.normal((1, 4, width), key=mx.random.key(6))]
+    want = _outputs(layer.self_attn, layer.mlp, xs)
+    linear.hold(model)
+    assert fused.fuse(model) == 2 * len(model.model.layers)
+    assert type(layer.mlp.up_proj).__name__ == "FusedQuantizedLinear"
+    got = _outputs(layer.self_attn, layer.mlp, xs)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and mx.allclose(g, w, atol=1e-4, rtol=1e-4).item()
+    members = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+    assert fused.unfuse(model) == 5 * len(model.model.layers)
+    assert all(type(m) is nn.QuantizedLinear for m in members)
+    assert mx.allclose(layer.self_attn.k_proj(xs[0]), want[1], atol=1e-4).item()
