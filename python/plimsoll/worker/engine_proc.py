@@ -160,7 +160,9 @@ def live_figures_of(sched: Scheduler, guard: Any) -> Any:
                 "memory": eng.memory(), "rss": me.memory_info().rss,
                 "guard": guard_status,
                 "cgroup": guard_status if isinstance(guard, SelfGuard) else None,
-                "extra": {"kernels": eng.kernels.report(), "one_forward": eng.mixers.report(),
+                "extra": {"kernels": eng.kernels.report(),
+                          "one_forward": eng.mixers.report() | {
+                              "fused_projection_groups": eng.fused_groups},
                           **({} if drafter is None else {"speculative": drafter.report()})}}
     return figures
 
