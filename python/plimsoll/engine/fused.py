@@ -19,7 +19,8 @@ before, with no copies of strided parts.
 Plain layers (:func:`plimsoll.engine.linear.plain` types and the few-row kernel's subclass)
 of one dtype and input width are fused, and quantized ones (``nn.QuantizedLinear``) of one
 format — their packed weights, scales and biases each concatenated, one
-``quantized_matmul`` for the row; none with a bias, none shared between groups. The product
+``quantized_matmul`` for the row; none with a bias, none shared between groups, none over
+:data:`MOST_BYTES` (the load-time copy). The product
 is the same sum per output as the separate ones; a backend may order it differently for
 another width (tokens equal to mlx-lm's are tested on the CPU).
 """
@@ -38,6 +39,9 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _GROUP = "_plimsoll_fused"  # the instance attribute (not a parameter) holding the group
 #: a quantized member's arrays, all cut along their rows (the output features)
 _QUANTIZED = ("weight", "scales", "biases")
+#: the largest group fused: its arrays are held twice while concatenated at load, before
+#: the pool or any step's activations exist (inside the compute reserve admission keeps)
+MOST_BYTES = 256 << 20
 
 
 class Group:
@@ -134,6 +138,8 @@ def _fusable(members: list) -> bool:
         return False
     ws = [m["weight"] for m in members]
     if len({(w.dtype, w.shape[1], w.ndim) for w in ws}) != 1 or ws[0].ndim != 2:
+        return False
+    if sum(a.nbytes for m in members for n in _QUANTIZED if n in m for a in [m[n]]) > MOST_BYTES:
         return False
     if all(isinstance(m, HeldLinear) for m in members):
         return True

@@ -129,3 +129,15 @@ def test_quantized_members_give_their_own_products(tmp_path):
     assert fused.unfuse(model) == 5 * len(model.model.layers)
     assert all(type(m) is nn.QuantizedLinear for m in members)
     assert mx.allclose(layer.self_attn.k_proj(xs[0]), want[1], atol=1e-4).item()
+
+
+def test_a_group_over_the_load_copy_bound_is_left_alone(tmp_path, monkeypatch):
+    model, _ = load(str(build_demo_model(tmp_path, "tiny")))
+    linear.hold(model)
+    layer = model.model.layers[0]
+    attn = sum(getattr(layer.self_attn, n).weight.nbytes for n in fused.GROUPS[0])
+    mlp = sum(getattr(layer.mlp, n).weight.nbytes for n in fused.GROUPS[1])
+    monkeypatch.setattr(fused, "MOST_BYTES", min(attn, mlp) - 1)
+    assert fused.fuse(model) == 0  # each group one byte or more over
+    monkeypatch.setattr(fused, "MOST_BYTES", max(attn, mlp))
+    assert fused.fuse(model) == 2 * len(model.model.layers)
