@@ -59,10 +59,11 @@ class Batch:
         self.attended = 0
         #: a :class:`Pacer` for a long chunk's layers (set by the engine), or None
         self.pace: Pacer | None = None
-        #: decode rows, each one sequence's one new token, alone in their step: a pool
-        #: written in place stores them by the decode kernel's own launch
-        #: (:attr:`~plimsoll.engine.kernels.Kernel.decode_writing`; set by the engine)
-        self.writes_in_read = False
+        #: decode rows alone in their step: a pool written in place stores their K/V by
+        #: the decode kernel's own launch (:attr:`~plimsoll.engine.kernels.Kernel.
+        #: decode_writing`), given each row's sequence's first new position and the row
+        #: holding it, (first, base) — set by the engine; None: written before the read
+        self.writes_in_read: tuple[mx.array, mx.array] | None = None
 
 
 class Pacer:
@@ -139,7 +140,7 @@ class PagedView(PoolCache):
         if self.written is not None:  # the step's one write of this layer took them
             keys, values = self.written
             self.written = None
-        elif self.batch.writes_in_read and self.pool.inplace is not None:
+        elif self.batch.writes_in_read is not None and self.pool.inplace is not None:
             self._unwritten = True  # attend() stores them: by the kernel, or before it
         else:
             self.pool.write(self.batch.write, keys, values)
@@ -161,8 +162,9 @@ class PagedView(PoolCache):
                 and kernel.serves(queries, pool.k_dim, pool.v_dim, pool.kv_heads)):
             if unwritten and kernel.decode_writing is not None and fresh[0].dtype == pool.dtype:
                 out, pool.token = kernel.decode_writing(
-                    queries, pool.keys, pool.values, *fresh, read.index, self.batch.lengths,
-                    read.length, scale, pool.block_tokens, after=pool.token)
+                    queries, pool.keys, pool.values, *fresh, *self.batch.writes_in_read,
+                    read.index, self.batch.lengths, read.length, scale, pool.block_tokens,
+                    after=pool.token)
                 pool.keys, pool.values = mx.depends([pool.keys, pool.values], [pool.token])
                 return out
             if unwritten:

@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from plimsoll.core.transients import decode_fits_unpaced, decode_transient_bytes, paced
-from plimsoll.engine import mixers, sampled_rows, state, verify
+from plimsoll.engine import decode_write, mixers, sampled_rows, state, verify
 from plimsoll.engine.attention import Batch, Pacer
 from plimsoll.engine.groups import Flat, Group, group_view
 from plimsoll.engine.paged import FullAttention, RecurrentState, read_of, slots_of, write_of
@@ -66,9 +66,9 @@ def groups_of(eng, step: Step) -> list[Group]:
         top = max(top, max(w.block_table[:(w.start + w.length - 1) // eng.block_tokens + 1]))
     for p in eng._pools:
         p.ensure(top)
-    if len(groups) == 1 and groups[0].decode and len(groups[0].rows) == len(groups[0].works):
-        # each row one sequence's one token, nothing else writing the pools this step
-        groups[0].batch.writes_in_read = eng.decode_writes and groups[0].inputs is None
+    if eng.decode_writes and len(groups) == 1 and groups[0].decode:
+        # decode rows alone: nothing else writes the pools this step
+        groups[0].batch.writes_in_read = decode_write.new_positions(groups[0])
     _pace(eng, groups)
     return groups
 

@@ -59,10 +59,11 @@ class Kernel:
     device: str  # the backend it runs on: "cuda", "metal" or "cpu"
     decode: Callable[..., mx.array]
     serves: Callable[[mx.array, int, int, int], bool]
-    #: ``decode_writing(queries, k_pool, v_pool, k_new, v_new, tables, lengths, longest,
-    #: scale, block_tokens, after=None)`` → (attention, token): the decode of rows that are
-    #: each one sequence's new token, storing that token's K/V in place as it reads them
-    #: (:func:`plimsoll.engine.decode_write.check_writing`), or None
+    #: ``decode_writing(queries, k_pool, v_pool, k_new, v_new, first, base, tables,
+    #: lengths, longest, scale, block_tokens, after=None)`` → (attention, token): the decode
+    #: of a step of decode rows storing their new K/V in place as it reads them
+    #: (:func:`plimsoll.engine.paged_cuda.paged_decode_writing`,
+    #: :func:`plimsoll.engine.decode_write.check_writing`), or None
     decode_writing: Callable[..., tuple[mx.array, mx.array]] | None = None
 
 

@@ -106,20 +106,28 @@ _LOAD_FLOAT = r"""
             vf[i] = static_cast<float>(vp[row + i]);
         }
 """
-# the same, in a step whose one new token a row is written here too (:func:`paged_decode_writing`):
-# its last position's K/V come from ``kn``/``vn`` (rows, kv_heads, 1, D), which the warp that
-# reads that position also stores into the pool's slot (one block a row and KV head holds it)
+# the same, in a step whose rows' new tokens are written here too (:func:`paged_decode_writing`):
+# a position at or past the row's sequence's first new one (``first``) comes from ``kn``/``vn``
+# (rows, kv_heads, 1, D) — the row holding it is ``base`` (the sequence's first row) plus its
+# distance from ``first`` — and the row's own last position is stored into the pool's slot by
+# the warp that reads it (one block a row and KV head holds it): no position is both written
+# and read from the pool in one launch
 _LOAD_FLOAT_WRITING = r"""
         const size_t row = ((size_t)kvh * S + slot) * D + lane * DPL;
-        if (t == len - 1) {
-            const size_t nr = ((size_t)b * kp_shape[0] + kvh) * D + lane * DPL;
-            T* kw = const_cast<T*>(kp);
-            T* vw = const_cast<T*>(vp);
+        const int fb = first[b];
+        if (t >= fb) {
+            const size_t nr = ((size_t)(base[b] + t - fb) * kp_shape[0] + kvh) * D + lane * DPL;
             for (int i = 0; i < DPL; ++i) {
                 kf[i] = static_cast<float>(kn[nr + i]);
                 vf[i] = static_cast<float>(vn[nr + i]);
-                kw[row + i] = kn[nr + i];
-                vw[row + i] = vn[nr + i];
+            }
+            if (t == len - 1) {
+                T* kw = const_cast<T*>(kp);
+                T* vw = const_cast<T*>(vp);
+                for (int i = 0; i < DPL; ++i) {
+                    kw[row + i] = kn[nr + i];
+                    vw[row + i] = vn[nr + i];
+                }
             }
         } else {
             for (int i = 0; i < DPL; ++i) {
@@ -192,7 +200,8 @@ _COMBINE = r"""
 _INPUTS = ["q", "kp", "vp", "tables", "lengths", "scale_arr", "after"]
 _INPUTS_QUANT = ["q", "kq", "ks", "kb", "vq", "vs", "vb", "tables", "lengths", "scale_arr",
                  "after"]
-_INPUTS_WRITING = ["q", "kp", "vp", "kn", "vn", "tables", "lengths", "scale_arr", "after"]
+_INPUTS_WRITING = ["q", "kp", "vp", "kn", "vn", "first", "base", "tables", "lengths",
+                   "scale_arr", "after"]
 
 
 def available() -> bool:
@@ -299,16 +308,20 @@ def paged_decode_quantized(queries: mx.array, k_pool: tuple, v_pool: tuple, tabl
 
 
 def paged_decode_writing(queries: mx.array, k_pool: mx.array, v_pool: mx.array,
-                         k_new: mx.array, v_new: mx.array, tables: mx.array, lengths: mx.array,
-                         longest: int, scale: float, block_tokens: int,
-                         after: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """:func:`paged_decode` of a step whose rows are each one sequence's one new token, that
-    token's K/V (``k_new``, ``v_new``: (rows, kv_heads, 1, dim), the pools' dtype) stored in
-    place at position ``lengths[row] − 1`` of its table by the same launch — the step's
-    separate write (:func:`plimsoll.engine.pool_cuda.write`, two launches a layer) is not
-    made. Returns the attention and the token every later read of the pools takes."""
+                         k_new: mx.array, v_new: mx.array, first: mx.array, base: mx.array,
+                         tables: mx.array, lengths: mx.array, longest: int, scale: float,
+                         block_tokens: int, after: mx.array | None = None
+                         ) -> tuple[mx.array, mx.array]:
+    """:func:`paged_decode` of a step of decode rows only — each a sequence's one new token,
+    or one of a verifying sequence's consecutive rows — whose new K/V (``k_new``, ``v_new``:
+    (rows, kv_heads, 1, dim), the pools' dtype) the same launch stores in place, each row's
+    at position ``lengths[row] − 1`` of its table: the step's separate write
+    (:func:`plimsoll.engine.pool_cuda.write`, two launches a layer) is not made. ``first``
+    (rows,): the first new position of each row's sequence; ``base`` (rows,): the row that
+    holds it (a plain decode row: ``lengths − 1`` and itself). Returns the attention and the
+    token every later read of the pools takes."""
     return _launch([k_pool, v_pool], (), queries, tables, lengths, longest, scale,
-                   block_tokens, after, new=(k_new, v_new))
+                   block_tokens, after, new=(k_new, v_new, first, base))
 
 
 def _launch(pools: list[mx.array], packing: tuple, queries: mx.array, tables: mx.array,
@@ -316,7 +329,8 @@ def _launch(pools: list[mx.array], packing: tuple, queries: mx.array, tables: mx
             after: mx.array | None, new: tuple = ()):
     """One decode launch (two with splits) over float pools, or quantized ones where
     ``packing`` names their bits and group size; ``new``: each row's new K and V, stored by
-    the launch (:func:`paged_decode_writing`), which then returns the write's token too."""
+    the launch (with where each row's sequence's new positions are: :func:`paged_decode_writing`),
+    which then returns the write's token too."""
     rows, hq, _, d = queries.shape
     kvh, quantized, writing = pools[0].shape[0], bool(packing), bool(new)
     template = [("T", queries.dtype), ("D", d), ("G", hq // kvh), ("BT", block_tokens),

@@ -37,13 +37,23 @@ def _store(pool: mx.array, rows: mx.array, slots: np.ndarray) -> None:
 
 def _writing(off: int = 0, calls: list | None = None):
     """A ``decode_writing`` stand-in: each row's new K/V stored at position
-    ``lengths − 1 − off`` of its table, then the reference decode; a token."""
+    ``lengths − 1 − off`` of its table, then the reference decode; a token. It also checks
+    what the CUDA kernel relies on: every position from a row's ``first`` on is the own
+    position of row ``base + (position − first)``, whose table holds it in the same block."""
 
-    def decode_writing(q, kp, vp, kn, vn, tables, lengths, longest, scale, bt, after=None):
+    def decode_writing(q, kp, vp, kn, vn, first, base, tables, lengths, longest, scale, bt,
+                       after=None):
+        mx.eval(tables, lengths, first, base)
+        idx, n = np.array(tables), np.array(lengths) - 1
+        fs, bs = np.array(first), np.array(base)
+        for b in range(len(n)):
+            for t in range(fs[b], n[b] + 1):
+                r = bs[b] + t - fs[b]
+                same = (idx[r, :t // bt + 1] == idx[b, :t // bt + 1]).all()
+                assert n[r] == t and same, (b, t, r)
         if calls is not None:
-            calls.append(q.shape[0])
-        mx.eval(tables, lengths)
-        idx, n = np.array(tables), np.array(lengths) - 1 - off
+            calls.append(tuple(bs))
+        n = n - off
         slots = idx[np.arange(len(n)), n // bt] * bt + n % bt
         _store(kp, kn[:, :, 0], slots)
         _store(vp, vn[:, :, 0], slots)
@@ -88,9 +98,10 @@ def test_the_cpu_engine_does_not_write_in_its_decode(tmp_path):
     assert writing["name"] == "paged_decode_writing_cuda" and not writing["used"]
 
 
-@on_cpu
-@pytest.mark.parametrize("off", [0, 1], ids=["right", "a-position-off"])
-def test_an_engine_writing_in_its_decode_kernel_gives_mlx_lm_tokens(tmp_path, off):
+def _writing_engine(tmp_path, off: int = 0):
+    """The tiny demo engine with stand-ins for the CUDA kernels as the engine sets them where
+    all pass their checks: pools written in place (pool_cuda.write's contract), the decode
+    kernel, and its writing launch; (engine, separate writes' rows, writing calls' bases)."""
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
     sharpen(eng.model)
     separate, fused = [], []
@@ -105,6 +116,13 @@ def test_an_engine_writing_in_its_decode_kernel_gives_mlx_lm_tokens(tmp_path, of
     eng.decode_writes = True
     for p in eng._pools:
         p.inplace = write
+    return eng, separate, fused
+
+
+@on_cpu
+@pytest.mark.parametrize("off", [0, 1], ids=["right", "a-position-off"])
+def test_an_engine_writing_in_its_decode_kernel_gives_mlx_lm_tokens(tmp_path, off):
+    eng, separate, fused = _writing_engine(tmp_path, off)
     prompts = [text(eng.tokenizer, n, salt=n) for n in (20, 45, 70)]
     want = [reference(eng.model, p, 6) for p in prompts]
     got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=True)), chunk=32,
@@ -114,4 +132,19 @@ def test_an_engine_writing_in_its_decode_kernel_gives_mlx_lm_tokens(tmp_path, of
     # every prompt token went through the separate write, and the decodes of steps with a
     # chunk beside them; a decode-only step's did not
     layers = len(eng._pools)
-    assert sum(separate) + sum(fused) * 2 == 2 * layers * sum(len(p) + 5 for p in prompts)
+    rows = sum(len(bases) for bases in fused)
+    assert sum(separate) + rows * 2 == 2 * layers * sum(len(p) + 5 for p in prompts)
+
+
+@on_cpu
+def test_verifying_rows_write_in_the_decode_kernel_with_mlx_lm_tokens(tmp_path):
+    """Speculating sequences' rows (several drafts, host-drafted and chained on the device)
+    in decode-only steps: each row's K/V stored by the writing launch, each later row of a
+    sequence reading the earlier ones' new K/V, and the tokens still mlx-lm's (the
+    speculative engine tests, run on this engine)."""
+    import test_engine_speculative as spec
+
+    eng, _, fused = _writing_engine(tmp_path)
+    spec.test_several_verifying_sequences_share_the_decode_rows(eng)
+    spec.test_chained_steps_decode_the_target_greedy_tokens(eng)
+    assert any(len(set(bases)) < len(bases) for bases in fused)  # rows sharing a sequence
