@@ -44,9 +44,9 @@ _QUANTIZED = ("weight", "scales", "biases")
 MOST_BYTES = 256 << 20
 
 
-class Group:
-    """One group's members, their concatenated arrays and the views of them, and the last
-    single-row product."""
+class Siblings:
+    """One group's members (not a step's group: engine/groups.py), their concatenated arrays
+    and the views of them, and the last single-row product."""
 
     __slots__ = ("arrays", "bounds", "left", "members", "names", "outs", "quantized", "t",
                  "t3", "views", "x")
@@ -160,7 +160,7 @@ def fuse(model) -> int:
                 continue
             if not _fusable(members):
                 continue
-            group = Group(members)
+            group = Siblings(members)
             for i, m in enumerate(members):
                 m.__class__ = _fused_type(type(m))
                 m.__dict__[_GROUP] = (group, i)
