@@ -160,7 +160,8 @@ class PagedView(PoolCache):
         if (kernel is not None and read is not None and read.index is not None
                 and self.batch.lengths is not None and sinks is None
                 and kernel.serves(queries, pool.k_dim, pool.v_dim, pool.kv_heads)):
-            if unwritten and kernel.decode_writing is not None and fresh[0].dtype == pool.dtype:
+            if (unwritten and kernel.decode_writing is not None
+                    and fresh[0].dtype == pool.dtype == queries.dtype):
                 out, pool.token = kernel.decode_writing(
                     queries, pool.keys, pool.values, *fresh, *self.batch.writes_in_read,
                     read.index, self.batch.lengths, read.length, scale, pool.block_tokens,
