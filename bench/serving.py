@@ -15,7 +15,8 @@ candidate, ``plimsoll launch`` (``--kv auto,q8,q4`` runs one plimsoll per KV for
   arrives: each stream's longest gap between tokens during its prefill, the newcomer's TTFT;
 - ``subagents``: ``--sub-agents`` requests sharing a ``--sub-prefix-tokens`` system prompt and
   tools, each with a ``--sub-task-tokens`` task: one alone (its own prefix), staggered (one,
-  then the rest together), all at once; KV held, prefill counters, cached tokens.
+  then the rest together), all at once; KV held, prefill counters, cached tokens; first a
+  warm-up request of that size (``--no-sub-warm``: none), reported apart.
 
 Servers are started per phase group (a fresh one for each phase in ``--fresh-phases`` and for
 each different candidate template) on a free 127.0.0.1 port, in their own process group, and
@@ -93,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--sub-prefix-tokens", type=int, default=16000)
     a("--sub-task-tokens", type=int, default=500)
     a("--sub-max-tokens", type=int, default=32)
+    a("--sub-warm", action=argparse.BooleanOptionalAction, default=True,
+      help="one sub-agent request on a prefix of its own before the alone one (default on)")
     a("--no-ignore-eos", dest="ignore_eos", action="store_false",
       help="never send ignore_eos (default: sent where the server accepts it)")
     # measurement

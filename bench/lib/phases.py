@@ -95,7 +95,8 @@ def build(args, tokenizer_json: Path) -> dict:
                     + src.take(args.sub_task_tokens) for i in range(n)]
 
         n = args.sub_agents
-        work["sub"] = {"alone": (prefix(), tasks(1, "a")), "staggered": (prefix(), tasks(n, "s")),
+        work["sub"] = {"warm": (prefix(), tasks(1, "w")), "alone": (prefix(), tasks(1, "a")),
+                       "staggered": (prefix(), tasks(n, "s")),
                        "together": (prefix(), tasks(n, "t"))}
     return work
 
@@ -295,7 +296,11 @@ def stall(ctx: Ctx) -> dict:
 
 def subagents(ctx: Ctx) -> dict:
     """One sub-agent alone (its own prefix), staggered (one, then the rest together on another
-    shared prefix), all together (a third): TTFTs, KV held, cached tokens, status counters."""
+    shared prefix), all together (a third): TTFTs, KV held, cached tokens, status counters.
+    With ``--sub-warm`` (the default) one more such request first, on a prefix of its own: the
+    server's first prompt of this size pays first-use costs (on MLX's CUDA backend its
+    chunks ran ~2 × slower than the next prompt's, bench/results/serving-h100-2026-12-05m),
+    which would make the alone request the ratios divide by unlike the ones they compare."""
     args, sub = ctx.args, ctx.work["sub"]
 
     def one(system: str, task: str, barrier: threading.Barrier | None = None) -> dict:
@@ -316,6 +321,12 @@ def subagents(ctx: Ctx) -> dict:
     out = ctx.partial  # filled as it goes: a run cut short keeps the finished parts
     # the server's own TTFTs (its access lines) beside the client's; mlx_lm.server has none
     log = ctx.server.log_path if ctx.status is not None else None
+    if args.sub_warm:  # a first prompt of this size pays the server's first-use costs
+        n = access.count(log)
+        warm = one(sub["warm"][0], sub["warm"][1][0])
+        out["warm"] = _strip(warm) | {"server_ttft_s": access.ttfts(log, n, 1)}
+        ctx.say(f"sub-agents: warm-up prompt {warm.get('prompt_tokens')} TTFT "
+                f"{_f(warm.get('ttft_s'))} s (not a figure of the ratios)")
     before = ctx.snapshot()
     ctx.mark()
     n = access.count(log)

@@ -180,6 +180,7 @@ def _sub_figures(per, kvpt: dict[str, int]) -> dict:
         return lambda r, _: _dig(r, *path)
 
     return {
+        "sub_warm_ttft_s": per("subagents", at("warm", "ttft_s")),
         "sub_alone_ttft_s": per("subagents", at("alone", "ttft_s")),
         "sub_staggered_first_ttft_s": per("subagents", at("staggered", "first_ttft_s")),
         "sub_staggered_rest_ttft_max_s": per("subagents", at("staggered", "rest_ttft_max_s")),
