@@ -12,9 +12,10 @@ the members' in order) and gives every member a view of its rows of ``W`` as its
 own type (:class:`Fused`). Called with one row (``x.size == in_features``), a member
 computes ``x @ W.T`` once for the group — kept for its siblings while they are called with
 the very same input array (identity, not equality), dropped once each took its part — and
-returns its columns: one ``Matmul`` and views. Called with more rows it is the member it was
-(held view, the few-row kernel, ``nn.Linear``), so a chunk or a batch of rows runs exactly as
-before, with no copies of strided parts.
+returns its columns: one ``Matmul`` and one ``Split`` (views, one node for the group).
+Called with more rows it is the member it was (held view, the few-row kernel,
+``nn.Linear``), so a chunk or a batch of rows runs exactly as before, with no copies of
+strided parts.
 
 Plain layers (:func:`plimsoll.engine.linear.plain` types and the few-row kernel's subclass)
 of one dtype and input width are fused, and quantized ones (``nn.QuantizedLinear``) of one
@@ -48,8 +49,8 @@ class Siblings:
     """One group's members (not a step's group: engine/groups.py), their concatenated arrays
     and the views of them, and the last single-row product."""
 
-    __slots__ = ("arrays", "bounds", "left", "members", "names", "outs", "quantized", "t",
-                 "t3", "views", "x")
+    __slots__ = ("arrays", "bounds", "cuts", "left", "members", "names", "outs", "quantized",
+                 "t", "t3", "views", "x")
 
     def __init__(self, members: list):
         self.members = members
@@ -57,6 +58,7 @@ class Siblings:
         self.names = [n for n in _QUANTIZED if n in members[0]] if self.quantized else ["weight"]
         widths = [m["weight"].shape[0] for m in members]
         self.bounds = list(itertools.pairwise(itertools.accumulate(widths, initial=0)))
+        self.cuts = [b for _, b in self.bounds[:-1]]
         self.x: mx.array | None = None
         self.outs: list[mx.array] = []
         self.left = 0
@@ -102,7 +104,8 @@ class Siblings:
             if not self.bound():
                 return None
             y = self._product(x)
-            self.x, self.outs, self.left = x, [y[..., a:b] for a, b in self.bounds], 0
+            # one Split (a multi-output view) rather than a Slice a member
+            self.x, self.outs, self.left = x, mx.split(y, self.cuts, axis=-1), 0
         out = self.outs[index]
         self.left |= 1 << index
         if self.left == (1 << len(self.bounds)) - 1:  # every member took its part
