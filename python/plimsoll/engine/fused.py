@@ -95,7 +95,7 @@ class Siblings:
         scales, biases = self.arrays[1], (self.arrays[2] if len(self.arrays) > 2 else None)
         return mx.quantized_matmul(x, self.arrays[0], scales=scales, biases=biases,
                                    transpose=True, group_size=m.group_size, bits=m.bits,
-                                   mode=m.mode)
+                                   mode=getattr(m, "mode", "affine"))
 
     def part(self, index: int, x: mx.array) -> mx.array | None:
         """Member ``index``'s output for the single row ``x``; None where the group is not
@@ -137,18 +137,20 @@ def _fused_type(base: type) -> type:
 def _fusable(members: list) -> bool:
     """Plain (held) layers of one dtype and input width, or quantized ones of one format;
     none with a bias, none fused already."""
+    if not all(isinstance(m, nn.Module) for m in members):
+        return False
     if any(isinstance(m, Fused) or "bias" in m for m in members):
         return False
     ws = [m["weight"] for m in members]
     if len({(w.dtype, w.shape[1], w.ndim) for w in ws}) != 1 or ws[0].ndim != 2:
         return False
-    if sum(a.nbytes for m in members for n in _QUANTIZED if n in m for a in [m[n]]) > MOST_BYTES:
+    if sum(m[n].nbytes for m in members for n in _QUANTIZED if n in m) > MOST_BYTES:
         return False
     if all(isinstance(m, HeldLinear) for m in members):
         return True
     return (all(type(m) is nn.QuantizedLinear for m in members)
-            and len({(m.group_size, m.bits, m.mode, tuple(n for n in _QUANTIZED if n in m))
-                     for m in members}) == 1)
+            and len({(m.group_size, m.bits, getattr(m, "mode", None),
+                      tuple(n for n in _QUANTIZED if n in m)) for m in members}) == 1)
 
 
 def fuse(model) -> int:
