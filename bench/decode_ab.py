@@ -12,7 +12,7 @@ over the same prompts and tables, pipelined as the worker runs them):
 
 First the greedy tokens of ``plain`` and ``writes+fused`` compared (4 rows and 1 row, 80
 steps); then ``--rounds`` rounds of every variant at each of ``--rows``, ``--steps`` steps:
-median ``run_async`` ms (the host's building and the backend's encoding) and ms per step.
+mean ``run_async`` ms (the host's building and the backend's encoding) and ms per step.
 Writes ``--out-dir``/``--name`` (JSON and markdown)::
 
     cd bench && PYTHONPATH=../python python decode_ab.py --model /tmp/qwen3-4b-shaped
@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from plimsoll.engine import Engine, fused
-from plimsoll.engine.work import Step, Work
 
-from lib import report
+from lib import report, step_split
+from lib.engine import decode_rate
 
 BT = 16
 VARIANTS = {"plain": (False, False), "writes": (True, False), "writes+fused": (True, True)}
@@ -43,37 +42,21 @@ class Runner:
         self.can_write = self.eng.decode_writes
 
     def loop(self, rows: int, variant: str, steps: int, keep: bool = False) -> dict:
-        eng, (writes, fuse) = self.eng, VARIANTS[variant]
-        eng.decode_writes = writes and self.can_write
+        """``variant`` at ``rows`` rows: the bench's pipelined decode (``lib.engine``), its
+        ``run_async`` timed (``lib.step_split``): mean ms of it and ms per step."""
+        writes, fuse = VARIANTS[variant]
+        self.eng.decode_writes = writes and self.can_write
         if fuse != self.fused:
-            (fused.fuse if fuse else fused.unfuse)(eng.model)
+            (fused.fuse if fuse else fused.unfuse)(self.eng.model)
             self.fused = fuse
-        need = -(-(len(self.prompt) + steps + 8) // BT)
-        tables = [tuple(range(r * need, (r + 1) * need)) for r in range(rows)]
-        for r in range(rows):
-            p = self.prompt[r:] + self.prompt[:r]
-            eng.run(Step(prefills=(Work(r, p, 0, tables[r], True),)))
-        pos, pending, built, tokens = len(self.prompt), None, [], []
-        warm = min(20, steps // 4)
-        for i in range(steps):
-            if i == warm:
-                t_steady = time.perf_counter()
-            step = Step(decodes=tuple(Work(r, None if pending else (7,), pos, tables[r], True)
-                                      for r in range(rows)))
-            t0 = time.perf_counter()
-            nxt = eng.run_async(step)
-            built.append(time.perf_counter() - t0)
-            if pending is not None:
-                got = pending.result()
-                if keep:
-                    tokens.append([got[r] for r in range(rows)])
-            pending, pos = nxt, pos + 1
-        pending.result()
-        step_ms = 1e3 * (time.perf_counter() - t_steady) / (steps - warm)
-        for r in range(rows):
-            eng.free_state(r)
-        return {"run_async_ms": 1e3 * statistics.median(built[warm:]), "step_ms": step_ms,
-                "tokens": tokens}
+        prompts = [list(self.prompt[r:] + self.prompt[:r]) for r in range(rows)]
+        clock = step_split.StepClock()
+        got = decode_rate(step_split.TimedEngine(self.eng, clock, open_on_decode=True),
+                          prompts, steps, keep_tokens=keep)
+        clock.close()
+        f = clock.figures()
+        return {"run_async_ms": f.get("build_ms"), "step_ms": f.get("step_ms"),
+                "tokens": got.get("tokens")}
 
 
 def run(args) -> dict:
@@ -107,8 +90,8 @@ def markdown(result: dict) -> str:
              f"Decode writing in its kernel available: {result['decode_writes']}; fused groups: "
              f"{result['fused_groups']}; greedy tokens of `plain` and `writes+fused` equal: "
              + ", ".join(f"{k} rows {v}" for k, v in result["equal"].items()) + ".", "",
-             "Medians over the rounds (interleaved): `run_async` ms (building and encoding) and "
-             "ms per step (steady, pipelined).", ""]
+             "Medians over the rounds (interleaved) of each run's mean `run_async` ms (building "
+             "and encoding) and ms per step (pipelined).", ""]
     lines += report.table(["rows", "variant", "run_async ms", "ms/step", "ms/step by round"],
                           [[r["rows"], r["variant"], report.num(r["run_async_ms"]),
                             report.num(r["step_ms"]), r["step_ms_runs"]]

@@ -157,10 +157,11 @@ class PagedView(PoolCache):
         if hasattr(pool, "attend_read"):  # a kind that reads its own pool (quantized KV)
             return self._paced(pool.attend_read(queries, scale, sinks, self.batch, fresh))
         kernel, unwritten, self._unwritten = self.batch.kernel, self._unwritten, False
-        if (kernel is not None and read is not None and read.index is not None
-                and self.batch.lengths is not None and sinks is None
-                and kernel.serves(queries, pool.k_dim, pool.v_dim, pool.kv_heads)):
-            if (unwritten and kernel.decode_writing is not None
+        served = (kernel is not None and read is not None and read.index is not None
+                  and self.batch.lengths is not None and sinks is None
+                  and kernel.serves(queries, pool.k_dim, pool.v_dim, pool.kv_heads))
+        if unwritten:
+            if (served and kernel.decode_writing is not None
                     and fresh[0].dtype == pool.dtype == queries.dtype):
                 out, pool.token = kernel.decode_writing(
                     queries, pool.keys, pool.values, *fresh, *self.batch.writes_in_read,
@@ -168,13 +169,11 @@ class PagedView(PoolCache):
                     after=pool.token)
                 pool.keys, pool.values = mx.depends([pool.keys, pool.values], [pool.token])
                 return out
-            if unwritten:
-                pool.write(self.batch.write, *fresh)
+            pool.write(self.batch.write, *fresh)  # the kernel does not write these
+        if served:
             return kernel.decode(queries, pool.keys, pool.values, read.index,
                                  self.batch.lengths, read.length, scale, pool.block_tokens,
                                  after=pool.token)
-        if unwritten:
-            pool.write(self.batch.write, *fresh)
         if self.batch.read is None:
             keys, values = fresh
         else:
