@@ -35,8 +35,12 @@ def test_an_engine_on_cuda_writes_and_gathers_through_them_with_mlx_lm_tokens(tm
     place and gathered by the kernels give mlx-lm's greedy tokens."""
     eng = Engine.load(build_demo_model(tmp_path, "tiny"), block_tokens=16, max_blocks=64)
     sharpen(eng.model)
-    assert all(p.inplace is pool_cuda.write and p.fast_gather is pool_cuda.gather
-               for p in eng._pools)
+    assert all(p.inplace is pool_cuda.write for p in eng._pools)
+    # the gather kernel is timed against MLX's at start: on a tiny pool it may lose (it did on
+    # an H100), and then the engine must say so and gather as MLX does
+    gathers = {p.fast_gather for p in eng._pools}
+    assert gathers == {pool_cuda.gather} or (
+        gathers == {None} and "slower than the gather" in str(eng.kernels.report()))
     prompts = [text(eng.tokenizer, n, salt=n) for n in (20, 45, 70)]
     got = drive(eng, seqs_for(prompts, 6, 16, Blocks(64, shuffle=True)), chunk=32)
     assert got == [reference(eng.model, p, 6) for p in prompts]
