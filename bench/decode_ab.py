@@ -4,13 +4,14 @@ By hand, not a test; meant for a GPU, where a one-row step is host-bound. Varian
 over the same prompts and tables, pipelined as the worker runs them):
 
 - ``plain``: every layer's new K/V written by the pool's write before the decode kernel
-  reads (``Engine.decode_writes`` off), each projection its own product (``fused.unfuse``);
+  reads (``Engine.decode_writes`` off);
 - ``writes``: a decode-only step's K/V stored by the decode kernel's own launch
-  (engine/kernels.py ``check_writing``);
-- ``writes+fused``: that, and q/k/v and gate/up of a single row as one product each
-  (engine/fused.py) — what the engine does by default.
+  (engine/decode_write.py ``check_writing``) — what the engine does by default.
 
-First the greedy tokens of ``plain`` and ``writes+fused`` compared (4 rows and 1 row, 80
+(Its third variant, q/k/v and gate/up of a single row as one product each, measured no faster
+on an H100 and was removed: bench/results/decode-ab-h100-2026-12-05.md.)
+
+First the greedy tokens of ``plain`` and ``writes`` compared (4 rows and 1 row, 80
 steps); then ``--rounds`` rounds of every variant at each of ``--rows``, ``--steps`` steps:
 mean ``run_async`` ms (the host's building and the backend's encoding) and ms per step.
 Writes ``--out-dir``/``--name`` (JSON and markdown)::
@@ -25,30 +26,25 @@ import statistics
 import sys
 from pathlib import Path
 
-from plimsoll.engine import Engine, fused
+from plimsoll.engine import Engine
 
 from lib import report, step_split
 from lib.engine import decode_rate
 
 BT = 16
-VARIANTS = {"plain": (False, False), "writes": (True, False), "writes+fused": (True, True)}
+VARIANTS = {"plain": False, "writes": True}
 
 
 class Runner:
     def __init__(self, model: Path, prompt_tokens: int):
         self.eng = Engine.load(model, block_tokens=BT, max_blocks=6000)
         self.prompt = tuple(range(1000, 1000 + prompt_tokens))
-        self.fused = True
         self.can_write = self.eng.decode_writes
 
     def loop(self, rows: int, variant: str, steps: int, keep: bool = False) -> dict:
         """``variant`` at ``rows`` rows: the bench's pipelined decode (``lib.engine``), its
         ``run_async`` timed (``lib.step_split``): mean ms of it and ms per step."""
-        writes, fuse = VARIANTS[variant]
-        self.eng.decode_writes = writes and self.can_write
-        if fuse != self.fused:
-            (fused.fuse if fuse else fused.unfuse)(self.eng.model)
-            self.fused = fuse
+        self.eng.decode_writes = VARIANTS[variant] and self.can_write
         prompts = [list(self.prompt[r:] + self.prompt[:r]) for r in range(rows)]
         clock = step_split.StepClock()
         got = decode_rate(step_split.TimedEngine(self.eng, clock, open_on_decode=True),
@@ -62,10 +58,10 @@ class Runner:
 def run(args) -> dict:
     r = Runner(args.model, args.prompt_tokens)
     out: dict = {"verdicts": r.eng.kernels.report(), "decode_writes": r.can_write,
-                 "fused_groups": r.eng.fused_groups, "equal": {}, "rows": []}
+                 "equal": {}, "rows": []}
     for rows in (4, 1):
         a = r.loop(rows, "plain", 80, keep=True)["tokens"]
-        b = r.loop(rows, "writes+fused", 80, keep=True)["tokens"]
+        b = r.loop(rows, "writes", 80, keep=True)["tokens"]
         out["equal"][str(rows)] = a == b
         print(f"greedy tokens equal at {rows} rows: {a == b}", flush=True)
     runs: dict[tuple, list] = {}
@@ -87,8 +83,8 @@ def run(args) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"# The decode step's host-side savings, A/B: {result['name']}", "",
              f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
-             f"Decode writing in its kernel available: {result['decode_writes']}; fused groups: "
-             f"{result['fused_groups']}; greedy tokens of `plain` and `writes+fused` equal: "
+             f"Decode writing in its kernel available: {result['decode_writes']}; greedy "
+             "tokens of `plain` and `writes` equal: "
              + ", ".join(f"{k} rows {v}" for k, v in result["equal"].items()) + ".", "",
              "Medians over the rounds (interleaved) of each run's mean `run_async` ms (building "
              "and encoding) and ms per step (pipelined).", ""]
@@ -110,7 +106,6 @@ def main() -> int:
     args = ap.parse_args()
     return report.measure_and_write(args, "decode-ab", run, markdown, key="ab",
                                     more=lambda out: {k: out[k] for k in ("decode_writes",
-                                                                          "fused_groups",
                                                                           "equal")})
 
 

@@ -9,9 +9,8 @@ is the backend's encoding and its throttle), and counts the nodes of each kind's
 (``mx.export_to_dot``; on the CPU MLX's fast ops are their fallback graphs). The question it
 answers: is a verifying step's extra cost on a GPU Python's, or inside ``mx.async_eval``?
 With ``--ab`` the same steps run ``--rounds`` times with the model's linear layers plain
-(mlx's ``nn.Linear``) and held (:mod:`plimsoll.engine.linear`, and the sibling projections
-of :mod:`plimsoll.engine.fused`: what the engine serves with), interleaved; the layers the
-few-row CUDA kernel took (``engine/skinny_cuda``) stay held.
+(mlx's ``nn.Linear``) and held (:mod:`plimsoll.engine.linear`: what the engine serves
+with), interleaved; the layers the few-row CUDA kernel took (``engine/skinny_cuda``) stay held.
 Greedy, k = 3::
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
@@ -32,7 +31,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from plimsoll.demo.model import build_demo_model
-from plimsoll.engine import Engine, forward, fused, linear
+from plimsoll.engine import Engine, forward, linear
 from plimsoll.engine.work import Step, Work
 
 from lib import report
@@ -73,15 +72,13 @@ class HostClock:
 
 
 def _plain(model) -> None:
-    """mlx's own linear layers: the fused projections separated, the held views dropped."""
-    fused.unfuse(model)
+    """mlx's own linear layers: the held views dropped."""
     linear.release(model)
 
 
 def _held(model) -> None:
-    """What the engine serves with: held views, sibling projections fused."""
+    """What the engine serves with: held views."""
     linear.hold(model)
-    fused.fuse(model)
 
 
 def run(args) -> dict:

@@ -25,7 +25,7 @@ in-process driver for tests and benchmarks). Which block holds what is the sched
 pool (:mod:`plimsoll.worker.pool`); the engine writes where a table says.
 
 May import: :mod:`plimsoll.core`, mlx, mlx_lm (in core, forward, compiled, groups, mixers,
-sampled_rows, linear, fused, kernels, decode_write, pool_cuda, backend, paged, attention,
+sampled_rows, linear, kernels, decode_write, pool_cuda, backend, paged, attention,
 latent, composite, window, sampling, verify, chain, mtp_head, state, limits, warmup, threads
 and drive only).
 

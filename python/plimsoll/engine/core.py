@@ -49,7 +49,6 @@ from plimsoll.engine import (
     composite,
     decode_write,
     forward,
-    fused,
     kernels,
     linear,
     mixers,
@@ -156,9 +155,6 @@ class Engine:
             #: decode-only steps store their new K/V by the decode kernel's launch
             self.decode_writes = writing.used
             self.kernels.verdicts += [write, gather, kernels.check_skinny(model), writing]
-            #: sibling projections as one product in one-row steps (after the few-row
-            #: kernel took its shapes: a member keeps its own type for more rows)
-            self.fused_groups = fused.fuse(model)
             #: quantized pools read by their own decode kernel where it passed its check
             #: (it reads through the block index: a decode's read is never a slice then)
             quantized = [p for p in self._pools if type(p) is QuantizedAttention]

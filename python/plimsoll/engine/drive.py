@@ -25,7 +25,6 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 
-from plimsoll.engine import fused
 from plimsoll.engine.core import Engine
 from plimsoll.engine.work import Sampling, Step, TokenConstraint, Work
 
@@ -46,7 +45,6 @@ def sharpen(model, scale: float = 4.0) -> None:
     the tiny demo repeats one token, which would make equality tests weak)."""
     model.update(tree_map(lambda w: w * scale if w.ndim == 2 else w, model.parameters()))
     mx.eval(model.parameters())
-    fused.rebind(model)  # an engine's fused projections (engine/fused.py) take them too
 
 
 def reference(model, prompt: list[int], n: int) -> list[int]:

@@ -161,8 +161,7 @@ def live_figures_of(sched: Scheduler, guard: Any) -> Any:
                 "guard": guard_status,
                 "cgroup": guard_status if isinstance(guard, SelfGuard) else None,
                 "extra": {"kernels": eng.kernels.report(),
-                          "one_forward": eng.mixers.report() | {
-                              "fused_projection_groups": eng.fused_groups},
+                          "one_forward": eng.mixers.report(),
                           **({} if drafter is None else {"speculative": drafter.report()})}}
     return figures
 
