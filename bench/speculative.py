@@ -95,7 +95,7 @@ class Server:
     (PYTHONPATH; default this interpreter's)."""
 
     def __init__(self, model: Path, log: Path, extra: list[str], mlx_lm: bool = False,
-                 code: Path | None = None, noise: float = 0.0):
+                 code: Path | None = None, noise: float = 0.0, ceiling_gib: int = 16):
         port = free_port()
         self.url, self.mlx_lm = f"http://127.0.0.1:{port}", mlx_lm
         if mlx_lm:
@@ -106,7 +106,8 @@ class Server:
                     "--model-name", "m", "--port", str(port), "--max-cache-blocks", "1024",
                     "--gpu-memory-utilization", "0.9", "--cache-memory-mb", "0",
                     "--max-num-seqs", "8", "--context", "2048", "--max-tokens", "512",
-                    "--ceiling-bytes", str(16 << 30), "--total-ram-bytes", str(24 << 30),
+                    "--ceiling-bytes", str(ceiling_gib << 30),
+                    "--total-ram-bytes", str(max(24, ceiling_gib + 8) << 30),
                     "--quiet", *extra]
         env = server_env(OPENBLAS)
         if code:  # first on the path, the rest kept (where the dependencies may be)
@@ -148,7 +149,8 @@ def measure(model: Path, prompts: Callable[[int, int], list[str]],
     out: dict[str, dict] = {}
     try:
         for mode, (extra, mlx_lm, *code) in modes.items():
-            servers[mode] = Server(model, logs / f"{mode}.log", extra, mlx_lm, *code)
+            servers[mode] = Server(model, logs / f"{mode}.log", extra, mlx_lm, *code,
+                                   ceiling_gib=args.ceiling_gib)
         for mode, srv in servers.items():  # a proposer that did not load measures nothing
             want = {"mtp": "mtp"}.get(mode.split()[0])
             got = srv.status().get("speculative", {}).get("proposer")
@@ -298,6 +300,9 @@ def main() -> None:
     ap.add_argument("--streams", type=lambda x: [int(v) for v in x.split(",")], default=[1, 8],
                     help="concurrent stream counts, comma-separated (default 1,8)")
     ap.add_argument("--num-draft-tokens", type=int, default=3)
+    ap.add_argument("--ceiling-gib", type=int, default=16,
+                    help="each plimsoll worker's memory ceiling (default 16, this CPU box's; "
+                         "a GPU host's 4B model as its own draft needs ~40)")
     ap.add_argument("--draft-model", action="store_true",
                     help="measure the draft-model proposer (the model as its own draft, and a "
                          "different-seed draft, beside mlx_lm.server's) instead of prompt lookup")
