@@ -1,0 +1,139 @@
+"""The family conformance run, margin-aware: where plimsoll's batched greedy tokens differ from
+mlx-lm's single-sequence ones, is the reference's choice there a near tie?
+
+By hand, not a test (the suite asserts equality on the CPU: tests/worker/test_families_served.py,
+tests/engine/). Meant for a GPU, where batched rows may take other kernels (TF32 matmuls,
+other reduction orders) than one sequence does: a first difference where mlx-lm's top-2
+log-prob margin is small is float noise; **one where it exceeds ``--defect-margin`` (0.01) is a
+defect** to find.
+
+Each family of ``python/tests/families.py`` (tiny random-weight models in mlx-lm's layout,
+float32) that the engine serves: its prompts (``--lengths``) driven together through
+:class:`plimsoll.engine.Engine` (prefill chunks of ``--chunk`` beside the others' decodes,
+pipelined, block ids shuffled), ``--new`` greedy tokens each, against mlx-lm's own
+``generate_step`` of each prompt alone. For every sequence: equal, or the first differing
+position and the reference's margin there (its top log-prob minus its second).
+Writes ``--out-dir``/``--name`` (JSON and markdown)::
+
+    PYTHONPATH=python python bench/conformance_margin.py [--families a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from lib import report
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
+from families import FAMILIES, build_family, has_module
+from plimsoll.core.capability import check
+from plimsoll.core.model_facts import inspect_model
+from plimsoll.demo import tokenizer as tokenizer_build
+from plimsoll.engine import Engine, backend
+from plimsoll.engine.drive import Blocks, drive, family_prompts, seqs_for
+
+BT = 16
+
+
+def reference(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """mlx-lm's greedy tokens of ``prompt`` alone and its top-2 log-prob margin at each."""
+    tokens, margins = [], []
+    for tok, logprobs in generate_step(mx.array(prompt), model, max_tokens=n):
+        top2 = mx.topk(logprobs.astype(mx.float32), 2)
+        tokens.append(int(tok))
+        margins.append(float(mx.max(top2) - mx.min(top2)))
+    return tokens, margins
+
+
+def one_family(name: str, root: Path, tok, args) -> dict:
+    model_dir = build_family(name, root / name, tok)
+    refusal = check(inspect_model(model_dir), name)
+    if refusal is not None:
+        return {"family": name, "served": False, "reason": str(refusal)}
+    prompts = family_prompts(*args.lengths)
+    blocks = sum(-(-(len(p) + args.new) // BT) for p in prompts) + 8
+    eng = Engine.load(model_dir, block_tokens=BT, max_blocks=blocks)
+    got = drive(eng, seqs_for(prompts, args.new, BT, Blocks(blocks, shuffle=True)),
+                chunk=args.chunk, pipelined=True)
+    rows = []
+    for prompt, mine in zip(prompts, got, strict=True):
+        want, margins = reference(eng.model, prompt, args.new)
+        first = next((i for i, (a, b) in enumerate(zip(mine, want, strict=False)) if a != b), None)
+        rows.append({"prompt_tokens": len(prompt), "equal": mine == want, "first_diff": first,
+                     "margin": None if first is None else round(margins[first], 5),
+                     "min_margin": round(min(margins), 5)})
+    worst = max((r["margin"] for r in rows if r["margin"] is not None), default=None)
+    return {"family": name, "served": True, "rows": rows, "worst_margin": worst,
+            "defect": worst is not None and worst > args.defect_margin}
+
+
+def run(args) -> list[dict]:
+    tok = tokenizer_build.train_tokenizer(512)
+    names = args.families or [n for n, f in FAMILIES.items() if has_module(f)]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            try:
+                r = one_family(name, Path(tmp), tok, args)
+            except Exception as err:  # a family that fails is a row, not the run's end
+                r = {"family": name, "served": None,
+                     "error": f"{type(err).__name__}: {err}",
+                     "trace": traceback.format_exc(limit=4)}
+            print(name, {k: v for k, v in r.items() if k not in ("rows", "trace")}, flush=True)
+            out.append(r)
+            mx.clear_cache()
+    return out
+
+
+def markdown(result: dict) -> str:
+    fams = result["families"]
+    served = [f for f in fams if f.get("served")]
+    lines = [f"# Family conformance, margin-aware: {result['name']}", "",
+             f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
+             f"Backend: {result['backend']}. {len(served)} families served, "
+             f"{sum(all(r['equal'] for r in f['rows']) for f in served)} with every sequence "
+             f"equal to mlx-lm's; defects (a first difference where mlx-lm's top-2 margin > "
+             f"{result['args']['defect_margin']}): "
+             f"{', '.join(f['family'] for f in served if f['defect']) or 'none'}.", "",
+             "Per family: each sequence `prompt tokens: equal`, or the first differing "
+             "position and mlx-lm's top-2 log-prob margin there.", ""]
+    rows = []
+    for f in fams:
+        if f.get("served"):
+            cells = "; ".join(
+                f"{r['prompt_tokens']}: " + ("equal" if r["equal"]
+                                             else f"at {r['first_diff']}, margin {r['margin']}")
+                for r in f["rows"])
+            rows.append([f["family"], cells, report.num(f["worst_margin"]),
+                         "**defect**" if f["defect"] else "ok"])
+        else:
+            rows.append([f["family"], f.get("reason") or f.get("error", ""), "–",
+                         "refused" if f.get("served") is False else "**error**"])
+    lines += report.table(["family", "sequences", "worst margin", "verdict"], rows)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", type=lambda s: s.split(","), default=None,
+                    help="comma-separated family names (default: every one mlx-lm has)")
+    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[20, 45, 70], help="prompt lengths, driven together")
+    ap.add_argument("--new", type=int, default=16, help="greedy tokens a sequence")
+    ap.add_argument("--chunk", type=int, default=32, help="prefill chunk tokens")
+    ap.add_argument("--defect-margin", type=float, default=0.01)
+    report.output_args(ap, "conformance-margin")
+    args = ap.parse_args()
+    return report.measure_and_write(args, "conformance-margin", run, markdown, key="families",
+                                    more=lambda _: {"backend": backend.name()})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
