@@ -131,8 +131,8 @@ def run(args) -> list[dict]:
 
 def markdown(result: dict) -> str:
     a = result["args"]
-    lines = [f"# A verifying step drafted on the host or chained on the device: {result['name']}",
-             "", f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
+    lines = [*report.heading("A verifying step drafted on the host or chained on the device",
+                             result),
              f"k = {a['k']}, {a['steps']} steps a round, medians of {a['rounds']} interleaved "
              "rounds; `host`: drafts by lookup on the host, each step read before the next; "
              "`chained`: drafted on the device from the step before, submitted before it is "

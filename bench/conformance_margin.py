@@ -95,8 +95,7 @@ def run(args) -> list[dict]:
 def markdown(result: dict) -> str:
     fams = result["families"]
     served = [f for f in fams if f.get("served")]
-    lines = [f"# Family conformance, margin-aware: {result['name']}", "",
-             f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
+    lines = [*report.heading("Family conformance, margin-aware", result),
              f"Backend: {result['backend']}. {len(served)} families served, "
              f"{sum(all(r['equal'] for r in f['rows']) for f in served)} with every sequence "
              f"equal to mlx-lm's; defects (a first difference where mlx-lm's top-2 margin > "

@@ -81,8 +81,7 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# The decode step's host-side savings, A/B: {result['name']}", "",
-             f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
+    lines = [*report.heading("The decode step's host-side savings, A/B", result),
              f"Decode writing in its kernel available: {result['decode_writes']}; greedy "
              "tokens of `plain` and `writes` equal: "
              + ", ".join(f"{k} rows {v}" for k, v in result["equal"].items()) + ".", "",

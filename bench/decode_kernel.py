@@ -94,8 +94,7 @@ def markdown(result: dict) -> str:
     out = result["out"]
     kernel = {(r["rows"], r["context"]): r["us_per_call"] for r in out["rows"]
               if r["path"] == "kernel"}
-    lines = [f"# The paged decode kernel alone: {result['name']}", "",
-             f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
+    lines = [*report.heading("The paged decode kernel alone", result),
              f"Copy bandwidth {out['copy_bytes_per_s'] / 1e9:.0f} GB/s (read + write); "
              f"{out['sms']} SMs. One call = one layer of a Qwen3-4B-shaped model (8 KV heads, "
              "32 query heads, dim 128, bf16); `gather`: the engine's path without the kernel "

@@ -115,8 +115,7 @@ def run(args) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# The host's Python per step: {result['name']}", "",
-             f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
+    lines = [*report.heading("The host's Python per step", result),
              "Median per step over the steps after a warm-up: Python building the step "
              "(`run_async` less MLX's `eval`/`async_eval`), and MLX's calls (on the CPU they "
              "also compute).", ""]

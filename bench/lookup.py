@@ -74,8 +74,7 @@ def run(args) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Prompt lookup's search, a sequence and a step: {result['name']}", "",
-             f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
+    lines = [*report.heading("Prompt lookup's search, a sequence and a step", result),
              "n-grams up to 3, 3 drafts; medians of "
              f"{result['args']['repeats']} calls. `scan`: the plain-Python search of "
              "0833ee1; `vectorized`: numpy over the sequence's grown history (now).", ""]

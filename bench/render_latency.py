@@ -135,8 +135,7 @@ def summary(runs: dict) -> dict:
 
 def markdown(result: dict) -> str:
     a = result["args"]
-    lines = [f"# Time in the API process before the engine: {result['name']}", "",
-             f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
+    lines = [*report.heading("Time in the API process before the engine", result),
              f"Each round: one request alone with a new {a['prefix_words']}-word system prompt "
              f"(~{result.get('prompt_tokens', '?')} tokens with its task), then "
              f"{a['requests']} at once with "

@@ -155,8 +155,7 @@ def _steps(args, eng: Engine, clock: HostClock, suffix: str = "") -> dict:
 
 def markdown(result: dict) -> str:
     a = result["args"]
-    lines = [f"# Host time of a decode and a verifying step: {result['name']}", "",
-             f"Command: `{result['command']}`", "", report.host_line(result["host"]), "",
+    lines = [*report.heading("Host time of a decode and a verifying step", result),
              f"Model {a['model'] or 'the tiny demo'}, prompts of {a['prompt']} tokens, k = {K}, "
              f"{a['steps']} steps each (the first three left out). Host ms: `run_async` minus "
              "its thread time inside `mx.async_eval`; `async_eval` CPU / wall ms: the thread "

@@ -156,6 +156,12 @@ def host_line(host: dict) -> str:
             f"{host.get('loadavg_start')}, at end {host.get('loadavg_end')}.")
 
 
+def heading(title: str, result: dict) -> list[str]:
+    """A result's markdown opening: ``# title: name``, its command and its host."""
+    return [f"# {title}: {result['name']}", "", f"Command: `{result['command']}`", "",
+            host_line(result["host"]), ""]
+
+
 def write(result: dict, out_dir: Path, name: str,
           markdown: Callable[[dict], str] | None = None) -> Path:
     """``name.json`` and, given a writer, ``name.md`` under ``out_dir``; returns the base path."""
