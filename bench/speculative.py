@@ -57,7 +57,7 @@ from pathlib import Path
 
 import httpx
 
-from lib import report
+from lib import report, status
 from lib.servers import OPENBLAS, ServerProcess, free_port, served_model, server_env
 from lib.workloads import concurrent_streams
 
@@ -141,10 +141,11 @@ class Server:
 
 
 def measure(model: Path, prompts: Callable[[int, int], list[str]],
-            modes: dict[str, tuple], logs: Path, args) -> dict[str, dict]:
+            modes: dict[str, tuple], logs: Path, args, plans: dict) -> dict[str, dict]:
     """Every mode's server at once; for each stream count, their rounds interleaved (a
     shared machine's load drifts: each mode sees the same drift). Each round's prompts are
-    new (``prompts(round, streams)``), so no server answers from a cached prompt."""
+    new (``prompts(round, streams)``), so no server answers from a cached prompt. ``plans``
+    gets each plimsoll server's attention plans as found before measuring."""
     servers: dict[str, Server] = {}
     out: dict[str, dict] = {}
     try:
@@ -157,6 +158,12 @@ def measure(model: Path, prompts: Callable[[int, int], list[str]],
             if want and got != want:
                 raise RuntimeError(f"{mode}: the worker's proposer is {got!r}, not {want!r} "
                                    f"(see {logs / (mode + '.log')})")
+        for mode, srv in servers.items():  # no server's idle plan warmer beside a measurement
+            if not srv.mlx_lm and args.wait_plans:
+                plans[mode] = status.wait_plans(srv.url, "/v1/plimsoll/status",
+                                                args.wait_plans)
+                if plans[mode].get("built") is not None:
+                    print(f"{mode}: attention plans {plans[mode]}", flush=True)
         for n in args.streams:
             before = {}
             for mode, srv in servers.items():
@@ -300,6 +307,10 @@ def main() -> None:
     ap.add_argument("--streams", type=lambda x: [int(v) for v in x.split(",")], default=[1, 8],
                     help="concurrent stream counts, comma-separated (default 1,8)")
     ap.add_argument("--num-draft-tokens", type=int, default=3)
+    ap.add_argument("--wait-plans", type=float, default=120, metavar="S",
+                    help="before measuring, wait up to S seconds for each plimsoll worker's "
+                         "idle attention-plan warmer to finish (CUDA; it runs on the GPU "
+                         "the other servers are measured on); 0: do not wait")
     ap.add_argument("--ceiling-gib", type=int, default=16,
                     help="each plimsoll worker's memory ceiling (default 16, this CPU box's; "
                          "a GPU host's 4B model as its own draft needs ~40)")
@@ -371,8 +382,10 @@ def main() -> None:
                   for m in speculating}
     host = report.host_facts()
     out: dict = {}
+    plans: dict = {}
     for regime, (model, prompts) in regimes.items():
-        out[regime] = measure(model, prompts, modes, args.dir / regime, args)
+        out[regime] = measure(model, prompts, modes, args.dir / regime, args,
+                              plans.setdefault(regime, {}))
         for mode, by in out[regime].items():
             for n, m in by.items():
                 print(f"{regime:7s} {mode:19s} {n:>2s} streams {m['tok_s']:8.1f} tok/s  "
@@ -383,7 +396,7 @@ def main() -> None:
               "plimsoll_from": str(Path(plimsoll.__file__).parent),
               "machine": report.machine(), "tokens": args.tokens, "runs": args.runs,
               "streams": args.streams, "num_draft_tokens": args.num_draft_tokens,
-              "regimes": out,
+              "regimes": out, "attention_plans": plans,
               "proposer": "mtp" if args.mtp else "draft_model" if args.draft_model
               else "prompt_lookup"}
     if args.mtp is not None:
