@@ -53,7 +53,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from plimsoll.core.transients import DECODE_BUCKET_BLOCKS
 from plimsoll.engine import forward
 from plimsoll.engine.attention import Batch, PagedView
-from plimsoll.engine.paged import FullAttention, Read
+from plimsoll.engine.paged import Read
 from plimsoll.engine.sampling import sample
 from plimsoll.engine.work import Step, Work
 
@@ -70,7 +70,7 @@ def width(longest: int, block_tokens: int) -> int:
 
 def eligible(kinds: list) -> bool:
     """Whether an engine of these cache kinds (one per layer) compiles its decode steps."""
-    return bool(kinds) and all(type(k) is FullAttention for k in kinds)
+    return bool(kinds) and all(k.plain_kv for k in kinds)
 
 
 class Untraceable(Exception):

@@ -52,6 +52,7 @@ class Composite:
     """One layer's several caches (mlx-lm ``CacheList``), one kind per member."""
 
     kind = "composite"
+    plain_kv = False
 
     def __init__(self, parts: list):
         self.parts = tuple(parts)

@@ -119,7 +119,7 @@ class Engine:
         #: as fused, so its transient keeps the scores
         self.fused_prefill = fused_prefill(
             self._compute_dtype, {d for p in self._pools for d in (p.k_dim, p.v_dim)}) \
-            and all(type(p) is FullAttention for p in self._pools)
+            and all(p.plain_kv for p in self._pools)
         self._states: dict[int, list[seq_state.Entries]] = {}
         # The last decode's stacked state (its rows, in order): the next decode of the same
         # rows reuses it instead of stacking again (its row views are what _states holds).
@@ -141,7 +141,7 @@ class Engine:
             self.select_rows = sampled_rows.rows_selectable(model)
             #: the custom decode kernels checked on this device (used only if they agree
             #: with the reference and are not slower; the verdicts go to the status)
-            plain = [p for p in self._pools if type(p) is FullAttention]
+            plain = [p for p in self._pools if p.plain_kv]
             shapes = sorted({(p.kv_heads, p.k_dim, p.v_dim) for p in plain})
             self.kernels = kernels.select(self._compute_dtype, facts.num_attention_heads,
                                           shapes)
@@ -157,7 +157,7 @@ class Engine:
             self.kernels.verdicts += [write, gather, kernels.check_skinny(model), writing]
             #: quantized pools read by their own decode kernel where it passed its check
             #: (it reads through the block index: a decode's read is never a slice then)
-            quantized = [p for p in self._pools if type(p) is QuantizedAttention]
+            quantized = [p for p in self._pools if isinstance(p, QuantizedAttention)]
             verdict = kernels.check_quantized(quantized, self._compute_dtype,
                                               facts.num_attention_heads)
             self.quantized_kernel = verdict is not None and verdict.used

@@ -41,7 +41,7 @@ from plimsoll.core.transients import decode_fits_unpaced, decode_transient_bytes
 from plimsoll.engine import decode_write, mixers, sampled_rows, state, verify
 from plimsoll.engine.attention import Batch, Pacer
 from plimsoll.engine.groups import Flat, Group, group_view
-from plimsoll.engine.paged import FullAttention, RecurrentState, read_of, slots_of, write_of
+from plimsoll.engine.paged import RecurrentState, read_of, slots_of, write_of
 from plimsoll.engine.sampling import sample
 from plimsoll.engine.work import Step, Work
 
@@ -101,7 +101,7 @@ def verifies_as_rows(eng) -> bool:
     full-attention pool, which attends one row exactly as a chunk's causal row (a latent,
     window or quantized layer attends a chunk otherwise; speculation refuses the latter
     two)."""
-    return all(type(k) is FullAttention for k in eng.flat_kinds)
+    return all(k.plain_kv for k in eng.flat_kinds)
 
 
 def rows_of_works(works: tuple[Work, ...]) -> tuple[Work, ...]:

@@ -43,6 +43,7 @@ class Latent(FullAttention):
 
     kind = "latent"
     table_kind = "latent"
+    plain_kv = False  # one compressed vector a token, attended through the model's own math
 
 
 class LatentView(PoolCache):

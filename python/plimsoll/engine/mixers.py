@@ -46,7 +46,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from plimsoll.engine import attention, composite
-from plimsoll.engine.paged import FullAttention
 
 _WRAPPED: dict[type, dict] = {}  # class -> {param name: spec}, "__out__": output spec
 _ORIGINAL: dict[type, Callable] = {}
@@ -344,7 +343,7 @@ def write_once(view: StepView, gviews: list) -> bool:
     (:class:`~plimsoll.engine.attention.PagedView`): a plain full-attention pool written by
     several groups. Their module is then built twice per group on the host (the first
     call only up to its K/V; what it computed past them is never evaluated)."""
-    return (len(gviews) > 1 and type(view.kind) is FullAttention
+    return (len(gviews) > 1 and view.kind.plain_kv
             and all(type(g) is attention.PagedView for g in gviews))
 
 

@@ -52,6 +52,11 @@ class FullAttention:
 
     kind = "full"
     table_kind = "kv"  # its row of the served-kinds table (core/capability.ENGINE_SUPPORT)
+    #: a capability, not a type: the pool is float K/V arrays (heads, slots, dim) that attend
+    #: one query row as a chunk's causal row does — what the CUDA kernels, the compiled
+    #: decode, verifying rows and the one-scatter write serve (a subclass that stores or
+    #: attends otherwise sets it False)
+    plain_kv = True
 
     def __init__(self, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  block_tokens: int, max_blocks: int, slab_blocks: int):
@@ -206,6 +211,7 @@ class RecurrentState:
 
     kind = "state"
     table_kind = "state"
+    plain_kv = False
     block_bytes = 0
     nbytes = 0
 

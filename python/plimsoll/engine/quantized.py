@@ -61,6 +61,7 @@ class QuantizedAttention(FullAttention):
     """
 
     kind = "full-quantized"
+    plain_kv = False  # packed values, scales and biases: read by its own attend_read
 
     def __init__(self, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype,
                  block_tokens: int, max_blocks: int, slab_blocks: int, *, bits: int,

@@ -61,6 +61,7 @@ class WindowAttention:
 
     kind = "window"
     table_kind = "window"
+    plain_kv = False
     block_bytes = 0  # nothing in the shared block pool
 
     def __init__(self, kv_heads: int, k_dim: int, v_dim: int, dtype: mx.Dtype, window: int,
