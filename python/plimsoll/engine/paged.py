@@ -98,17 +98,35 @@ class FullAttention:
         return min(self.max_blocks,
                    math.ceil((highest_block + 1) / self.slab_blocks) * self.slab_blocks)
 
+    def _widths(self, dim: int) -> tuple[tuple[int, mx.Dtype], ...]:
+        """(last-axis width, dtype) of each array a cached vector of ``dim`` is stored in:
+        one float array here (a kind that stores a vector in several overrides it)."""
+        return ((dim, self.dtype),)
+
+    def _parts(self, stored) -> tuple:
+        """``keys`` or ``values`` as the tuple of arrays :meth:`_widths` describes."""
+        return (stored,)
+
+    def _stored(self, parts: list[mx.array]):
+        """The inverse of :meth:`_parts`."""
+        return parts[0]
+
     def ensure(self, highest_block: int) -> None:
-        """Grow (in slabs, never past ``max_blocks``) so ``highest_block`` exists."""
+        """Grow (in slabs, never past ``max_blocks``) so ``highest_block`` exists; one array
+        is grown and evaluated at a time, so the growth transient is one array's old size."""
         if (want := self._slab_target(highest_block)) is None:
             return
         extra = (want - self.blocks) * self.block_tokens
         for name, dim in (("keys", self.k_dim), ("values", self.v_dim)):
-            zeros = mx.zeros((self.kv_heads, extra, dim), self.dtype)
             old = getattr(self, name)
-            new = zeros if old is None else mx.concatenate([old, zeros], axis=1)
-            mx.eval(new)
-            setattr(self, name, new)
+            parts = []
+            for i, (width, dtype) in enumerate(self._widths(dim)):
+                zeros = mx.zeros((self.kv_heads, extra, width), dtype)
+                new = zeros if old is None else mx.concatenate([self._parts(old)[i], zeros],
+                                                               axis=1)
+                mx.eval(new)
+                parts.append(new)
+            setattr(self, name, self._stored(parts))
             del old
         self.blocks = want
 

@@ -108,24 +108,13 @@ class QuantizedAttention(FullAttention):
         return [] if self.keys is None else [*self.keys, *self.values]
 
     # ------------------------------------------------------------------ growth
+    # (FullAttention.ensure, over these three arrays a vector)
 
-    def ensure(self, highest_block: int) -> None:
-        """Grow (in slabs, never past ``max_blocks``) so ``highest_block`` exists; one array
-        is grown and evaluated at a time, so the growth transient is one array's old size."""
-        if (want := self._slab_target(highest_block)) is None:
-            return
-        extra = (want - self.blocks) * self.block_tokens
-        for name, dim in (("keys", self.k_dim), ("values", self.v_dim)):
-            old = getattr(self, name)
-            parts = []
-            for i, (width, dtype) in enumerate(self._widths(dim)):
-                zeros = mx.zeros((self.kv_heads, extra, width), dtype)
-                new = zeros if old is None else mx.concatenate([old[i], zeros], axis=1)
-                mx.eval(new)
-                parts.append(new)
-            setattr(self, name, tuple(parts))
-            del old
-        self.blocks = want
+    def _parts(self, stored) -> tuple:
+        return stored
+
+    def _stored(self, parts: list[mx.array]):
+        return tuple(parts)
 
     # ------------------------------------------------------------------ writes and reads
 
