@@ -8,9 +8,6 @@ over the same prompts and tables, pipelined as the worker runs them):
 - ``writes``: a decode-only step's K/V stored by the decode kernel's own launch
   (engine/decode_write.py ``check_writing``) — what the engine does by default.
 
-(Its third variant, q/k/v and gate/up of a single row as one product each, measured no faster
-on an H100 and was removed: bench/results/decode-ab-h100-2026-12-05.md.)
-
 First the greedy tokens of ``plain`` and ``writes`` compared (4 rows and 1 row, 80
 steps); then ``--rounds`` rounds of every variant at each of ``--rows``, ``--steps`` steps:
 mean ``run_async`` ms (the host's building and the backend's encoding) and ms per step.
