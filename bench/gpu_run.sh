@@ -23,7 +23,8 @@
 #             PHASES=subagents,agentic NAME=serving-h200-DATE-b bash bench/gpu_run.sh
 #   ORDER   anchor-first (default) | candidate-first
 #   NAME    output base name (default: the script's, <measurement>-<machine>-<date>)
-#   MODEL_DIR (default /tmp/qwen3-4b-shaped), BUDGET (530), EXTRA (more serving.py flags: they
+#   MODEL_DIR (default /tmp/qwen3-4b-shaped; REUSE_MODEL=1 skips the build where one is there),
+#   BUDGET (530), EXTRA (more serving.py flags: they
 #   come last, so they win), MODEL_ARGS (gpu_model.py flags, e.g. --shape small for a dry run)
 #   KV_QUANT=1  the quantized-KV comparison instead (bench/serving.py --kv): the agentic
 #           session, 1-stream decode and 8 streams on mlx_lm.server (defaults), then plimsoll at
@@ -65,9 +66,13 @@ say() { echo "[gpu_run $(date -u +%T) +$(( $(date +%s) - start ))s] $*"; }
 
 say "python $($PY -c 'import sys; print(sys.version.split()[0])'), PHASES=$PHASES ORDER=$ORDER"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$OUT/logs/nvidia-smi.csv" 2>&1
-# shellcheck disable=SC2086
-timeout -k 10 200 "$PY" bench/gpu_model.py "$MODEL" ${MODEL_ARGS:-} 2>&1 | tee "$OUT/logs/gpu_model.log"
-if [ "${PIPESTATUS[0]}" != 0 ]; then say "model build failed"; exit 1; fi
+if [ "${REUSE_MODEL:-0}" = 1 ] && [ -f "$MODEL/config.json" ]; then
+  say "reusing the model at $MODEL"
+else
+  # shellcheck disable=SC2086
+  timeout -k 10 200 "$PY" bench/gpu_model.py "$MODEL" ${MODEL_ARGS:-} 2>&1 | tee "$OUT/logs/gpu_model.log"
+  if [ "${PIPESTATUS[0]}" != 0 ]; then say "model build failed"; exit 1; fi
+fi
 
 if [ "${STEP:-0}" = 1 ]; then
   say "gpu_step.py"
