@@ -133,7 +133,7 @@ def summarise(result: dict) -> dict:
                                                 lambda r, _: _dig(r, "newcomer", "prompt_tokens"))
         f["stall_streams_ended_early"] = per("stall", lambda r, _: r.get("streams_ended_early"))
     if _latest(result, "subagents"):
-        f.update(_sub_figures(per, kvpt))
+        f.update(_sub_figures(per, kvpt, result["model"]))
     labels = [x for x in result["order"] if any(isinstance(v, dict) and x in v
                                                  for v in f.values())] or result["order"]
     out = {"labels": labels, "bases": bases(labels), "figures": f}
@@ -148,7 +148,51 @@ def _most(xs: list[float] | None) -> float | None:
     return max(xs) if xs else None
 
 
-def _sub_figures(per, kvpt: dict[str, int]) -> dict:
+def prefill_flops(model: dict, new: int, start: int) -> float | None:
+    """FLOPs of computing ``new`` prompt tokens after ``start`` cached ones, for a dense
+    model: 2 a weight a token over the layers' projections and MLP (the embedding and the lm
+    head left out), plus causal attention on every full-attention layer, 4 × heads ×
+    head_dim a query–key pair (QKᵀ and PV). None where the record lacks a field."""
+    try:
+        h, inter, layers = model["hidden_size"], model["intermediate_size"], model["num_layers"]
+        heads, kvh, hd = (model["num_attention_heads"], model["num_key_value_heads"],
+                          model["head_dim"])
+        full = layers - (model.get("sliding_layers") or 0)
+    except KeyError:
+        return None
+    if None in (h, inter, layers, heads, kvh, hd) or new <= 0:
+        return None
+    per_token = layers * 2 * (h * (heads + 2 * kvh) * hd + heads * hd * h + 3 * h * inter)
+    pairs = new * start + new * (new + 1) / 2  # each new query sees the cached keys and its own
+    return new * per_token + full * 4 * heads * hd * pairs
+
+
+def _work_floors(model: dict, r: dict) -> tuple[float | None, float | None]:
+    """What the sub-agent ratios would be if every prompt token cost what the model's FLOPs
+    say (the same device efficiency for a cold prompt and a tail at a long prefix): the 7
+    staggered tails together ÷ the first request; together, the prefix once and every task
+    ÷ the request alone. A server can only beat these by running tails more efficiently
+    than a cold prompt."""
+    def work(q: dict | None) -> float | None:
+        if not q or q.get("prompt_tokens") is None:
+            return None
+        cached = q.get("cached_tokens") or 0
+        return prefill_flops(model, q["prompt_tokens"] - cached, cached)
+
+    st = r.get("staggered") or {}
+    first, rest = work(st.get("first")), [work(q) for q in st.get("rest") or []]
+    staggered = (sum(rest) / first if first and rest and None not in rest else None)
+    shared, reqs = r.get("shared_prefix_tokens"), _dig(r, "together", "requests") or []
+    alone = work(r.get("alone"))
+    tasks = [prefill_flops(model, q["prompt_tokens"] - shared, shared) for q in reqs
+             if shared and q.get("prompt_tokens") is not None]
+    prefix = prefill_flops(model, shared, 0) if shared else None
+    together = ((prefix + sum(tasks)) / alone if alone and prefix and tasks
+                and len(tasks) == len(reqs) and None not in tasks else None)
+    return staggered, together
+
+
+def _sub_figures(per, kvpt: dict[str, int], model: dict) -> dict:
     def ideal(r: dict, label: str) -> float | None:
         reqs = _dig(r, "together", "requests") or []
         shared = r.get("shared_prefix_tokens")
@@ -196,6 +240,8 @@ def _sub_figures(per, kvpt: dict[str, int]) -> dict:
         "sub_together_server_ratio": per("subagents", lambda r, _: _ratio(
             _most(_dig(r, "together", "server_ttft_s")),
             _most(_dig(r, "alone", "server_ttft_s")))),
+        "sub_staggered_work_floor": per("subagents", lambda r, _: _work_floors(model, r)[0]),
+        "sub_together_work_floor": per("subagents", lambda r, _: _work_floors(model, r)[1]),
         "sub_together_mem_peak": per("subagents", at("together", "mem_peak")),
         "sub_kv_ideal_bytes": per("subagents", ideal),
         "sub_kv_one_copy_bytes": per("subagents", one_copy),
