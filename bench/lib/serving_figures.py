@@ -223,6 +223,7 @@ def _sub_figures(per, kvpt: dict[str, int], model: dict) -> dict:
     def at(*path):
         return lambda r, _: _dig(r, *path)
 
+    floors = per("subagents", lambda r, _: _work_floors(model, r))
     return {
         "sub_warm_ttft_s": per("subagents", at("warm", "ttft_s")),
         "sub_alone_ttft_s": per("subagents", at("alone", "ttft_s")),
@@ -240,8 +241,8 @@ def _sub_figures(per, kvpt: dict[str, int], model: dict) -> dict:
         "sub_together_server_ratio": per("subagents", lambda r, _: _ratio(
             _most(_dig(r, "together", "server_ttft_s")),
             _most(_dig(r, "alone", "server_ttft_s")))),
-        "sub_staggered_work_floor": per("subagents", lambda r, _: _work_floors(model, r)[0]),
-        "sub_together_work_floor": per("subagents", lambda r, _: _work_floors(model, r)[1]),
+        "sub_staggered_work_floor": {k: v[0] for k, v in floors.items()},
+        "sub_together_work_floor": {k: v[1] for k, v in floors.items()},
         "sub_together_mem_peak": per("subagents", at("together", "mem_peak")),
         "sub_kv_ideal_bytes": per("subagents", ideal),
         "sub_kv_one_copy_bytes": per("subagents", one_copy),

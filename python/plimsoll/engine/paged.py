@@ -119,15 +119,15 @@ class FullAttention:
         extra = (want - self.blocks) * self.block_tokens
         for name, dim in (("keys", self.k_dim), ("values", self.v_dim)):
             old = getattr(self, name)
+            olds = None if old is None else self._parts(old)
             parts = []
             for i, (width, dtype) in enumerate(self._widths(dim)):
                 zeros = mx.zeros((self.kv_heads, extra, width), dtype)
-                new = zeros if old is None else mx.concatenate([self._parts(old)[i], zeros],
-                                                               axis=1)
+                new = zeros if olds is None else mx.concatenate([olds[i], zeros], axis=1)
                 mx.eval(new)
                 parts.append(new)
             setattr(self, name, self._stored(parts))
-            del old
+            del old, olds
         self.blocks = want
 
     def write(self, slots: mx.array | tuple[int, int], keys: mx.array,
