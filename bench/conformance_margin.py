@@ -13,14 +13,18 @@ float32) that the engine serves: its prompts (``--lengths``) driven together thr
 pipelined, block ids shuffled), ``--new`` greedy tokens each, against mlx-lm's own
 ``generate_step`` of each prompt alone. For every sequence: equal, or the first differing
 position and the reference's margin there (its top log-prob minus its second).
-Writes ``--out-dir``/``--name`` (JSON and markdown)::
+Each family's row names the custom kernels its engine passed and used (``kernels``);
+``--refuse a,b`` makes the engine's start-time checks refuse those kernels, to bisect a
+difference seen only on a backend that has them (CUDA). Writes ``--out-dir``/``--name``
+(JSON and markdown)::
 
-    PYTHONPATH=python python bench/conformance_margin.py [--families a,b]
+    PYTHONPATH=python python bench/conformance_margin.py [--families a,b] [--refuse a,b]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import traceback
@@ -40,6 +44,36 @@ from plimsoll.engine import Engine, backend
 from plimsoll.engine.drive import Blocks, drive, family_prompts, seqs_for
 
 BT = 16
+
+
+def refuse(names: set[str]) -> None:
+    """The engine's start-time kernel checks refuse ``names`` from now on in this process
+    (the kernels are still checked, so a refused one installs nothing: the few-row matmul is
+    not even checked)."""
+    from plimsoll.engine import decode_write, kernels
+
+    def no(verdict):
+        return verdict if verdict is None or verdict.name not in names else \
+            dataclasses.replace(verdict, used=False, reason="refused by --refuse")
+
+    def refusing(check):
+        return lambda *a, **k: no(check(*a, **k))
+
+    for module, fn in ((kernels, "check_gather"), (kernels, "check_write"),
+                       (kernels, "check_quantized"), (decode_write, "check_writing")):
+        setattr(module, fn, refusing(getattr(module, fn)))
+    if "skinny_matmul_cuda" in names:
+        kernels.check_skinny = lambda model: kernels.Verdict(
+            "skinny_matmul_cuda", "cuda", False, "refused by --refuse")
+    select = kernels.select
+
+    def select_refusing(*a, **k):
+        chosen = select(*a, **k)
+        return kernels.Selection([no(v) for v in chosen.verdicts],
+                                 None if chosen.decode is None or chosen.decode.name in names
+                                 else chosen.decode)
+
+    kernels.select = select_refusing
 
 
 def reference(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -71,6 +105,7 @@ def one_family(name: str, root: Path, tok, args) -> dict:
                      "min_margin": round(min(margins), 5)})
     worst = max((r["margin"] for r in rows if r["margin"] is not None), default=None)
     return {"family": name, "served": True, "rows": rows, "worst_margin": worst,
+            "kernels": [v.name for v in eng.kernels.verdicts if v.used],
             "defect": worst is not None and worst > args.defect_margin}
 
 
@@ -111,11 +146,13 @@ def markdown(result: dict) -> str:
                                              else f"at {r['first_diff']}, margin {r['margin']}")
                 for r in f["rows"])
             rows.append([f["family"], cells, report.num(f["worst_margin"]),
+                         ", ".join(f.get("kernels", [])) or "none",
                          "**defect**" if f["defect"] else "ok"])
         else:
-            rows.append([f["family"], f.get("reason") or f.get("error", ""), "–",
+            rows.append([f["family"], f.get("reason") or f.get("error", ""), "–", "–",
                          "refused" if f.get("served") is False else "**error**"])
-    lines += report.table(["family", "sequences", "worst margin", "verdict"], rows)
+    lines += report.table(["family", "sequences", "worst margin", "kernels used", "verdict"],
+                          rows)
     return "\n".join(lines) + "\n"
 
 
@@ -128,8 +165,11 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=16, help="greedy tokens a sequence")
     ap.add_argument("--chunk", type=int, default=32, help="prefill chunk tokens")
     ap.add_argument("--defect-margin", type=float, default=0.01)
+    ap.add_argument("--refuse", type=lambda s: set(s.split(",")), default=set(),
+                    help="kernel names the engine's checks refuse (as the status names them)")
     report.output_args(ap, "conformance-margin")
     args = ap.parse_args()
+    refuse(args.refuse)
     return report.measure_and_write(args, "conformance-margin", run, markdown, key="families",
                                     more=lambda _: {"backend": backend.name()})
 

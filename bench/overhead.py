@@ -46,7 +46,7 @@ from pathlib import Path
 
 from lib import report, servers, step_split
 from lib.engine import BLOCK, decode_rate, mlx_batch, mlx_single
-from lib.samplers import start_spy, stop_spy, tree_cpu
+from lib.samplers import engine_pid, sched_ns, start_spy, stop_spy, tree_cpu
 from lib.workloads import async_concurrent, user_body, word_prompt
 
 PLIMSOLL = servers.PLIMSOLL_LAUNCH + " --concurrency 32 --context 2048 --max-tokens 512"
@@ -82,14 +82,18 @@ def engine_rounds(args, mode: str = "engine") -> dict:
         for _ in range(args.rounds):
             clock = step_split.StepClock()
             timed = step_split.TimedEngine(eng, clock, open_on_decode=True)
+            w0 = sched_ns(os.getpid())[1]
             runs.append(decode_rate(timed, prompts[n], args.tokens,
                                     7 if mode == "engine_shuffled" else None))
+            runs[-1]["wait_ms_per_step"] = (sched_ns(os.getpid())[1] - w0) / 1e6 / args.tokens
             clock.close()
             splits.append(clock.figures())
         tps = upper_median([r["tps"] for r in runs])
         out[str(n)] = {"decode_tps": tps, "runs_tps": sorted(r["tps"] for r in runs),
                        "step_ms": 1000 * n / tps,
                        "cpu_ms_per_step": statistics.median(r["cpu_ms_per_step"] for r in runs),
+                       "engine_wait_ms_per_step": statistics.median(r["wait_ms_per_step"]
+                                                                    for r in runs),
                        "split": step_split.median_split(splits), "split_runs": splits}
         print(f"[{mode}] {n} rows: {tps:.0f} tok/s, {1000 * n / tps:.2f} ms/step", flush=True)
     return out
@@ -301,14 +305,19 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
             # the GPU) outside the figures, for both servers alike
             http_round(server.base_url, model, [word_prompt(90_000 + i, args.prompt_words)
                                                 for i in range(n)], 16, args.request_timeout)
-            runs = []
+            runs, epid = [], engine_pid(server)
             for r in range(args.rounds):
                 c0, l0 = tree_cpu(server)
+                e0 = sched_ns(epid) if epid else None
                 runs.append(http_round(server.base_url, model, prompts[n][r], args.tokens,
                                        args.request_timeout))
                 c1, l1 = tree_cpu(server)
                 runs[-1] |= {"cpu_ms_per_step": 1000 * (c1 - c0) / args.tokens,
                              "loop_cpu_ms_per_step": 1000 * (l1 - l0) / args.tokens}
+                if e0 is not None:  # the engine process's threads: on a core, and queued
+                    e1 = sched_ns(epid)
+                    runs[-1] |= {"engine_cpu_ms_per_step": (e1[0] - e0[0]) / 1e6 / args.tokens,
+                                 "engine_wait_ms_per_step": (e1[1] - e0[1]) / 1e6 / args.tokens}
             if spy is not None:
                 out[f"py_spy_{n}"] = stop_spy(spy)
             s = out[str(n)] = summarise(runs)
@@ -325,10 +334,10 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
 
 
 def summarise(runs: list[dict]) -> dict:
-    out = report.medians(runs, "aggregate_tps", "decode_tps", "step_ms", "steady_step_ms",
-                         "ttft_max_s", "cpu_ms_per_step", "loop_cpu_ms_per_step")
     keep = ("aggregate_tps", "decode_tps", "step_ms", "steady_step_ms", "ttft_max_s",
-            "cpu_ms_per_step", "loop_cpu_ms_per_step")
+            "cpu_ms_per_step", "loop_cpu_ms_per_step", "engine_cpu_ms_per_step",
+            "engine_wait_ms_per_step")
+    out = report.medians(runs, *keep)
     return {k: out[k] for k in keep} | {
         "tokens_each_min": min((r.get("tokens_each_min") or 0) for r in runs),
         "completed": min(r.get("completed", 0) for r in runs),
@@ -404,6 +413,16 @@ def markdown(result: dict) -> str:
          "mlx ms/step (steady)", "plimsoll ÷ mlx agg", "plimsoll ÷ mlx decode",
          "plimsoll overhead ms/step (vs its engine)", "mlx overhead ms/step (vs mlx-lm)",
          "plimsoll CPU ms/step (its HTTP loop's)", "mlx CPU ms/step"], rows)
+    if any(at("plimsoll", n).get("engine_wait_ms_per_step") is not None for n in streams):
+        lines += ["", "The engine's threads per step (Linux schedstat): on a core, and runnable "
+                  "but queued behind another process (the client, the API process: a box "
+                  "with fewer cores than busy processes)", ""]
+        lines += report.table(
+            ["streams", "in process: queued ms", "served: engine process on-CPU ms",
+             "served: queued ms"],
+            [[n, f(at("engine", n).get("engine_wait_ms_per_step"), ".2f"),
+              f(at("plimsoll", n).get("engine_cpu_ms_per_step"), ".2f"),
+              f(at("plimsoll", n).get("engine_wait_ms_per_step"), ".2f")] for n in streams])
     if ps := result.get("prefill_shapes"):
         lines += ["", (f"Prefill in process, {ps['prompts']} prompts in two chunks each: all "
                        f"{ps['same_length']} tokens {ps['same_median_ms']:.1f} ms a prompt; each "

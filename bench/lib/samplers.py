@@ -135,6 +135,32 @@ def tree_cpu(server: ServerProcess) -> tuple[float, float]:
     return total, loop
 
 
+def sched_ns(pid: int) -> tuple[int, int]:
+    """(on-CPU ns, run-queue wait ns) of a process's live threads, from Linux's schedstat: the
+    wait is time a thread was runnable while another one had the core (on a box with fewer
+    cores than busy processes, what it loses to the client and the API process). (0, 0) where
+    there is no schedstat."""
+    cpu = wait = 0
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                on, queued, _ = (task / "schedstat").read_text().split()
+            except (OSError, ValueError):
+                continue
+            cpu, wait = cpu + int(on), wait + int(queued)
+    return cpu, wait
+
+
+def engine_pid(server: ServerProcess) -> int | None:
+    """The pid of a plimsoll worker's engine process among the server's tree, if it has one."""
+    server.remember_tree()
+    for p in server.known.values():
+        with contextlib.suppress(psutil.Error):
+            if ENGINE_PROCESS in " ".join(p.cmdline()):
+                return p.pid
+    return None
+
+
 def rss_sampler(server: ServerProcess, interval: float, min_available: int) -> Sampler:
     """RSS of the server's process tree; kills the server if host available memory < floor."""
 

@@ -112,6 +112,16 @@ def worker_argv(cfg: WorkerConfig) -> list[str]:
 #: bench/results/overhead-cpu-2026-12-05-qwen3-0.6b-steady.md). On Metal and CUDA the
 #: arrays are the device allocator's: this only keeps the host's small ones honest.
 MALLOC_MMAP_THRESHOLD = 32 << 20
+#: Free memory at a glibc heap's top above this goes back to the OS (``malloc_trim``). Fixing
+#: the mmap threshold also fixes this one at glibc's 128 KiB, where its dynamic rule would
+#: have raised it to twice the mmap threshold: so every step, once MLX's buffer cache is full
+#: (the worker caps it), the freed transients were trimmed and faulted in again: on the CPU
+#: box qwen3-0.6b's 32-row step 1.23 s against 0.99 s, 105k page faults a step against none
+#: (bench/results/overhead-cpu-2026-12-06-qwen3-0.6b-trim.md). Twice the mmap threshold, as
+#: glibc would: at most that much freed memory stays resident at each arena's top (two
+#: arenas: 128 MiB, inside the guard's runtime reserve), and the trip's clear
+#: (``engine.limits.clear_buffer_cache``) trims it all.
+MALLOC_TRIM_THRESHOLD = 2 * MALLOC_MMAP_THRESHOLD
 
 
 def worker_env() -> dict[str, str]:
@@ -119,6 +129,7 @@ def worker_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("MALLOC_ARENA_MAX", "2")
     env.setdefault("MALLOC_MMAP_THRESHOLD_", str(MALLOC_MMAP_THRESHOLD))
+    env.setdefault("MALLOC_TRIM_THRESHOLD_", str(MALLOC_TRIM_THRESHOLD))
     return env
 
 

@@ -23,7 +23,12 @@ from plimsoll.core.units import MIB
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard import cgroups
 from plimsoll.guard import process as G
-from plimsoll.launch.spawn import MALLOC_MMAP_THRESHOLD, start_worker, stop_worker
+from plimsoll.launch.spawn import (
+    MALLOC_MMAP_THRESHOLD,
+    MALLOC_TRIM_THRESHOLD,
+    start_worker,
+    stop_worker,
+)
 
 
 @pytest.mark.pure
@@ -123,6 +128,7 @@ def test_worker_runs_in_its_own_cgroup_and_it_is_removed(tiny_model) -> None:
         environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
         assert b"MALLOC_ARENA_MAX=2" in environ
         assert f"MALLOC_MMAP_THRESHOLD_={MALLOC_MMAP_THRESHOLD}".encode() in environ
+        assert f"MALLOC_TRIM_THRESHOLD_={MALLOC_TRIM_THRESHOLD}".encode() in environ
         mine = Path(f"/proc/{proc.pid}/cgroup").read_text()
         assert str(wg.cgroup.path).split("/sys/fs/cgroup/memory", 1)[-1] in mine
         r = httpx.post(f"http://127.0.0.1:{cfg.port}/v1/completions",
