@@ -116,10 +116,11 @@ MALLOC_MMAP_THRESHOLD = 32 << 20
 #: the mmap threshold also fixes this one at glibc's 128 KiB, where its dynamic rule would
 #: have raised it to twice the mmap threshold: so every step, once MLX's buffer cache is full
 #: (the worker caps it), the freed transients were trimmed and faulted in again: on the CPU
-#: box qwen3-0.6b's 32-row step 1.23 s against 0.99 s, 105k page faults a step against none
-#: (bench/results/overhead-cpu-2026-12-06-qwen3-0.6b-trim.md). Twice the mmap threshold, as
-#: glibc would: at most that much freed memory stays resident at each arena's top (two
-#: arenas: 128 MiB, inside the guard's runtime reserve), and the trip's clear
+#: box qwen3-0.6b's 32-row step 1.23 s against 0.99 s in process, 105k page faults a step
+#: against none; served ÷ in process 1.17 → 1.04
+#: (bench/results/overhead-cpu-2026-12-06-qwen3-0.6b-32-{notrim,trim}.md). Twice the mmap
+#: threshold, as glibc would: at most that much freed memory stays resident at each arena's
+#: top (two arenas: 128 MiB, inside the guard's runtime reserve), and the trip's clear
 #: (``engine.limits.clear_buffer_cache``) trims it all.
 MALLOC_TRIM_THRESHOLD = 2 * MALLOC_MMAP_THRESHOLD
 
