@@ -120,6 +120,9 @@ def worker_command(**options: Any) -> None:
     Normally started by `plimsoll launch` (or the proxy), which derives every cap from
     live admission and verifies the worker applied them.
     """
+    from plimsoll.launch.spawn import SPAWN_HELD
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SPAWN_HELD)  # held by a launcher's spawn
     from plimsoll.core.capability import UnsupportedModel, require_supported
     from plimsoll.core.model_facts import ModelInspectionError, check_servable, inspect_model
     from plimsoll.launch.model_source import ModelNotFound, resolve_model_dir

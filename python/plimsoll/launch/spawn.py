@@ -125,6 +125,13 @@ MALLOC_MMAP_THRESHOLD = 32 << 20
 MALLOC_TRIM_THRESHOLD = 2 * MALLOC_MMAP_THRESHOLD
 
 
+#: Signals the spawning thread holds while ``Popen`` runs: a handler that raises (``plimsoll
+#: launch`` stops a start that way) between the child's exec and ``Popen``'s return would
+#: leave a worker nobody can stop. The child inherits the mask through exec, so the worker
+#: unblocks them first thing (``plimsoll worker``; a signal sent meanwhile waits, not lost).
+SPAWN_HELD = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
 def worker_env() -> dict[str, str]:
     """The worker's environment: glibc arenas capped so RSS tracks MLX's own figure."""
     env = dict(os.environ)
@@ -200,9 +207,13 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
     proc = None
     try:  # one guarded block from the spawn on: a signal's exception right after Popen
         # returns still stops the worker (it runs in its own session: nobody else would)
-        proc = subprocess.Popen(argv, env=worker_env() | guard_env | (env or {}), stdout=stdout,
-                                start_new_session=True)
-        proc.plimsoll_guard = wg
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, SPAWN_HELD)
+        try:  # held during Popen: a handler raising inside it would lose the only handle
+            proc = subprocess.Popen(argv, env=worker_env() | guard_env | (env or {}),
+                                    stdout=stdout, start_new_session=True)
+            proc.plimsoll_guard = wg
+        finally:  # a signal held meanwhile arrives here, with ``proc`` set
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         status = wait_ready(proc, cfg, timeout_s, "the worker",
                             lambda: f"the worker exited with status {proc.returncode} before "
                             "it was ready (see its log above)", (env or {}).get(SECRET_ENV))

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from conftest import OPENBLAS, free_port
 
@@ -23,6 +26,7 @@ from plimsoll.core.units import MIB
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard import cgroups
 from plimsoll.guard import process as G
+from plimsoll.launch import spawn
 from plimsoll.launch.spawn import (
     MALLOC_MMAP_THRESHOLD,
     MALLOC_TRIM_THRESHOLD,
@@ -287,3 +291,49 @@ def test_a_worker_over_its_footprint_hard_line_fails_closed(tiny_model) -> None:
     with pytest.raises(LaunchError, match=f"status {G.EXIT_FOOTPRINT}"):
         start_worker(cfg, guard=False, env=ENV | {G.FOOTPRINT_ENV: str(48 * MIB)},
                      timeout_s=90)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_signal_inside_the_spawn_still_stops_the_worker(tiny_model, monkeypatch) -> None:
+    """A signal whose handler raises (``plimsoll launch`` stops a start that way) arriving
+    between the worker's exec and ``Popen``'s return: the spawn holds it until ``proc`` is
+    set, so the start is stopped with its worker, and the worker itself runs with the
+    signals unblocked (it inherits the launcher's mask through exec)."""
+    real = spawn.subprocess.Popen
+    children: list[int] = []
+
+    def popen_then_signal(*a, **k):
+        child = real(*a, **k)
+        children.append(child.pid)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # inside Popen, child exists
+        return child
+
+    def raise_stop(_signum, _frame):
+        raise _Stop
+
+    monkeypatch.setattr(spawn.subprocess, "Popen", popen_then_signal)
+    previous = signal.signal(signal.SIGTERM, raise_stop)
+    try:
+        with pytest.raises(_Stop):
+            spawn.start_worker(_cfg(tiny_model), guard=False, env=ENV)
+        assert children and not psutil.pid_exists(children[0])  # stopped and reaped
+        assert not signal.pthread_sigmask(signal.SIG_BLOCK, set()) & spawn.SPAWN_HELD
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for pid in children:  # (a failure must not leave a worker behind)
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_worker_runs_with_the_spawns_held_signals_unblocked(tiny_model) -> None:
+    proc, _status = spawn.start_worker(_cfg(tiny_model), guard=False, env=ENV)
+    try:
+        line = next(x for x in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                    if x.startswith("SigBlk:"))
+        blocked = int(line.split()[1], 16)
+        assert not any(blocked >> (s - 1) & 1 for s in spawn.SPAWN_HELD), line
+    finally:
+        stop_worker(proc)
