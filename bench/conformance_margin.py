@@ -47,9 +47,10 @@ BT = 16
 
 
 def refuse(names: set[str]) -> None:
-    """The engine's start-time kernel checks refuse ``names`` from now on in this process
-    (the kernels are still checked, so a refused one installs nothing: the few-row matmul is
-    not even checked)."""
+    """The engine's start-time kernel checks refuse ``names`` from now on in this process:
+    each check still runs, its verdict is replaced before the engine reads it, so a refused
+    kernel is never installed (the few-row matmul, installed by its own check, is not even
+    checked)."""
     from plimsoll.engine import decode_write, kernels
 
     def no(verdict):

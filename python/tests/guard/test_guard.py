@@ -26,10 +26,10 @@ from plimsoll.core.units import MIB
 from plimsoll.core.worker_config import WorkerConfig
 from plimsoll.guard import cgroups
 from plimsoll.guard import process as G
-from plimsoll.launch import spawn
 from plimsoll.launch.spawn import (
     MALLOC_MMAP_THRESHOLD,
     MALLOC_TRIM_THRESHOLD,
+    SPAWN_HELD,
     start_worker,
     stop_worker,
 )
@@ -302,7 +302,7 @@ def test_a_signal_inside_the_spawn_still_stops_the_worker(tiny_model, monkeypatc
     between the worker's exec and ``Popen``'s return: the spawn holds it until ``proc`` is
     set, so the start is stopped with its worker, and the worker itself runs with the
     signals unblocked (it inherits the launcher's mask through exec)."""
-    real = spawn.subprocess.Popen
+    real = subprocess.Popen
     children: list[int] = []
 
     def popen_then_signal(*a, **k):
@@ -314,13 +314,13 @@ def test_a_signal_inside_the_spawn_still_stops_the_worker(tiny_model, monkeypatc
     def raise_stop(_signum, _frame):
         raise _Stop
 
-    monkeypatch.setattr(spawn.subprocess, "Popen", popen_then_signal)
+    monkeypatch.setattr("plimsoll.launch.spawn.subprocess.Popen", popen_then_signal)
     previous = signal.signal(signal.SIGTERM, raise_stop)
     try:
         with pytest.raises(_Stop):
-            spawn.start_worker(_cfg(tiny_model), guard=False, env=ENV)
+            start_worker(_cfg(tiny_model), guard=False, env=ENV)
         assert children and not psutil.pid_exists(children[0])  # stopped and reaped
-        assert not signal.pthread_sigmask(signal.SIG_BLOCK, set()) & spawn.SPAWN_HELD
+        assert not signal.pthread_sigmask(signal.SIG_BLOCK, set()) & SPAWN_HELD
     finally:
         signal.signal(signal.SIGTERM, previous)
         for pid in children:  # (a failure must not leave a worker behind)
@@ -329,11 +329,11 @@ def test_a_signal_inside_the_spawn_still_stops_the_worker(tiny_model, monkeypatc
 
 
 def test_a_worker_runs_with_the_spawns_held_signals_unblocked(tiny_model) -> None:
-    proc, _status = spawn.start_worker(_cfg(tiny_model), guard=False, env=ENV)
+    proc, _status = start_worker(_cfg(tiny_model), guard=False, env=ENV)
     try:
         line = next(x for x in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
                     if x.startswith("SigBlk:"))
         blocked = int(line.split()[1], 16)
-        assert not any(blocked >> (s - 1) & 1 for s in spawn.SPAWN_HELD), line
+        assert not any(blocked >> (s - 1) & 1 for s in SPAWN_HELD), line
     finally:
         stop_worker(proc)
