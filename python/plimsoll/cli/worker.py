@@ -147,10 +147,6 @@ def worker_command(**options: Any) -> None:
     serve_worker(cfg)
 
 
-class _Interrupted(Exception):
-    """SIGTERM/SIGINT while ``plimsoll launch`` is still starting its worker."""
-
-
 @click.command("launch")
 @click.argument("model")
 @click.option("--policy", "policy_file", type=click.Path(dir_okay=False, path_type=Path),
@@ -215,7 +211,8 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
         resolve_model,
     )
     from plimsoll.launch.model_source import ModelNotFound
-    from plimsoll.launch.spawn import LaunchError, start_worker, stop_worker, worker_config
+    from plimsoll.launch.spawn import (LaunchError, StartStopped, start_worker, stop_worker,
+                                       worker_config)
     from plimsoll.probes import read_snapshot
     from plimsoll.web.serve import free_port
 
@@ -265,7 +262,7 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
     def on_signal(_signum, _frame) -> None:
         stop.append(True)
         if not started and len(stop) == 1:  # once: a second signal must not cut the stop
-            raise _Interrupted
+            raise StartStopped
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -274,10 +271,12 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
             report(f"starting the worker on {host}:{cfg.port} "
                    f"(weights {fmt_bytes(decision.weights_bytes)}, "
                    f"pool {decision.pool_blocks} blocks)")
-            proc, status = start_worker(cfg)
+            proc, status = start_worker(cfg, stop_requested=lambda: bool(stop))
             started.append(True)
+            if stop:  # asked before the flag: its exception swallowed (see start_worker), or late
+                raise StartStopped
             report(f"ready, pid {proc.pid}: limits verified")
-    except _Interrupted:
+    except StartStopped:
         if proc is not None:  # the signal came between start_worker's return and the flag
             stop_worker(proc)
         click.echo("plimsoll launch: stopped before the worker was ready", err=True)

@@ -168,6 +168,10 @@ class LaunchError(RuntimeError):
     """The worker did not come up with the derived limits; the message has the figures."""
 
 
+class StartStopped(Exception):
+    """A stop was asked for while the worker was starting (what was started is stopped)."""
+
+
 def start_guard(cfg: WorkerConfig, footprint_bytes: int | None = None,
                 cgroup_parent: Path | None = None,
                 limit_bytes: int | None = None) -> tuple[WorkerGuard | None, dict[str, str]]:
@@ -192,7 +196,8 @@ def start_guard(cfg: WorkerConfig, footprint_bytes: int | None = None,
 def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
                  stdout=None, *, footprint_bytes: int | None = None,
                  cgroup_parent: Path | None = None, cgroup_limit_bytes: int | None = None,
-                 guard: bool = True, env: dict[str, str] | None = None
+                 guard: bool = True, env: dict[str, str] | None = None,
+                 stop_requested: Callable[[], bool] = lambda: False
                  ) -> tuple[subprocess.Popen, dict]:
     """Spawn the worker, wait until it reports its status, verify its limits, or stop it.
 
@@ -200,6 +205,9 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
     cgroup, created under ``cgroup_parent``; ``proc.plimsoll_guard`` holds it and
     :func:`stop_worker` removes it. Without them the worker guards its own footprint
     (:class:`plimsoll.guard.process.FootprintGuard`) against the same hard line.
+    ``stop_requested`` is polled while waiting: a caller's signal handler that records a stop
+    is heard even where the exception it raised was swallowed (Python ignores exceptions
+    raised inside a weakref callback, such as an import lock's) — :class:`StartStopped`.
     """
     wg, guard_env = (start_guard(cfg, footprint_bytes, cgroup_parent, cgroup_limit_bytes)
                      if guard else (None, {}))
@@ -216,7 +224,8 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
         status = wait_ready(proc, cfg, timeout_s, "the worker",
                             lambda: f"the worker exited with status {proc.returncode} before "
-                            "it was ready (see its log above)", (env or {}).get(SECRET_ENV))
+                            "it was ready (see its log above)", (env or {}).get(SECRET_ENV),
+                            stop_requested)
         bad = mismatches(cfg, status)
         if bad:
             raise LaunchError("the worker did not apply the derived limits: " + "; ".join(bad))
@@ -231,13 +240,16 @@ def start_worker(cfg: WorkerConfig, timeout_s: float = READY_TIMEOUT_S,
 
 
 def wait_ready(proc: subprocess.Popen, cfg: WorkerConfig, timeout_s: float, what: str,
-               exited: Callable[[], str], secret: str | None = None) -> dict:
+               exited: Callable[[], str], secret: str | None = None,
+               stop_requested: Callable[[], bool] = lambda: False) -> dict:
     """Poll the worker's status (with its ``secret``, if it was given one) until it says
     ready (bounded); LaunchError if the process exits first (``exited()`` says why) or the
-    time runs out. The caller stops it."""
+    time runs out, StartStopped once ``stop_requested()``. The caller stops it."""
     url = f"http://{cfg.host}:{cfg.port}/v1/plimsoll/status"
     deadline = time.monotonic() + timeout_s
     while True:
+        if stop_requested():
+            raise StartStopped
         if proc.poll() is not None:
             raise LaunchError(exited())
         try:

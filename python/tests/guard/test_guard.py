@@ -30,6 +30,7 @@ from plimsoll.launch.spawn import (
     MALLOC_MMAP_THRESHOLD,
     MALLOC_TRIM_THRESHOLD,
     SPAWN_HELD,
+    StartStopped,
     start_worker,
     stop_worker,
 )
@@ -324,6 +325,38 @@ def test_a_signal_inside_the_spawn_still_stops_the_worker(tiny_model, monkeypatc
     finally:
         signal.signal(signal.SIGTERM, previous)
         for pid in children:  # (a failure must not leave a worker behind)
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stop_whose_exception_python_swallowed_still_stops_the_start(tiny_model,
+                                                                       monkeypatch) -> None:
+    """CI caught it: ``plimsoll launch``'s handler raised inside an import lock's weakref
+    callback, Python printed "Exception ignored" and the start went on. The handler's record
+    of the stop is polled: the start ends (:class:`StartStopped`) with its worker stopped,
+    not after the worker is ready. (The handler here only records: what is left of one whose
+    exception was swallowed.)"""
+    real = subprocess.Popen
+    children: list[int] = []
+    asked: list[int] = []
+
+    def popen_then_signal(*a, **k):
+        child = real(*a, **k)
+        children.append(child.pid)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        return child
+
+    monkeypatch.setattr("plimsoll.launch.spawn.subprocess.Popen", popen_then_signal)
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: asked.append(signum))
+    try:
+        with pytest.raises(StartStopped):
+            start_worker(_cfg(tiny_model), guard=False, env=ENV,
+                         stop_requested=lambda: bool(asked))
+        assert asked == [signal.SIGTERM]
+        assert children and not psutil.pid_exists(children[0])  # stopped and reaped
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for pid in children:
             if psutil.pid_exists(pid):
                 os.kill(pid, signal.SIGKILL)
 
