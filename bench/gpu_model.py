@@ -189,12 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer-vocab", type=int, default=32768)
+    p.add_argument("--tokenizer-vocab", type=int, default=None,
+                   help="tokens the tokenizer learns (default 32768, at most the shape's vocab)")
     p.add_argument("--mtp", action="store_true",
                    help="GLM-4's layout (glm4_moe, dense) with one random MTP layer")
     args = p.parse_args(argv)
-    build(args.out.expanduser().resolve(), args.shape, args.dtype, args.seed,
-          args.tokenizer_vocab, args.mtp)
+    tok_vocab = args.tokenizer_vocab or min(32768, SHAPES[args.shape]["vocab_size"])
+    build(args.out.expanduser().resolve(), args.shape, args.dtype, args.seed, tok_vocab,
+          args.mtp)
     return 0
 
 

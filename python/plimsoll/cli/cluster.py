@@ -242,11 +242,13 @@ def serve_command(model, rank_figures, host, port, model_name, default_max_token
         max_queue=max_queue, max_wait_s=max_wait), guard=guard)
     stop = threading.Event()
     starting = True
+    asked: list[str] = []
 
     def on_signal(signum, _frame) -> None:
+        asked.append(signal.Signals(signum).name)
         stop.set()
         if starting:
-            raise _Interrupted(signal.Signals(signum).name)
+            raise _Interrupted(asked[0])
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -254,6 +256,8 @@ def serve_command(model, rank_figures, host, port, model_name, default_max_token
             decision = cluster.start(timeout=timeout)
         finally:
             starting = False
+        if asked:  # asked while starting, the handler's exception swallowed by Python
+            raise _Interrupted(asked[0])  # (inside a weakref callback, e.g. an import lock's)
         layers = ", ".join(f"rank {r}: layers {e['layers'][0]}..{e['layers'][1] - 1}"
                            for r, e in sorted(cluster.ready.items()))
         url = cluster.serving["url"]

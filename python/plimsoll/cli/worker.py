@@ -211,8 +211,13 @@ def launch_command(model, policy_file, mode, concurrency, context, max_tokens, c
         resolve_model,
     )
     from plimsoll.launch.model_source import ModelNotFound
-    from plimsoll.launch.spawn import (LaunchError, StartStopped, start_worker, stop_worker,
-                                       worker_config)
+    from plimsoll.launch.spawn import (
+        LaunchError,
+        StartStopped,
+        start_worker,
+        stop_worker,
+        worker_config,
+    )
     from plimsoll.probes import read_snapshot
     from plimsoll.web.serve import free_port
 
