@@ -44,6 +44,8 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+
 from lib import report, servers, step_split
 from lib.engine import BLOCK, decode_rate, mlx_batch, mlx_single
 from lib.samplers import engine_pid, sched_ns, start_spy, stop_spy, tree_cpu
@@ -288,6 +290,36 @@ def http_round(base_url: str, model: str, prompts: list[str], tokens: int,
     return r | {"decode_tps": r.get("aggregate_tps_after_first_token")}
 
 
+def host_clock(base_url: str) -> dict | None:
+    """A plimsoll worker's ``host`` figures (the engine thread's steady-decode clock), or None
+    (another server, or an older worker)."""
+    try:
+        return httpx.get(base_url + "/v1/plimsoll/status", timeout=10).json().get("host")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+
+
+def served_split(before: dict | None, after: dict | None) -> dict:
+    """Per decode-only pass between two readings of :func:`host_clock`: ms of wall and of the
+    engine thread's CPU building the step, waiting for the step before, in the scheduler's
+    own Python (the pass less those two) and sending the pass's events."""
+    if not before or not after or after["steps"] <= before["steps"]:
+        return {}
+    n = after["steps"] - before["steps"]
+    d = {k: (after[k] - before[k]) / n for k in after if k != "steps"}
+    out = {"served_steps": n}
+    for unit in ("ms", "cpu_ms"):
+        out |= {f"served_{p}_{unit}": d.get(f"{p}_{unit}")
+                for p in ("build", "wait", "probe", "publish", "flush")}
+        out[f"served_scheduler_{unit}"] = (d[f"iterate_{unit}"] - d[f"build_{unit}"]
+                                           - d[f"wait_{unit}"])
+    return out
+
+
+SERVED_PARTS = ("build", "wait", "scheduler", "probe", "publish", "flush")
+SERVED_SPLIT = tuple(f"served_{p}_{u}" for p in SERVED_PARTS for u in ("ms", "cpu_ms"))
+
+
 def run_server(label: str, template: str, args, prompts: dict[int, list[list[str]]]) -> dict:
     server = servers.start(label, template, args.model, preload=args.preload,
                            log_dir=args.log_dir)
@@ -309,9 +341,11 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
             for r in range(args.rounds):
                 c0, l0 = tree_cpu(server)
                 e0 = sched_ns(epid) if epid else None
+                h0 = host_clock(server.base_url) if label == "plimsoll" else None
                 runs.append(http_round(server.base_url, model, prompts[n][r], args.tokens,
                                        args.request_timeout))
                 c1, l1 = tree_cpu(server)
+                runs[-1] |= served_split(h0, h0 and host_clock(server.base_url))
                 runs[-1] |= {"cpu_ms_per_step": 1000 * (c1 - c0) / args.tokens,
                              "loop_cpu_ms_per_step": 1000 * (l1 - l0) / args.tokens}
                 if e0 is not None:  # the engine process's threads: on a core, and queued
@@ -336,7 +370,7 @@ def run_server(label: str, template: str, args, prompts: dict[int, list[list[str
 def summarise(runs: list[dict]) -> dict:
     keep = ("aggregate_tps", "decode_tps", "step_ms", "steady_step_ms", "ttft_max_s",
             "cpu_ms_per_step", "loop_cpu_ms_per_step", "engine_cpu_ms_per_step",
-            "engine_wait_ms_per_step")
+            "engine_wait_ms_per_step", *SERVED_SPLIT)
     out = report.medians(runs, *keep)
     return {k: out[k] for k in keep} | {
         "tokens_each_min": min((r.get("tokens_each_min") or 0) for r in runs),
@@ -423,6 +457,22 @@ def markdown(result: dict) -> str:
             [[n, f(at("engine", n).get("engine_wait_ms_per_step"), ".2f"),
               f(at("plimsoll", n).get("engine_cpu_ms_per_step"), ".2f"),
               f(at("plimsoll", n).get("engine_wait_ms_per_step"), ".2f")] for n in streams])
+    if any(at("plimsoll", n).get("served_build_ms") is not None for n in streams):
+        lines += ["", "Served: the engine thread per step of decode rows only (the worker's "
+                  "`host` status), wall ms (its CPU ms), beside the engine's build in "
+                  "process: build = `run_async`, wait = the step before's tokens, scheduler = "
+                  "the rest of the pass (of it: probe = the memory lines, publish = the "
+                  "status snapshot, each on its cadence), flush = the pass's events sent", ""]
+        lines += report.table(
+            ["streams", "in process: build", "served: build", "wait", "scheduler", "probe",
+             "publish", "flush", "served − in-process build"],
+            [[n, f"{f(eb := at('engine', n).get('split', {}).get('build_ms'), '.2f')} "
+                 f"({f(at('engine', n).get('split', {}).get('build_cpu_ms'), '.2f')})",
+              *(f"{f(at('plimsoll', n).get(f'served_{p}_ms'), '.2f')} "
+                f"({f(at('plimsoll', n).get(f'served_{p}_cpu_ms'), '.2f')})"
+                for p in SERVED_PARTS),
+              f((at("plimsoll", n).get("served_build_ms") or 0) - eb if eb else None, ".2f")]
+             for n in streams])
     if ps := result.get("prefill_shapes"):
         lines += ["", (f"Prefill in process, {ps['prompts']} prompts in two chunks each: all "
                        f"{ps['same_length']} tokens {ps['same_median_ms']:.1f} ms a prompt; each "

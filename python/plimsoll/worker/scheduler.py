@@ -64,7 +64,7 @@ from plimsoll.worker.trace import StepTrace
 from . import prefix, speculate
 from . import speculate_steps as spec
 from .events import Finished, GenRequest, Refused, SchedulerLimits, Started, Token
-from .stats import PUBLISH_INTERVAL_S, status_figures
+from .stats import PUBLISH_INTERVAL_S, HostClock, status_figures
 from .trip import MemoryLine, shed
 from .waiting import Run, admit_waiting, end_reason, expire, hashes, intake, why_waiting
 
@@ -112,6 +112,8 @@ class Scheduler:
         self.drafter: speculate.Drafter | None = None  # speculation (worker/speculate) or None: off
         self.warmer: Any = None  # attention plans built while idle (engine.warmup.PlanWarmer)
         self.trace = StepTrace.from_env()  # PLIMSOLL_STEP_TRACE: memory per step (diagnosis)
+        self.host = HostClock()  # this thread's time in steady decode, by part (the status)
+        self._decode_pass = False  # this pass submitted a step of decode rows only
 
     @property
     def tripped(self) -> str:
@@ -173,6 +175,8 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self._decode_pass = False
+            self.host.begin_pass()
             try:
                 self.iterate()
             except Exception:  # a bug must not leave clients hanging: fail everything loudly
@@ -189,7 +193,10 @@ class Scheduler:
                     continue  # one attention plan built ahead; the inbox is looked at first
             if idle:  # fresh figures for whoever reads them while nothing runs
                 self._publish()
+            since = self.host.now()
             self._flush()
+            self.host.part("flush", since)
+            self.host.end_pass(self._decode_pass)
             with self._wake:
                 if (not self._inbox and not self._running and self._pending is None
                         and not self._stop.is_set()):
@@ -204,9 +211,10 @@ class Scheduler:
 
     def iterate(self) -> None:
         """One step of the loop (public for pure tests that drive it with a fake engine)."""
-        began = time.perf_counter()
+        began = self.host.now()
         if self.line.due(bool(self._running)):  # before intake: a trip is judged on memory
             self._check_trip()  # now, not refused on a reading from before memory came back
+            self.host.part("probe", began)
         self._take_inbox()
         self._end_cancelled()
         spec.begin_step(self.drafter)  # the retry clock
@@ -227,16 +235,20 @@ class Scheduler:
                     and not spec.planned_ahead(self.drafter, step)):  # planned on them
                 previous, self._pending = self._pending, None
                 self._read(*previous)
+            since = self.host.now()
             submitted = (self.engine.run_async(step), self._steps)
+            self.host.part("build", since)
+            self._decode_pass = not step.prefills
             prefix.after_submit(self.pool, self.engine, self._running, step, self.counters)
         self._expire_waiting()  # after one admission attempt, so --max-wait 0 means "no wait"
         previous, self._pending = self._pending, submitted
         if previous is not None:
             self._read(*previous)
         if submitted is not None:
-            spec.timed(self.drafter, step, time.perf_counter() - began)
+            spec.timed(self.drafter, step, time.perf_counter() - began[0])
         self._free_stale_states()
         self._maybe_publish()
+        self.host.part("iterate", began)
 
     def _take_inbox(self) -> None:
         with self._wake:
@@ -323,7 +335,10 @@ class Scheduler:
     def _read(self, pending: Any, step: int) -> None:
         """The tokens of step ``step``: emit them, end finished sequences. A token of a
         sequence that ended meanwhile is dropped."""
-        for seq_id, out in pending.result().items():
+        since = self.host.now()
+        got = pending.result()
+        self.host.part("wait", since)
+        for seq_id, out in got.items():
             run = self._running.get(seq_id)
             if run is None:
                 continue
@@ -412,7 +427,9 @@ class Scheduler:
     def _maybe_publish(self) -> None:
         """Publish if something a reader acts on changed, or the snapshot is stale."""
         if self._dirty or time.monotonic() - self._published_at >= PUBLISH_INTERVAL_S:
+            since = self.host.now()
             self._publish()
+            self.host.part("publish", since)
 
     def _publish(self) -> None:
         """A consistent snapshot for /v1/plimsoll/status (read from other threads)."""
@@ -424,4 +441,4 @@ class Scheduler:
             self.pool, self.engine, self._running.values(),
             len(self._waiting) + len(self._inbox), self.limits, self.counters, self._steps,
             self.tripped, self.disk, allocated, self.kv_bytes_peak,
-            None if self.warmer is None else self.warmer.figures())
+            None if self.warmer is None else self.warmer.figures(), self.host.figures())

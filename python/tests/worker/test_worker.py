@@ -79,6 +79,26 @@ def test_status_reports_the_kernel_self_check(worker):
     assert st["one_forward"] == {"regrouped": ["mlx_lm.models.qwen3.Attention"], "reason": ""}
 
 
+def test_status_splits_the_engine_threads_steady_decode_time(worker):
+    """``host``: the engine thread's time over passes that submit decode rows only, by part;
+    a pass's whole includes its build and its wait, and a prefill pass is not counted."""
+    before = worker.status()["host"]
+    r = httpx.post(worker.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "count the ways"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 24
+    deadline = time.monotonic() + 10
+    while (after := worker.status()["host"])["steps"] == before["steps"]:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.05)
+    # 24 tokens: the first from the prefill's pass, at most 23 decode-only passes
+    assert 10 <= after["steps"] - before["steps"] <= 23
+    d = {k: after[k] - before[k] for k in after}
+    assert d["build_ms"] > 0 and d["build_cpu_ms"] > 0 and d["flush_ms"] >= 0
+    assert d["iterate_ms"] >= d["build_ms"] + d["wait_ms"] - 0.01
+
+
 def test_unknown_model_and_bad_input(worker):
     c = client(worker)
     with pytest.raises(openai.NotFoundError):
