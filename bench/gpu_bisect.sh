@@ -30,7 +30,18 @@ one() {  # name, refuse-list ('' for none)
   PYTHONPATH=../python timeout -k 5 "$EACH_S" $PY conformance_margin.py "${args[@]}" \
     > "$OUT/logs/bisect-$name.log" 2>&1
   local rc=$?
-  echo "$name (refused: ${refuse:-none}) rc $rc: $(grep -c '"defect": true' "$OUT/bisect-$name.json" 2>/dev/null || echo ?) defects" >> "$summary"
+  echo "$name (refused: ${refuse:-none}) rc $rc: $($PY - "$OUT/bisect-$name.json" <<'PYEOF'
+import json, sys
+try:
+    fams = [f for f in json.load(open(sys.argv[1]))["families"] if f.get("served")]
+except (OSError, ValueError, KeyError) as err:
+    print(f"no result ({type(err).__name__})")
+else:
+    print("defects: " + (", ".join(f["family"] for f in fams if f["defect"]) or "none")
+          + "; kernels used: " + "; ".join(f"{f['family']} {','.join(f['kernels']) or '-'}"
+                                           for f in fams))
+PYEOF
+)" >> "$summary"
 }
 one all ""
 IFS=, read -ra ks <<< "$KERNELS"
