@@ -170,10 +170,6 @@ class _Terminated(BaseException):
     """SIGTERM: leave the read loop and stop as at the end of input."""
 
 
-def _on_sigterm(*_: Any) -> None:
-    raise _Terminated
-
-
 def serve(fd: int, api_pid: int) -> int:
     """The engine process's life (see the module docstring); returns its exit status."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -199,7 +195,11 @@ def serve(fd: int, api_pid: int) -> int:
     pickled, why = tokenizer.to_api(sched.engine.tokenizer) if want_tokenizer else (None, "")
     if why:
         log.warning("the tokenizer could not be pickled (%s): the API process loads it", why)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    def on_sigterm(*_: Any) -> None:
+        channel.stop_reading()  # the loop ends at its next read even if the raise below is
+        raise _Terminated  # swallowed (Python ignores it inside a weakref callback, say)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         channel.send([ipc.READY, loaded_figures(cfg, sched, loaded["applied"]), pickled])
         Intake(channel, sched, outbox, live, live_figures_of(sched, guard)).run(messages)

@@ -39,6 +39,7 @@ answer).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -147,6 +148,12 @@ class BlockingChannel:
                 return
             decoder.feed(chunk)
             yield from decoder
+
+    def stop_reading(self) -> None:
+        """End :meth:`messages` as at the end of input (at its next read; a read blocked
+        now returns); sending still works. Safe from a signal handler."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RD)
 
     def close(self) -> None:
         self._sock.close()

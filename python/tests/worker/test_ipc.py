@@ -120,3 +120,28 @@ def test_the_decoder_cuts_a_stream_into_messages_wherever_it_is_split(messages, 
         at = cut
         got += list(decoder)
     assert got == [[ipc.EVENTS, m] for m in messages]
+
+
+def test_stop_reading_ends_a_blocked_read_and_sending_still_works():
+    """The engine process's SIGTERM: the read loop ends as at the end of input even where the
+    handler's exception is swallowed, and the last events still go out."""
+    import socket
+    import threading
+
+    ours, theirs = socket.socketpair()
+    channel = ipc.BlockingChannel(ours)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(channel.messages()), daemon=True)
+    reader.start()
+    theirs.sendall(ipc.pack([ipc.CANCEL, 7]))
+    reader.join(0.3)
+    assert reader.is_alive()  # blocked in its next read
+    channel.stop_reading()
+    reader.join(5)
+    assert not reader.is_alive() and got == [[ipc.CANCEL, 7]]
+    channel.send([ipc.EVENTS, []])
+    decoder = ipc.unpacker()
+    decoder.feed(theirs.recv(1 << 16))
+    assert list(decoder) == [[ipc.EVENTS, []]]
+    channel.close()
+    theirs.close()
