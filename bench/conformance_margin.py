@@ -15,7 +15,10 @@ pipelined, block ids shuffled), ``--new`` greedy tokens each, against mlx-lm's o
 position and the reference's margin there (its top log-prob minus its second).
 Each family's row names the custom kernels its engine passed and used (``kernels``);
 ``--refuse a,b`` makes the engine's start-time checks refuse those kernels, to bisect a
-difference seen only on a backend that has them (CUDA). Writes ``--out-dir``/``--name``
+difference seen only on a backend that has them (CUDA). ``--emulate-tf32`` (on the CPU) rounds
+float32 products of two or more rows to TF32 as MLX's CUDA backend does by default
+(``bench/lib/tf32.py``), so a CUDA-only difference can be told from that rounding; on a GPU
+run with ``MLX_ENABLE_TF32=0`` for the same. Writes ``--out-dir``/``--name``
 (JSON and markdown)::
 
     PYTHONPATH=python python bench/conformance_margin.py [--families a,b] [--refuse a,b]
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import tempfile
 import traceback
@@ -33,7 +37,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from lib import report
+from lib import report, tf32
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
 from families import FAMILIES, build_family, has_module
@@ -132,7 +136,11 @@ def markdown(result: dict) -> str:
     fams = result["families"]
     served = [f for f in fams if f.get("served")]
     lines = [*report.heading("Family conformance, margin-aware", result),
-             f"Backend: {result['backend']}. {len(served)} families served, "
+             f"Backend: {result['backend']}"
+             + (f" (TF32 products emulated: {result['tf32_emulated']})"
+                if result.get("tf32_emulated") else
+                f" (MLX_ENABLE_TF32={result['tf32']})" if result.get("tf32") else "")
+             + f". {len(served)} families served, "
              f"{sum(all(r['equal'] for r in f['rows']) for f in served)} with every sequence "
              f"equal to mlx-lm's; defects (a first difference where mlx-lm's top-2 margin > "
              f"{result['args']['defect_margin']}): "
@@ -168,11 +176,17 @@ def main() -> int:
     ap.add_argument("--defect-margin", type=float, default=0.01)
     ap.add_argument("--refuse", type=lambda s: set(s.split(",")), default=set(),
                     help="kernel names the engine's checks refuse (as the status names them)")
+    ap.add_argument("--emulate-tf32", action="store_true",
+                    help="round float32 products of 2+ rows to TF32 as MLX's CUDA backend does")
     report.output_args(ap, "conformance-margin")
     args = ap.parse_args()
     refuse(args.refuse)
-    return report.measure_and_write(args, "conformance-margin", run, markdown, key="families",
-                                    more=lambda _: {"backend": backend.name()})
+    if args.emulate_tf32:
+        tf32.install()
+    return report.measure_and_write(
+        args, "conformance-margin", run, markdown, key="families",
+        more=lambda _: {"backend": backend.name(), "tf32": os.environ.get("MLX_ENABLE_TF32"),
+                        **({"tf32_emulated": dict(tf32.COUNTS)} if args.emulate_tf32 else {})})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU lease: which custom kernel makes a family's batched greedy tokens differ from
 # mlx-lm's where the reference's margin is not a near tie (bench/conformance_margin.py)?
-# Runs the families once with every kernel that passes its start-time check, then once with
-# each kernel refused in turn (--refuse), then with all of them refused; the verdicts land in
+# Runs the families once with every kernel that passes its start-time check, once more with
+# MLX's TF32 products off (MLX_ENABLE_TF32=0: on the CPU, bench/lib/tf32.py's emulation
+# reproduced qwen3_5's difference exactly), then once with each kernel refused in turn
+# (--refuse), then with all of them refused; the verdicts land in
 # $OUT/bisect-*.{json,md} and a summary line each in $OUT/bisect.txt. A kernel whose refusal
 # alone makes the family equal is the one to read.
 #
@@ -20,14 +22,14 @@ mkdir -p "$OUT/logs"
 start=$(date +%s)
 summary="$OUT/bisect.txt"
 : > "$summary"
-one() {  # name, refuse-list ('' for none)
-  local name=$1 refuse=$2
+one() {  # name, refuse-list ('' for none)[, environment assignment]
+  local name=$1 refuse=$2 envs=${3:-MLX_ENABLE_TF32=1}
   if [ $(( $(date +%s) - start + EACH_S )) -gt "$BUDGET" ]; then
     echo "$name: skipped (budget)" >> "$summary"; return
   fi
   local args=(--families "$FAMILIES" --out-dir "$OUT" --name "bisect-$name")
   [ -n "$refuse" ] && args+=(--refuse "$refuse")
-  PYTHONPATH=../python timeout -k 5 "$EACH_S" $PY conformance_margin.py "${args[@]}" \
+  env "$envs" PYTHONPATH=../python timeout -k 5 "$EACH_S" $PY conformance_margin.py "${args[@]}" \
     > "$OUT/logs/bisect-$name.log" 2>&1
   local rc=$?
   echo "$name (refused: ${refuse:-none}) rc $rc: $($PY - "$OUT/bisect-$name.json" <<'PYEOF'
@@ -44,6 +46,7 @@ PYEOF
 )" >> "$summary"
 }
 one all ""
+one no-tf32 "" MLX_ENABLE_TF32=0
 IFS=, read -ra ks <<< "$KERNELS"
 for k in "${ks[@]}"; do one "no-$k" "$k"; done
 one none "$KERNELS"
