@@ -18,8 +18,9 @@ Each family's row names the custom kernels its engine passed and used (``kernels
 difference seen only on a backend that has them (CUDA). ``--emulate-tf32`` (on the CPU) rounds
 float32 products of two or more rows to TF32 as MLX's CUDA backend does by default
 (``bench/lib/tf32.py``), so a CUDA-only difference can be told from that rounding; on a GPU
-run with ``MLX_ENABLE_TF32=0`` for the same. Writes ``--out-dir``/``--name``
-(JSON and markdown)::
+run with ``MLX_ENABLE_TF32=0`` for the same; ``--gather-unsorted`` drops ``mx.gather_mm``'s
+sorted-indices hint (a mixture of experts then takes MLX's unsorted kernels). Writes
+``--out-dir``/``--name`` (JSON and markdown)::
 
     PYTHONPATH=python python bench/conformance_margin.py [--families a,b] [--refuse a,b]
 """
@@ -176,6 +177,9 @@ def main() -> int:
     ap.add_argument("--defect-margin", type=float, default=0.01)
     ap.add_argument("--refuse", type=lambda s: set(s.split(",")), default=set(),
                     help="kernel names the engine's checks refuse (as the status names them)")
+    ap.add_argument("--gather-unsorted", action="store_true",
+                    help="drop mx.gather_mm's sorted_indices hint (MoE layers then take the "
+                         "unsorted kernels): to bisect a difference in mixture-of-experts models")
     ap.add_argument("--emulate-tf32", action="store_true",
                     help="round float32 products of 2+ rows to TF32 as MLX's CUDA backend does")
     report.output_args(ap, "conformance-margin")
@@ -183,6 +187,9 @@ def main() -> int:
     refuse(args.refuse)
     if args.emulate_tf32:
         tf32.install()
+    if args.gather_unsorted:
+        gather = mx.gather_mm
+        mx.gather_mm = lambda *a, **k: gather(*a, **{**k, "sorted_indices": False})
     return report.measure_and_write(
         args, "conformance-margin", run, markdown, key="families",
         more=lambda _: {"backend": backend.name(), "tf32": os.environ.get("MLX_ENABLE_TF32"),
