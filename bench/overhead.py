@@ -75,7 +75,9 @@ def engine_rounds(args, mode: str = "engine") -> dict:
 
     need = max(args.streams) * (-(-(args.prompt_words * 3 + args.tokens + 64) // BLOCK))
     eng = Engine.load(args.model, block_tokens=BLOCK, max_blocks=need)
-    out: dict = {"device": str(mx.default_device())}
+    eng.transient_budget = args.transient_bytes  # as the worker has it: a decode step that
+    out: dict = {"device": str(mx.default_device()),  # fits runs unpaced (None: paced)
+                 "transient_bytes": args.transient_bytes}
     prompts = {n: chat_ids(eng.tokenizer, 0, n, args.prompt_words) for n in args.streams}
     decode_rate(eng, prompts[args.streams[0]][:1], args.tokens)  # warm-up
     out["kernels"] = step_split.kernel_verdicts(eng)
@@ -506,6 +508,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mlx-cmd", default=servers.MLX_LM_SERVER)
     ap.add_argument("--preload", default=servers.OPENBLAS)
     report.output_args(ap, "overhead")
+    ap.add_argument("--transient-bytes", type=int, default=None,
+                    help="the in-process engine's transient budget, as a worker's status "
+                         "reports it (transient_bytes): a decode step that fits runs unpaced "
+                         "there as in the worker; default none (heavy steps paced)")
     ap.add_argument("--py-spy", type=Path, default=None, help="record the worker into this dir")
     ap.add_argument("--log-dir", type=Path, default=report.OUT,
                     help="server logs (default bench/out, ignored by git)")
