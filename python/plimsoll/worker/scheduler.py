@@ -193,9 +193,7 @@ class Scheduler:
                     continue  # one attention plan built ahead; the inbox is looked at first
             if idle:  # fresh figures for whoever reads them while nothing runs
                 self._publish()
-            since = self.host.now()
-            self._flush()
-            self.host.part("flush", since)
+            self.host.timed("flush", self._flush)
             self.host.end_pass(self._decode_pass)
             with self._wake:
                 if (not self._inbox and not self._running and self._pending is None
@@ -235,9 +233,7 @@ class Scheduler:
                     and not spec.planned_ahead(self.drafter, step)):  # planned on them
                 previous, self._pending = self._pending, None
                 self._read(*previous)
-            since = self.host.now()
-            submitted = (self.engine.run_async(step), self._steps)
-            self.host.part("build", since)
+            submitted = (self.host.timed("build", self.engine.run_async, step), self._steps)
             self._decode_pass = not step.prefills
             prefix.after_submit(self.pool, self.engine, self._running, step, self.counters)
         self._expire_waiting()  # after one admission attempt, so --max-wait 0 means "no wait"
@@ -335,10 +331,7 @@ class Scheduler:
     def _read(self, pending: Any, step: int) -> None:
         """The tokens of step ``step``: emit them, end finished sequences. A token of a
         sequence that ended meanwhile is dropped."""
-        since = self.host.now()
-        got = pending.result()
-        self.host.part("wait", since)
-        for seq_id, out in got.items():
+        for seq_id, out in self.host.timed("wait", pending.result).items():
             run = self._running.get(seq_id)
             if run is None:
                 continue
@@ -427,9 +420,7 @@ class Scheduler:
     def _maybe_publish(self) -> None:
         """Publish if something a reader acts on changed, or the snapshot is stale."""
         if self._dirty or time.monotonic() - self._published_at >= PUBLISH_INTERVAL_S:
-            since = self.host.now()
-            self._publish()
-            self.host.part("publish", since)
+            self.host.timed("publish", self._publish)
 
     def _publish(self) -> None:
         """A consistent snapshot for /v1/plimsoll/status (read from other threads)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .events import SchedulerLimits
@@ -94,6 +94,14 @@ class HostClock:
         wall, cpu = self.now()
         w, c = self.pass_parts.get(name, (0.0, 0.0))
         self.pass_parts[name] = (w + wall - since[0], c + cpu - since[1])
+
+    def timed(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, noted as ``name`` of this pass."""
+        since = self.now()
+        try:
+            return fn(*args)
+        finally:
+            self.part(name, since)
 
     def end_pass(self, decode_only: bool) -> None:
         """Count this pass's parts if it submitted a step of decode rows only."""
