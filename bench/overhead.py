@@ -29,8 +29,12 @@ of every thread of the server's process tree over a round, of this process over 
 decode loop: far steadier than wall time on a shared box; for plimsoll also its main thread's,
 uvicorn's event loop); overhead ms per step = server − its in-process anchor.
 
-``--py-spy DIR`` records the plimsoll worker with py-spy (if installed) during its widest
-phase and puts a per-thread summary in the JSON. Writes ``--out-dir``/``--name``.{json,md}.
+For plimsoll the worker's own ``host`` status splits each served decode step (building it,
+waiting for the step before, the scheduler's own Python, the pass's message), printed beside
+the in-process build; ``--transient-bytes`` gives the in-process engine the worker's
+transient budget, so both run a decode step unpaced. ``--py-spy DIR`` records the plimsoll
+worker with py-spy (if installed) during its widest phase and puts a per-thread summary in
+the JSON. Writes ``--out-dir``/``--name``.{json,md}.
 """
 
 from __future__ import annotations
@@ -75,9 +79,9 @@ def engine_rounds(args, mode: str = "engine") -> dict:
 
     need = max(args.streams) * (-(-(args.prompt_words * 3 + args.tokens + 64) // BLOCK))
     eng = Engine.load(args.model, block_tokens=BLOCK, max_blocks=need)
-    eng.transient_budget = args.transient_bytes  # as the worker has it: a decode step that
-    out: dict = {"device": str(mx.default_device()),  # fits runs unpaced (None: paced)
-                 "transient_bytes": args.transient_bytes}
+    # the worker's transient budget, if given: a decode step that fits it runs unpaced there
+    eng.transient_budget = args.transient_bytes  # (None: a heavy step is paced)
+    out: dict = {"device": str(mx.default_device()), "transient_bytes": args.transient_bytes}
     prompts = {n: chat_ids(eng.tokenizer, 0, n, args.prompt_words) for n in args.streams}
     decode_rate(eng, prompts[args.streams[0]][:1], args.tokens)  # warm-up
     out["kernels"] = step_split.kernel_verdicts(eng)
@@ -304,7 +308,8 @@ def host_clock(base_url: str) -> dict | None:
 def served_split(before: dict | None, after: dict | None) -> dict:
     """Per decode-only pass between two readings of :func:`host_clock`: ms of wall and of the
     engine thread's CPU building the step, waiting for the step before, in the scheduler's
-    own Python (the pass less those two) and sending the pass's events."""
+    own Python (the pass less those two; of it the memory probe and the status snapshot)
+    and sending the pass's events."""
     if not before or not after or after["steps"] <= before["steps"]:
         return {}
     n = after["steps"] - before["steps"]
