@@ -9,6 +9,7 @@ OOM-killed, and serve again once usage is back under the line.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import signal
 import subprocess
@@ -298,11 +299,11 @@ class _Stop(Exception):
     pass
 
 
-def test_a_signal_inside_the_spawn_still_stops_the_worker(tiny_model, monkeypatch) -> None:
-    """A signal whose handler raises (``plimsoll launch`` stops a start that way) arriving
-    between the worker's exec and ``Popen``'s return: the spawn holds it until ``proc`` is
-    set, so the start is stopped with its worker, and the worker itself runs with the
-    signals unblocked (it inherits the launcher's mask through exec)."""
+@contextlib.contextmanager
+def _sigterm_inside_popen(monkeypatch, handler):
+    """The spawn's ``Popen`` sends this thread SIGTERM once the child exists (``handler``
+    installed meanwhile); yields the children's pids, and kills any left at the end (a
+    failure must not leave a worker behind)."""
     real = subprocess.Popen
     children: list[int] = []
 
@@ -312,21 +313,30 @@ def test_a_signal_inside_the_spawn_still_stops_the_worker(tiny_model, monkeypatc
         signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # inside Popen, child exists
         return child
 
+    monkeypatch.setattr("plimsoll.launch.spawn.subprocess.Popen", popen_then_signal)
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield children
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for pid in children:
+            if psutil.pid_exists(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_signal_inside_the_spawn_still_stops_the_worker(tiny_model, monkeypatch) -> None:
+    """A signal whose handler raises (``plimsoll launch`` stops a start that way) arriving
+    between the worker's exec and ``Popen``'s return: the spawn holds it until ``proc`` is
+    set, so the start is stopped with its worker, and the worker itself runs with the
+    signals unblocked (it inherits the launcher's mask through exec)."""
     def raise_stop(_signum, _frame):
         raise _Stop
 
-    monkeypatch.setattr("plimsoll.launch.spawn.subprocess.Popen", popen_then_signal)
-    previous = signal.signal(signal.SIGTERM, raise_stop)
-    try:
+    with _sigterm_inside_popen(monkeypatch, raise_stop) as children:
         with pytest.raises(_Stop):
             start_worker(_cfg(tiny_model), guard=False, env=ENV)
         assert children and not psutil.pid_exists(children[0])  # stopped and reaped
         assert not signal.pthread_sigmask(signal.SIG_BLOCK, set()) & SPAWN_HELD
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        for pid in children:  # (a failure must not leave a worker behind)
-            if psutil.pid_exists(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_stop_whose_exception_python_swallowed_still_stops_the_start(tiny_model,
@@ -336,29 +346,13 @@ def test_a_stop_whose_exception_python_swallowed_still_stops_the_start(tiny_mode
     of the stop is polled: the start ends (:class:`StartStopped`) with its worker stopped,
     not after the worker is ready. (The handler here only records: what is left of one whose
     exception was swallowed.)"""
-    real = subprocess.Popen
-    children: list[int] = []
     asked: list[int] = []
-
-    def popen_then_signal(*a, **k):
-        child = real(*a, **k)
-        children.append(child.pid)
-        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
-        return child
-
-    monkeypatch.setattr("plimsoll.launch.spawn.subprocess.Popen", popen_then_signal)
-    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: asked.append(signum))
-    try:
+    with _sigterm_inside_popen(monkeypatch, lambda signum, _f: asked.append(signum)) as children:
         with pytest.raises(StartStopped):
             start_worker(_cfg(tiny_model), guard=False, env=ENV,
                          stop_requested=lambda: bool(asked))
         assert asked == [signal.SIGTERM]
         assert children and not psutil.pid_exists(children[0])  # stopped and reaped
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        for pid in children:
-            if psutil.pid_exists(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_worker_runs_with_the_spawns_held_signals_unblocked(tiny_model) -> None:
