@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes.util
 import os
+import resource
 import subprocess
 import sys
 
@@ -75,5 +76,7 @@ def test_a_steps_freed_transients_are_not_faulted_in_again_every_step() -> None:
 
     trimmed = faults({"MALLOC_TRIM_THRESHOLD_": str(128 << 10)})
     kept = faults({})
-    assert trimmed > 3000, trimmed  # ~24 MiB past the cache given back and faulted in again
+    # at least one 8 MiB transient (2,048 pages) a step given back and faulted in again;
+    # usually all three (6,112), once in CI, under load, one
+    assert trimmed >= (8 << 20) // resource.getpagesize(), trimmed
     assert kept < trimmed / 10, (kept, trimmed)
